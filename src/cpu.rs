@@ -1,0 +1,388 @@
+//! The CPU MaxSim engine: tiled GEMM (the `gemm` crate candle uses) with a
+//! running max/argmax per (query row, document), on all cores through rayon.
+//! The `[Nq, Nd, Lq, Ld]` similarity tensor is never materialized: a work item
+//! holds one `[≤128, ≤512]` score tile at a time.
+
+use crate::layout::{Pairing, Problem, Seqs};
+use rayon::prelude::*;
+
+/// Query rows per GEMM tile. Also the chunk in which long queries are
+/// processed: scores of successive 128-token chunks are summed (exact).
+pub(crate) const Q_TILE: usize = 128;
+/// Document rows per GEMM tile (and per work item, unless one document is longer).
+const D_TILE: usize = 512;
+
+/// Compute types of the CPU engine: F32 (for F16/BF16/F32 inputs) and F64.
+pub(crate) trait Float:
+    Copy + Send + Sync + PartialOrd + std::ops::AddAssign + std::ops::Mul<Output = Self> + 'static
+{
+    const ZERO: Self;
+    const NEG_INF: Self;
+    const ONE: Self;
+    fn to_f32(self) -> f32;
+    fn from_f32(v: f32) -> Self;
+}
+impl Float for f32 {
+    const ZERO: Self = 0.0;
+    const NEG_INF: Self = f32::NEG_INFINITY;
+    const ONE: Self = 1.0;
+    fn to_f32(self) -> f32 {
+        self
+    }
+    fn from_f32(v: f32) -> Self {
+        v
+    }
+}
+impl Float for f64 {
+    const ZERO: Self = 0.0;
+    const NEG_INF: Self = f64::NEG_INFINITY;
+    const ONE: Self = 1.0;
+    fn to_f32(self) -> f32 {
+        self as f32
+    }
+    fn from_f32(v: f32) -> Self {
+        v as f64
+    }
+}
+
+/// Host view of a problem: offsets, flags and pairs as slices.
+pub(crate) struct HostProblem<'a> {
+    pub dim: usize,
+    pub q: &'a Seqs,
+    pub d: &'a Seqs,
+    pub q_valid: Option<&'a [u8]>,
+    pub d_valid: Option<&'a [u8]>,
+    pub pairs: &'a Pairing,
+}
+
+impl<'a> HostProblem<'a> {
+    pub fn new(p: &'a Problem, q_valid: Option<&'a [u8]>, d_valid: Option<&'a [u8]>) -> Self {
+        Self {
+            dim: p.dim,
+            q: &p.q,
+            d: &p.d,
+            q_valid,
+            d_valid,
+            pairs: &p.pairs,
+        }
+    }
+    #[inline]
+    fn q_ok(&self, row: usize) -> bool {
+        self.q_valid.is_none_or(|v| v[row] != 0)
+    }
+    #[inline]
+    fn d_ok(&self, row: usize) -> bool {
+        self.d_valid.is_none_or(|v| v[row] != 0)
+    }
+}
+
+/// One unit of parallel work: queries `q0..q1` against documents `j0..j1`
+/// (consecutive, so both are contiguous row ranges). The item owns the output
+/// scores of its pairs, so items never write the same element.
+#[derive(Clone, Copy, Debug)]
+struct Item {
+    q0: usize,
+    q1: usize,
+    j0: usize,
+    j1: usize,
+    /// Pair index of (q0, j0); pair (i, j) is `base + (i - q0) * stride + (j - j0)`.
+    base: usize,
+    stride: usize,
+}
+
+fn items(p: &HostProblem) -> Vec<Item> {
+    let mut out = Vec::new();
+    match p.pairs {
+        Pairing::Cross { nq, nd } => {
+            let qg = groups(p.q, *nq, Q_TILE);
+            let dg = groups(p.d, *nd, D_TILE);
+            for &(q0, q1) in &qg {
+                for &(j0, j1) in &dg {
+                    out.push(Item {
+                        q0,
+                        q1,
+                        j0,
+                        j1,
+                        base: q0 * nd + j0,
+                        stride: *nd,
+                    });
+                }
+            }
+        }
+        Pairing::List { pq, pd, .. } => {
+            // Runs of pairs with one query and consecutive documents share a GEMM
+            // (the KD layout is one run per query).
+            let mut p0 = 0;
+            while p0 < pq.len() {
+                let (i, j0) = (pq[p0] as usize, pd[p0] as usize);
+                let mut rows = p.d.end(j0) - p.d.start(j0);
+                let mut p1 = p0 + 1;
+                while p1 < pq.len() && pq[p1] as usize == i && pd[p1] as usize == j0 + (p1 - p0) {
+                    let j = pd[p1] as usize;
+                    let r = p.d.end(j) - p.d.start(j);
+                    if rows + r > D_TILE {
+                        break;
+                    }
+                    rows += r;
+                    p1 += 1;
+                }
+                out.push(Item {
+                    q0: i,
+                    q1: i + 1,
+                    j0,
+                    j1: j0 + (p1 - p0),
+                    base: p0,
+                    stride: 0,
+                });
+                p0 = p1;
+            }
+        }
+    }
+    out
+}
+
+/// Consecutive sequences grouped while their rows fit in `cap` (a longer
+/// sequence is a group of its own and is tiled inside the item).
+fn groups(s: &Seqs, n: usize, cap: usize) -> Vec<(usize, usize)> {
+    let mut out = Vec::new();
+    let mut a = 0;
+    while a < n {
+        let mut b = a + 1;
+        while b < n && s.end(b) - s.start(a) <= cap {
+            b += 1;
+        }
+        out.push((a, b));
+        a = b;
+    }
+    out
+}
+
+/// Raw output pointer shared by items that write disjoint elements.
+#[derive(Clone, Copy)]
+struct SharedMut<T>(*mut T);
+unsafe impl<T> Send for SharedMut<T> {}
+unsafe impl<T> Sync for SharedMut<T> {}
+impl<T> SharedMut<T> {
+    /// Through a method, so closures capture the Send/Sync wrapper, not the raw field.
+    fn ptr(&self) -> *mut T {
+        self.0
+    }
+}
+
+/// `out[m×n] = a[m×k] · b[n×k]ᵀ`, both row-major with row stride k.
+fn gemm_abt<T: Float>(m: usize, n: usize, k: usize, a: &[T], b: &[T], out: &mut [T]) {
+    debug_assert!(a.len() >= m * k && b.len() >= n * k && out.len() >= m * n);
+    if m == 0 || n == 0 {
+        return;
+    }
+    // SAFETY: the asserted lengths cover every element addressed by these strides.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            out.as_mut_ptr(),
+            1,
+            n as isize,
+            false,
+            a.as_ptr(),
+            1,
+            k as isize,
+            b.as_ptr(),
+            k as isize,
+            1,
+            T::ZERO,
+            T::ONE,
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        )
+    }
+}
+
+/// Scores (and, if `argmax` is requested, the winning document-local token
+/// per (pair, query position); -1 where the query token is masked or the
+/// document is empty). Layout of the argmax: `[n_pairs, q.max_len()]`.
+pub(crate) fn forward<T: Float>(p: &HostProblem, q: &[T], d: &[T], want_argmax: bool) -> (Vec<f32>, Option<Vec<i32>>) {
+    let n_out = p.pairs.len();
+    let mlq = p.q.max_len();
+    let mut scores = vec![0f32; n_out];
+    let mut argmax = want_argmax.then(|| vec![-1i32; n_out * mlq]);
+    let out = SharedMut(scores.as_mut_ptr());
+    let am = SharedMut(argmax.as_mut().map_or(std::ptr::null_mut(), |a| a.as_mut_ptr()));
+    let work = items(p);
+    work.par_iter().for_each_init(Vec::new, |buf, it| {
+        // SAFETY: items own disjoint pair indices (see `Item`).
+        unsafe { run_item(p, q, d, it, buf, out, am, mlq) }
+    });
+    (scores, argmax)
+}
+
+#[allow(clippy::too_many_arguments)]
+unsafe fn run_item<T: Float>(
+    p: &HostProblem,
+    q: &[T],
+    d: &[T],
+    it: &Item,
+    buf: &mut Vec<T>,
+    out: SharedMut<f32>,
+    am: SharedMut<i32>,
+    mlq: usize,
+) {
+    let dim = p.dim;
+    let nb = it.j1 - it.j0;
+    let (dr0, dr1) = (p.d.start(it.j0), p.d.end(it.j1 - 1));
+    let (qr0, qr1) = (p.q.start(it.q0), p.q.end(it.q1 - 1));
+    let mut best = vec![(T::NEG_INF, -1i32); Q_TILE.min(qr1 - qr0) * nb];
+    let mut sums = vec![T::ZERO; (it.q1 - it.q0) * nb];
+    let mut r0 = qr0;
+    while r0 < qr1 {
+        let r1 = (r0 + Q_TILE).min(qr1);
+        let m = r1 - r0;
+        best[..m * nb].fill((T::NEG_INF, -1));
+        let mut c0 = dr0;
+        while c0 < dr1 {
+            let c1 = (c0 + D_TILE).min(dr1);
+            let n = c1 - c0;
+            buf.resize(m * n, T::ZERO);
+            gemm_abt(m, n, dim, &q[r0 * dim..r1 * dim], &d[c0 * dim..c1 * dim], buf);
+            for (jj, j) in (it.j0..it.j1).enumerate() {
+                let (ds, de) = (p.d.start(j), p.d.end(j));
+                let (t0, t1) = (ds.max(c0), de.min(c1));
+                if t0 >= t1 {
+                    continue;
+                }
+                for r in 0..m {
+                    let row = &buf[r * n..(r + 1) * n];
+                    let slot = &mut best[r * nb + jj];
+                    for t in t0..t1 {
+                        // Strictly greater: ties keep the lowest token index.
+                        if row[t - c0] > slot.0 && p.d_ok(t) {
+                            *slot = (row[t - c0], (t - ds) as i32);
+                        }
+                    }
+                }
+            }
+            c0 = c1;
+        }
+        // Fold this tile's maxima into the sums of the queries it covers.
+        for i in it.q0..it.q1 {
+            let (qs, qe) = (p.q.start(i).max(r0), p.q.end(i).min(r1));
+            for row in qs..qe {
+                if !p.q_ok(row) {
+                    continue;
+                }
+                let s = row - p.q.start(i);
+                for jj in 0..nb {
+                    let (v, t) = best[(row - r0) * nb + jj];
+                    if t >= 0 {
+                        sums[(i - it.q0) * nb + jj] += v;
+                        if !am.0.is_null() {
+                            let pair = it.base + (i - it.q0) * it.stride + jj;
+                            *am.0.add(pair * mlq + s) = t;
+                        }
+                    }
+                }
+            }
+        }
+        r0 = r1;
+    }
+    for i in it.q0..it.q1 {
+        for jj in 0..nb {
+            *out.0.add(it.base + (i - it.q0) * it.stride + jj) = sums[(i - it.q0) * nb + jj].to_f32();
+        }
+    }
+}
+
+/// Closed-form backward from the argmax: only the winning document token of
+/// each (pair, query token) gets gradient. Destination-owned and summed in
+/// ascending pair order, so it is deterministic (Unified and LowMem are the
+/// same computation on the CPU).
+pub(crate) fn backward<T: Float>(p: &HostProblem, q: &[T], d: &[T], argmax: &[i32], g: &[f32]) -> (Vec<T>, Vec<T>) {
+    let dim = p.dim;
+    let mlq = p.q.max_len();
+    let (by_q, by_d) = pairs_by_side(p);
+    let mut gq = vec![T::ZERO; q.len()];
+    let mut gd = vec![T::ZERO; d.len()];
+    let gq_ptr = SharedMut(gq.as_mut_ptr());
+    let gd_ptr = SharedMut(gd.as_mut_ptr());
+    // grad_Q[i, s] = Σ_j g[i,j] · D[j, argmax]: each query owns its rows.
+    (0..p.q.n()).into_par_iter().for_each(|i| {
+        let qs = p.q.start(i);
+        for &pair in by_q.of(i) {
+            let pair = pair as usize;
+            let (_, j) = p.pairs.get(pair);
+            let gv = T::from_f32(g[pair]);
+            for s in 0..p.q.end(i) - qs {
+                let t = argmax[pair * mlq + s];
+                if t < 0 {
+                    continue;
+                }
+                let src = &d[(p.d.start(j) + t as usize) * dim..][..dim];
+                // SAFETY: rows of query i belong to this task only.
+                let dst = unsafe { std::slice::from_raw_parts_mut(gq_ptr.ptr().add((qs + s) * dim), dim) };
+                for (o, &x) in dst.iter_mut().zip(src) {
+                    *o += gv * x;
+                }
+            }
+        }
+    });
+    // grad_D[j, t] = Σ over (i, s) that chose t of g[i,j] · Q[i, s]: each doc owns its rows.
+    (0..p.d.n()).into_par_iter().for_each(|j| {
+        let ds = p.d.start(j);
+        for &pair in by_d.of(j) {
+            let pair = pair as usize;
+            let (i, _) = p.pairs.get(pair);
+            let gv = T::from_f32(g[pair]);
+            let qs = p.q.start(i);
+            for s in 0..p.q.end(i) - qs {
+                let t = argmax[pair * mlq + s];
+                if t < 0 {
+                    continue;
+                }
+                let src = &q[(qs + s) * dim..][..dim];
+                // SAFETY: rows of document j belong to this task only.
+                let dst = unsafe { std::slice::from_raw_parts_mut(gd_ptr.ptr().add((ds + t as usize) * dim), dim) };
+                for (o, &x) in dst.iter_mut().zip(src) {
+                    *o += gv * x;
+                }
+            }
+        }
+    });
+    (gq, gd)
+}
+
+/// Pairs grouped by query and by document, each group in ascending pair order (CSR).
+struct Csr {
+    offsets: Vec<usize>,
+    items: Vec<u32>,
+}
+impl Csr {
+    fn build(n: usize, keys: impl Iterator<Item = usize> + Clone) -> Self {
+        let mut offsets = vec![0usize; n + 1];
+        for k in keys.clone() {
+            offsets[k + 1] += 1;
+        }
+        for i in 0..n {
+            offsets[i + 1] += offsets[i];
+        }
+        let mut fill = offsets.clone();
+        let mut items = vec![0u32; offsets[n]];
+        for (pair, k) in keys.enumerate() {
+            items[fill[k]] = pair as u32;
+            fill[k] += 1;
+        }
+        Self { offsets, items }
+    }
+    fn of(&self, k: usize) -> &[u32] {
+        &self.items[self.offsets[k]..self.offsets[k + 1]]
+    }
+}
+
+fn pairs_by_side(p: &HostProblem) -> (Csr, Csr) {
+    let n = p.pairs.len();
+    let by_q = Csr::build(p.q.n(), (0..n).map(|k| p.pairs.get(k).0));
+    let by_d = Csr::build(p.d.n(), (0..n).map(|k| p.pairs.get(k).1));
+    (by_q, by_d)
+}

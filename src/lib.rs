@@ -1,0 +1,66 @@
+//! # candle-maxsim
+//!
+//! Fused MaxSim (late-interaction) scoring for [candle](https://github.com/huggingface/candle):
+//!
+//! `score[i, j] = Σ_{s : q_mask[i,s]} max_{t : d_mask[j,t]} ⟨Q[i,s], D[j,t]⟩`
+//!
+//! as used by ColBERT, ColBERTv2/PLAID and ColPali. The naive way writes the
+//! whole `[Nq, Nd, Lq, Ld]` similarity tensor before reducing it; the ops here
+//! never do: the CPU op tiles a GEMM and keeps a running max/argmax per query
+//! row, and the CUDA op (feature `cuda`) does the same on tensor cores.
+//! Gradients flow through a closed-form backward from the saved argmax.
+//!
+//! Every entry point takes candle `Tensor`s on any device and returns
+//! `candle_core::Result`; invalid input is an `Err` naming the argument.
+//! [`reference`] holds the naive, materializing implementations used as the
+//! ground truth in tests.
+//!
+//! ```
+//! use candle_core::{Device, Tensor};
+//! let dev = Device::Cpu;
+//! let q = Tensor::randn(0f32, 1., (2, 32, 128), &dev)?;   // [Nq, Lq, dim]
+//! let d = Tensor::randn(0f32, 1., (5, 180, 128), &dev)?;  // [Nd, Ld, dim]
+//! let scores = candle_maxsim::maxsim(&q, &d, None, None)?; // [Nq, Nd] F32
+//! assert_eq!(scores.dims(), &[2, 5]);
+//! # Ok::<(), candle_core::Error>(())
+//! ```
+
+pub(crate) mod cpu;
+pub mod layers;
+pub(crate) mod layout;
+pub mod ops;
+pub mod reference;
+
+#[cfg(feature = "cuda")]
+pub(crate) mod cuda;
+
+pub use layers::{MaxSim, MaxSimPairwise, EMPTY_DOC_SCORE};
+pub use ops::dense::{maxsim, maxsim_pairs, maxsim_pairs_with, maxsim_with};
+pub use ops::hidden::maxsim_from_hidden;
+pub use ops::l2_normalize;
+pub use ops::residual::{
+    bucket_index, maxsim_residual, maxsim_residual_varlen, pack_bucket_indices, plaid_approx_score, unpack_bucket_indices,
+    BitOrder, ResidualCodec,
+};
+pub use ops::retrieve::retrieve;
+pub use ops::varlen::{maxsim_varlen, score_pairs_packed};
+
+/// How the backward computes `grad_D` (see the crate README for the trade-offs).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Backward {
+    /// LowMem for KD layouts and for Nq ≥ 256 ∧ Nd ≥ 256 ∧ Lq ≤ 64, Unified otherwise.
+    #[default]
+    Auto,
+    /// Fastest: one fused kernel, grad_D by f32 atomics (not bitwise reproducible on CUDA).
+    Unified,
+    /// Destination-owned grad_D: no atomics, no full-size f32 buffer, bitwise deterministic.
+    LowMem,
+}
+
+/// Options of [`maxsim_with`].
+#[derive(Clone, Copy, Debug, Default)]
+pub struct MaxSimOptions {
+    /// L2-normalize every token of Q and D inside the op (exact Jacobian in the backward).
+    pub normalize: bool,
+    pub backward: Backward,
+}

@@ -1,0 +1,162 @@
+//! The one custom op every dense and packed entry point lowers to:
+//! packed Q `[Tq, dim]` and D `[Td, dim]` in, one F32 score per pair out,
+//! with a closed-form backward from the argmax saved by the forward.
+
+use crate::cpu::{self, HostProblem};
+use crate::layout::Problem;
+use crate::Backward;
+use candle_core::{backend::BackendStorage, bail, CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
+use std::borrow::Cow;
+use std::sync::Mutex;
+
+pub(crate) struct MaxSimOp {
+    pub problem: Problem,
+    pub backward: Backward,
+    /// Whether the forward should keep the argmax for the backward.
+    pub save_argmax: bool,
+    /// `[n_pairs, max_lq]` I32 argmax kept by the forward (document-local
+    /// token index, -1 = no winner). Only filled when a gradient is needed.
+    pub saved: Mutex<Option<Tensor>>,
+}
+
+impl MaxSimOp {
+    pub fn new(problem: Problem, backward: Backward) -> Self {
+        Self {
+            problem,
+            backward,
+            save_argmax: false,
+            saved: Mutex::new(None),
+        }
+    }
+
+    /// Runs the op on packed `q` / `d`, with autograd when either tracks a gradient.
+    pub fn apply(self, q: &Tensor, d: &Tensor) -> Result<Tensor> {
+        let q = q.contiguous()?;
+        let d = d.contiguous()?;
+        if q.track_op() || d.track_op() {
+            q.apply_op2(&d, MaxSimOp { save_argmax: true, ..self })
+        } else {
+            q.apply_op2_no_bwd(&d, &self)
+        }
+    }
+
+    fn host_flags(t: &Option<Tensor>) -> Result<Option<Vec<u8>>> {
+        t.as_ref().map(|t| t.to_vec1::<u8>()).transpose()
+    }
+
+    /// Argmax for the backward: the saved one, or recomputed on the CPU.
+    fn argmax(&self, q: &Tensor, d: &Tensor) -> Result<Tensor> {
+        if let Some(a) = self.saved.lock().unwrap().clone() {
+            return Ok(a);
+        }
+        #[cfg(feature = "cuda")]
+        if q.device().is_cuda() {
+            return crate::cuda::maxsim_argmax(&self.problem, q, d);
+        }
+        let (_, am) = self.cpu_run(q, d, true)?;
+        Tensor::from_vec(am.unwrap(), (self.problem.n_out(), self.problem.q.max_len()), q.device())
+    }
+
+    fn cpu_run(&self, q: &Tensor, d: &Tensor, want_argmax: bool) -> Result<(Vec<f32>, Option<Vec<i32>>)> {
+        let qv = Self::host_flags(&self.problem.q_valid)?;
+        let dv = Self::host_flags(&self.problem.d_valid)?;
+        let hp = HostProblem::new(&self.problem, qv.as_deref(), dv.as_deref());
+        Ok(match q.dtype() {
+            DType::F64 => cpu::forward(&hp, &q.flatten_all()?.to_vec1::<f64>()?, &d.flatten_all()?.to_vec1::<f64>()?, want_argmax),
+            _ => cpu::forward(&hp, &to_f32_vec(q)?, &to_f32_vec(d)?, want_argmax),
+        })
+    }
+}
+
+fn to_f32_vec(t: &Tensor) -> Result<Vec<f32>> {
+    t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()
+}
+
+/// Contiguous F64 view of a CPU storage (F64 inputs compute in F64).
+fn cpu_f64<'a>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [f64]> {
+    match (s, l.contiguous_offsets()) {
+        (CpuStorage::F64(v), Some((a, b))) => Ok(&v[a..b]),
+        _ => bail!("maxsim: internal error, expected a contiguous F64 operand"),
+    }
+}
+
+/// Contiguous F32 copy of a CPU storage (F16/BF16/F32 compute in F32).
+fn cpu_f32<'a>(s: &'a CpuStorage, l: &Layout) -> Result<Cow<'a, [f32]>> {
+    let Some((a, b)) = l.contiguous_offsets() else {
+        bail!("maxsim: internal error, packed operand is not contiguous")
+    };
+    Ok(match s {
+        CpuStorage::F32(v) => Cow::Borrowed(&v[a..b]),
+        CpuStorage::F16(v) => Cow::Owned(v[a..b].iter().map(|x| x.to_f32()).collect()),
+        CpuStorage::BF16(v) => Cow::Owned(v[a..b].iter().map(|x| x.to_f32()).collect()),
+        s => bail!("maxsim: unsupported dtype {:?}", s.dtype()),
+    })
+}
+
+impl CustomOp2 for MaxSimOp {
+    fn name(&self) -> &'static str {
+        "maxsim"
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+        let qv = Self::host_flags(&self.problem.q_valid)?;
+        let dv = Self::host_flags(&self.problem.d_valid)?;
+        let hp = HostProblem::new(&self.problem, qv.as_deref(), dv.as_deref());
+        let (scores, am) = match s1.dtype() {
+            DType::F64 => cpu::forward(&hp, cpu_f64(s1, l1)?, cpu_f64(s2, l2)?, self.save_argmax),
+            _ => cpu::forward(&hp, &cpu_f32(s1, l1)?, &cpu_f32(s2, l2)?, self.save_argmax),
+        };
+        if let Some(am) = am {
+            let n = self.problem.n_out();
+            let t = Tensor::from_vec(am, (n, self.problem.q.max_len()), &candle_core::Device::Cpu)?;
+            *self.saved.lock().unwrap() = Some(t);
+        }
+        let n = scores.len();
+        Ok((CpuStorage::F32(scores), Shape::from(n)))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let (scores, am) = crate::cuda::maxsim_fwd(&self.problem, s1, l1, s2, l2, self.save_argmax)?;
+        if let Some(am) = am {
+            *self.saved.lock().unwrap() = Some(am);
+        }
+        let n = self.problem.n_out();
+        Ok((scores, Shape::from(n)))
+    }
+
+    fn bwd(&self, q: &Tensor, d: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let argmax = self.argmax(q, d)?;
+        #[cfg(feature = "cuda")]
+        if q.device().is_cuda() {
+            let (gq, gd) = crate::cuda::maxsim_bwd(&self.problem, self.backward, q, d, &argmax, grad)?;
+            return Ok((Some(gq), Some(gd)));
+        }
+        let qv = Self::host_flags(&self.problem.q_valid)?;
+        let dv = Self::host_flags(&self.problem.d_valid)?;
+        let hp = HostProblem::new(&self.problem, qv.as_deref(), dv.as_deref());
+        let am: Vec<i32> = argmax.flatten_all()?.to_vec1()?;
+        let g = to_f32_vec(grad)?;
+        let dev = q.device();
+        let (gq, gd) = match q.dtype() {
+            DType::F64 => {
+                let (gq, gd) = cpu::backward(&hp, &q.flatten_all()?.to_vec1::<f64>()?, &d.flatten_all()?.to_vec1::<f64>()?, &am, &g);
+                (Tensor::from_vec(gq, q.shape(), dev)?, Tensor::from_vec(gd, d.shape(), dev)?)
+            }
+            dt => {
+                let (gq, gd) = cpu::backward(&hp, &to_f32_vec(q)?, &to_f32_vec(d)?, &am, &g);
+                (
+                    Tensor::from_vec(gq, q.shape(), dev)?.to_dtype(dt)?,
+                    Tensor::from_vec(gd, d.shape(), dev)?.to_dtype(dt)?,
+                )
+            }
+        };
+        Ok((Some(gq), Some(gd)))
+    }
+}

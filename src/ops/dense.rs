@@ -1,0 +1,142 @@
+//! Padded layouts: in-batch cross product, KD (each query its own K docs), pairs.
+
+use super::core::MaxSimOp;
+use super::l2_normalize;
+use crate::layout::{check_device, check_dim, check_float, check_mask, check_rank, Pairing, Problem, Seqs};
+use crate::{Backward, MaxSimOptions};
+use candle_core::{bail, Result, Tensor};
+
+/// MaxSim scores with default options: `q [Nq, Lq, dim]` against
+/// `d [Nd, Ld, dim]` → `[Nq, Nd]`, or `d [Nq, K, Ld, dim]` (KD) → `[Nq, K]`.
+pub fn maxsim(q: &Tensor, d: &Tensor, q_mask: Option<&Tensor>, d_mask: Option<&Tensor>) -> Result<Tensor> {
+    maxsim_with(q, d, q_mask, d_mask, &MaxSimOptions::default())
+}
+
+/// [`maxsim`] with options (normalization, backward mode).
+pub fn maxsim_with(
+    q: &Tensor,
+    d: &Tensor,
+    q_mask: Option<&Tensor>,
+    d_mask: Option<&Tensor>,
+    opts: &MaxSimOptions,
+) -> Result<Tensor> {
+    check_rank("q", q, &[3], "rank 3 [Nq, Lq, dim]")?;
+    check_rank("d", d, &[3, 4], "rank 3 [Nd, Ld, dim] or rank 4 [Nq, K, Ld, dim]")?;
+    let (nq, lq, dim) = q.dims3()?;
+    check_common(q, d, dim)?;
+    if let Some(m) = q_mask {
+        check_mask("q_mask", m, &[nq, lq], q.device())?;
+    }
+    let kd = d.rank() == 4;
+    let (nd_total, ld) = if kd {
+        let (n, k, ld, _) = d.dims4()?;
+        if n != nq {
+            bail!("d: KD layout [Nq, K, Ld, dim] needs d.dim(0) = Nq = {nq}, got {n}")
+        }
+        if let Some(m) = d_mask {
+            check_mask("d_mask", m, &[nq, k, ld], q.device())?;
+        }
+        (nq * k, ld)
+    } else {
+        let (nd, ld, _) = d.dims3()?;
+        if let Some(m) = d_mask {
+            check_mask("d_mask", m, &[nd, ld], q.device())?;
+        }
+        (nd, ld)
+    };
+    let pairs = if kd {
+        let k = d.dim(1)?;
+        let pq = (0..nq * k).map(|p| (p / k) as u32).collect();
+        let pd = (0..nq * k).map(|p| p as u32).collect();
+        Pairing::list_from(pq, pd, q.device())?
+    } else {
+        Pairing::Cross { nq, nd: nd_total }
+    };
+    let (q, d) = maybe_normalize(q, d, opts.normalize)?;
+    let problem = Problem {
+        dim,
+        q: Seqs::Uniform { n: nq, len: lq },
+        d: Seqs::Uniform { n: nd_total, len: ld },
+        q_valid: q_mask.map(|m| m.flatten_all()).transpose()?,
+        d_valid: d_mask.map(|m| m.flatten_all()).transpose()?,
+        pairs,
+    };
+    let backward = resolve_backward(opts.backward, kd, nq, nd_total, lq);
+    let scores = MaxSimOp::new(problem, backward).apply(&q.reshape((nq * lq, dim))?, &d.reshape((nd_total * ld, dim))?)?;
+    if kd {
+        scores.reshape((nq, d.dim(1)?))
+    } else {
+        scores.reshape((nq, nd_total))
+    }
+}
+
+/// Pairwise scores: `q [B, Lq, dim]` against `d [B, Ld, dim]`, row b with row b → `[B]`.
+pub fn maxsim_pairs(q: &Tensor, d: &Tensor, q_mask: Option<&Tensor>, d_mask: Option<&Tensor>) -> Result<Tensor> {
+    maxsim_pairs_with(q, d, q_mask, d_mask, &MaxSimOptions::default())
+}
+
+/// [`maxsim_pairs`] with options.
+pub fn maxsim_pairs_with(
+    q: &Tensor,
+    d: &Tensor,
+    q_mask: Option<&Tensor>,
+    d_mask: Option<&Tensor>,
+    opts: &MaxSimOptions,
+) -> Result<Tensor> {
+    check_rank("q", q, &[3], "rank 3 [B, Lq, dim]")?;
+    check_rank("d", d, &[3], "rank 3 [B, Ld, dim]")?;
+    let (b, lq, dim) = q.dims3()?;
+    check_common(q, d, dim)?;
+    let (bd, ld, _) = d.dims3()?;
+    if bd != b {
+        bail!("d: pairs need as many documents as queries (B = {b}), got {bd}")
+    }
+    if let Some(m) = q_mask {
+        check_mask("q_mask", m, &[b, lq], q.device())?;
+    }
+    if let Some(m) = d_mask {
+        check_mask("d_mask", m, &[b, ld], q.device())?;
+    }
+    let idx: Vec<u32> = (0..b as u32).collect();
+    let (q, d) = maybe_normalize(q, d, opts.normalize)?;
+    let problem = Problem {
+        dim,
+        q: Seqs::Uniform { n: b, len: lq },
+        d: Seqs::Uniform { n: b, len: ld },
+        q_valid: q_mask.map(|m| m.flatten_all()).transpose()?,
+        d_valid: d_mask.map(|m| m.flatten_all()).transpose()?,
+        pairs: Pairing::list_from(idx.clone(), idx, q.device())?,
+    };
+    let backward = resolve_backward(opts.backward, false, b, b, lq);
+    MaxSimOp::new(problem, backward).apply(&q.reshape((b * lq, dim))?, &d.reshape((b * ld, dim))?)
+}
+
+/// dtype / device / dim agreement of q and d (ranks are checked by the caller).
+pub(crate) fn check_common(q: &Tensor, d: &Tensor, dim: usize) -> Result<()> {
+    check_float("q", q)?;
+    check_float("d", d)?;
+    check_device("d", d, q.device())?;
+    check_dim(dim, "d", d.dim(candle_core::D::Minus1)?)?;
+    if q.dtype() != d.dtype() {
+        bail!("d: dtype {:?} differs from q's {:?}", d.dtype(), q.dtype())
+    }
+    Ok(())
+}
+
+pub(crate) fn maybe_normalize(q: &Tensor, d: &Tensor, normalize: bool) -> Result<(Tensor, Tensor)> {
+    if normalize {
+        Ok((l2_normalize(q)?, l2_normalize(d)?))
+    } else {
+        Ok((q.clone(), d.clone()))
+    }
+}
+
+/// `Auto`: LowMem for KD layouts and for large in-batch grids of short
+/// queries (where a full-size f32 grad_D buffer costs most), Unified otherwise.
+pub(crate) fn resolve_backward(b: Backward, kd: bool, nq: usize, nd: usize, lq: usize) -> Backward {
+    match b {
+        Backward::Auto if kd || (nq >= 256 && nd >= 256 && lq <= 64) => Backward::LowMem,
+        Backward::Auto => Backward::Unified,
+        b => b,
+    }
+}

@@ -1,0 +1,53 @@
+//! Fused D-side projection head: hidden states → linear → (normalize) → MaxSim.
+
+use super::dense::maxsim_with;
+use crate::layout::{check_device, check_float, check_rank};
+use crate::MaxSimOptions;
+use candle_core::{bail, Result, Tensor};
+
+/// `maxsim(q, normalize?(h_d · wᵀ + b), None, d_mask)`: `q [Nq, Lq, dout]`
+/// (already projected), `h_d [Nd, Ld, dmodel]`, `w [dout, dmodel]`,
+/// `b [dout]` → `[Nq, Nd]`. Gradients flow to q, h_d, w and b.
+pub fn maxsim_from_hidden(
+    q: &Tensor,
+    h_d: &Tensor,
+    w: &Tensor,
+    b: Option<&Tensor>,
+    d_mask: Option<&Tensor>,
+    normalize: bool,
+) -> Result<Tensor> {
+    check_rank("q", q, &[3], "rank 3 [Nq, Lq, dout]")?;
+    check_rank("h_d", h_d, &[3], "rank 3 [Nd, Ld, dmodel]")?;
+    check_rank("w", w, &[2], "rank 2 [dout, dmodel]")?;
+    for (arg, t) in [("h_d", h_d), ("w", w)] {
+        check_float(arg, t)?;
+        check_device(arg, t, q.device())?;
+        if t.dtype() != q.dtype() {
+            bail!("{arg}: dtype {:?} differs from q's {:?}", t.dtype(), q.dtype())
+        }
+    }
+    let (nd, ld, dmodel) = h_d.dims3()?;
+    let (dout, wk) = w.dims2()?;
+    if wk != dmodel {
+        bail!("w: expected [dout, dmodel = {dmodel}], got {:?}", w.dims())
+    }
+    if q.dim(2)? != dout {
+        bail!("q: dim {} does not match w's dout {dout}", q.dim(2)?)
+    }
+    let mut proj = h_d.reshape((nd * ld, dmodel))?.matmul(&w.t()?)?;
+    if let Some(b) = b {
+        check_device("b", b, q.device())?;
+        if b.dims() != [dout] || b.dtype() != q.dtype() {
+            bail!("b: expected {:?} [{dout}], got {:?} {:?}", q.dtype(), b.dtype(), b.dims())
+        }
+        proj = proj.broadcast_add(b)?;
+    }
+    let d = proj.reshape((nd, ld, dout))?;
+    let opts = MaxSimOptions {
+        normalize,
+        ..Default::default()
+    };
+    // normalize applies to both sides: q is a unit vector already for a
+    // ColBERT head, where it is a no-op.
+    maxsim_with(q, &d, None, d_mask, &opts)
+}

@@ -1,0 +1,326 @@
+//! PLAID / ColBERTv2 compressed documents: residual decompression, exact
+//! MaxSim over decompressed tokens, and the centroid-only approximate score.
+
+use super::core::MaxSimOp;
+use super::dense::maybe_normalize;
+use crate::layout::{check_device, check_float, check_rank, Pairing, Problem, Seqs};
+use crate::Backward;
+use candle_core::{bail, CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
+
+/// Bit layout of packed residual bucket indices.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BitOrder {
+    /// Feature k is byte k/(8/nbits), bits (k % (8/nbits))·nbits upward from the LSB.
+    Lsb,
+    /// ColBERTv2 / fast-plaid: `np.packbits` of the LSB-first bits of each
+    /// index, feature 0 in the top bits of byte 0, each field bit-reversed.
+    ColBert,
+}
+
+/// A residual codec: token = centroids[code] + bucket_weights[bucket(k)] per feature k.
+#[derive(Clone, Debug)]
+pub struct ResidualCodec {
+    /// `[C, dim]` centroids (any float dtype).
+    pub centroids: Tensor,
+    /// `[2^nbits]` bucket values (any float dtype).
+    pub bucket_weights: Tensor,
+    /// 2, 4 or 8 bits per feature.
+    pub nbits: usize,
+    pub bit_order: BitOrder,
+}
+
+#[inline]
+fn reverse_bits(v: u8, nbits: usize) -> u8 {
+    v.reverse_bits() >> (8 - nbits)
+}
+
+/// Bucket index of feature `k` in a packed residual row.
+#[inline]
+pub fn bucket_index(row: &[u8], k: usize, nbits: usize, order: BitOrder) -> u8 {
+    let per = 8 / nbits;
+    let byte = row[k / per];
+    let field = k % per;
+    let mask = ((1u16 << nbits) - 1) as u8;
+    match order {
+        BitOrder::Lsb => (byte >> (field * nbits)) & mask,
+        BitOrder::ColBert => reverse_bits((byte >> (8 - nbits * (field + 1))) & mask, nbits),
+    }
+}
+
+/// Packs bucket indices (one per feature, each < 2^nbits) into bytes; the
+/// inverse of [`bucket_index`]. `indices.len()` must be a multiple of 8/nbits.
+pub fn pack_bucket_indices(indices: &[u8], nbits: usize, order: BitOrder) -> Result<Vec<u8>> {
+    check_nbits(nbits)?;
+    let per = 8 / nbits;
+    if indices.len() % per != 0 {
+        bail!("indices: length {} is not a multiple of {per} (8 / nbits)", indices.len())
+    }
+    let mut out = vec![0u8; indices.len() / per];
+    for (k, &v) in indices.iter().enumerate() {
+        if (v as usize) >> nbits != 0 {
+            bail!("indices: indices[{k}] = {v} does not fit in {nbits} bits")
+        }
+        let field = k % per;
+        out[k / per] |= match order {
+            BitOrder::Lsb => v << (field * nbits),
+            BitOrder::ColBert => reverse_bits(v, nbits) << (8 - nbits * (field + 1)),
+        };
+    }
+    Ok(out)
+}
+
+fn check_nbits(nbits: usize) -> Result<()> {
+    if !matches!(nbits, 2 | 4 | 8) {
+        bail!("nbits: must be 2, 4 or 8, got {nbits}")
+    }
+    Ok(())
+}
+
+/// Codes as host u32, from U32 or I64 (rank checked by the caller).
+fn codes_host(codes: &Tensor) -> Result<Vec<u32>> {
+    match codes.dtype() {
+        DType::U32 => codes.flatten_all()?.to_vec1::<u32>(),
+        DType::I64 => codes
+            .flatten_all()?
+            .to_vec1::<i64>()?
+            .into_iter()
+            .enumerate()
+            .map(|(k, c)| u32::try_from(c).map_err(|_| candle_core::Error::Msg(format!("codes: codes[{k}] = {c} is negative or too large"))))
+            .collect(),
+        dt => bail!("codes: expected U32 or I64 centroid codes, got {dt:?}"),
+    }
+}
+
+impl ResidualCodec {
+    /// Validates the codec against the embedding dim.
+    pub(crate) fn check(&self, dim: usize) -> Result<()> {
+        check_nbits(self.nbits)?;
+        check_float("centroids", &self.centroids)?;
+        check_float("bucket_weights", &self.bucket_weights)?;
+        check_rank("centroids", &self.centroids, &[2], "rank 2 [C, dim]")?;
+        if self.centroids.dim(1)? != dim {
+            bail!("centroids: dim {} does not match q's dim {dim}", self.centroids.dim(1)?)
+        }
+        if self.bucket_weights.dims() != [1 << self.nbits] {
+            bail!(
+                "bucket_weights: expected shape [{}] (2^nbits), got {:?}",
+                1 << self.nbits,
+                self.bucket_weights.dims()
+            )
+        }
+        if (dim * self.nbits) % 8 != 0 {
+            bail!("nbits: dim {dim} · nbits {} is not a whole number of bytes", self.nbits)
+        }
+        Ok(())
+    }
+
+    /// Packed residual bytes per token.
+    pub fn residual_width(&self, dim: usize) -> usize {
+        dim * self.nbits / 8
+    }
+
+    /// Decompresses the tokens `rows` (token index into codes/residuals) to a
+    /// host F32 `[rows.len(), dim]` matrix; tokens outside `rows` are zero.
+    fn decompress_host(&self, codes: &[u32], residuals: &[u8], valid: &[bool], dim: usize) -> Result<Vec<f32>> {
+        let cents: Vec<f32> = self.centroids.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
+        let bw: Vec<f32> = self.bucket_weights.to_dtype(DType::F32)?.to_vec1()?;
+        let n_c = self.centroids.dim(0)?;
+        let w = self.residual_width(dim);
+        let mut out = vec![0f32; codes.len() * dim];
+        for (t, (&c, &ok)) in codes.iter().zip(valid).enumerate() {
+            if !ok {
+                continue;
+            }
+            if c as usize >= n_c {
+                bail!("codes: code {c} at token {t} is out of range for {n_c} centroids")
+            }
+            let row = &residuals[t * w..(t + 1) * w];
+            let cent = &cents[c as usize * dim..][..dim];
+            for (k, o) in out[t * dim..(t + 1) * dim].iter_mut().enumerate() {
+                *o = cent[k] + bw[bucket_index(row, k, self.nbits, self.bit_order) as usize];
+            }
+        }
+        Ok(out)
+    }
+}
+
+fn residual_bytes(arg: &str, r: &Tensor, rows: usize, width: usize) -> Result<Vec<u8>> {
+    if r.dtype() != DType::U8 {
+        bail!("{arg}: expected U8 packed residuals, got {:?}", r.dtype())
+    }
+    if r.elem_count() != rows * width || r.dim(candle_core::D::Minus1)? != width {
+        bail!("{arg}: residual width must be dim·nbits/8 = {width} bytes per token, got shape {:?}", r.dims())
+    }
+    r.flatten_all()?.to_vec1()
+}
+
+/// Exact MaxSim of `q [Nq, Lq, dim]` against padded compressed documents:
+/// `codes [Nd, Ld]`, `residuals [Nd, Ld, dim·nbits/8]`, `doc_lens [Nd]` → `[Nq, Nd]`.
+/// Gradients flow to `q` only (documents are data).
+pub fn maxsim_residual(
+    q: &Tensor,
+    codes: &Tensor,
+    residuals: &Tensor,
+    doc_lens: &Tensor,
+    codec: &ResidualCodec,
+    normalize: bool,
+) -> Result<Tensor> {
+    check_rank("q", q, &[3], "rank 3 [Nq, Lq, dim]")?;
+    let (nq, lq, dim) = q.dims3()?;
+    check_float("q", q)?;
+    codec.check(dim)?;
+    check_rank("codes", codes, &[2], "rank 2 [Nd, Ld]")?;
+    for (arg, t) in [("codes", codes), ("residuals", residuals), ("doc_lens", doc_lens)] {
+        check_device(arg, t, q.device())?;
+    }
+    let (nd, ld) = codes.dims2()?;
+    check_rank("residuals", residuals, &[3], "rank 3 [Nd, Ld, dim·nbits/8]")?;
+    if residuals.dims()[..2] != [nd, ld] {
+        bail!("residuals: expected [{nd}, {ld}, _] like codes, got {:?}", residuals.dims())
+    }
+    if doc_lens.dtype() != DType::U32 || doc_lens.dims() != [nd] {
+        bail!("doc_lens: expected U32 [{nd}], got {:?} {:?}", doc_lens.dtype(), doc_lens.dims())
+    }
+    let lens: Vec<u32> = doc_lens.to_vec1()?;
+    if let Some((j, &l)) = lens.iter().enumerate().find(|(_, &l)| l as usize > ld) {
+        bail!("doc_lens: doc_lens[{j}] = {l} exceeds Ld = {ld}")
+    }
+    let codes_h = codes_host(codes)?;
+    let res_h = residual_bytes("residuals", residuals, nd * ld, codec.residual_width(dim))?;
+    let valid: Vec<bool> = (0..nd * ld).map(|t| t % ld < lens[t / ld] as usize).collect();
+    let dense = codec.decompress_host(&codes_h, &res_h, &valid, dim)?;
+    let d = Tensor::from_vec(dense, (nd * ld, dim), q.device())?.to_dtype(q.dtype())?;
+    let d_valid = Tensor::from_vec(valid.iter().map(|&v| v as u8).collect::<Vec<u8>>(), nd * ld, q.device())?;
+    let (q, d) = maybe_normalize(q, &d, normalize)?;
+    let problem = Problem {
+        dim,
+        q: Seqs::Uniform { n: nq, len: lq },
+        d: Seqs::Uniform { n: nd, len: ld },
+        q_valid: None,
+        d_valid: Some(d_valid),
+        pairs: Pairing::Cross { nq, nd },
+    };
+    MaxSimOp::new(problem, Backward::Unified)
+        .apply(&q.reshape((nq * lq, dim))?, &d)?
+        .reshape((nq, nd))
+}
+
+/// Exact MaxSim against packed compressed documents: `codes [T]`,
+/// `residuals [T, dim·nbits/8]`, `cu_d [Nd+1]` → `[Nq, Nd]`.
+pub fn maxsim_residual_varlen(
+    q: &Tensor,
+    codes: &Tensor,
+    residuals: &Tensor,
+    cu_d: &Tensor,
+    max_ld: usize,
+    codec: &ResidualCodec,
+    normalize: bool,
+) -> Result<Tensor> {
+    check_rank("q", q, &[3], "rank 3 [Nq, Lq, dim]")?;
+    let (nq, lq, dim) = q.dims3()?;
+    check_float("q", q)?;
+    codec.check(dim)?;
+    check_rank("codes", codes, &[1], "rank 1 [T] (packed)")?;
+    check_rank("residuals", residuals, &[2], "rank 2 [T, dim·nbits/8] (packed)")?;
+    for (arg, t) in [("codes", codes), ("residuals", residuals), ("cu_d", cu_d)] {
+        check_device(arg, t, q.device())?;
+    }
+    let t = codes.dim(0)?;
+    if residuals.dim(0)? != t {
+        bail!("residuals: {} rows, but codes has {t}", residuals.dim(0)?)
+    }
+    let ds = Seqs::packed("cu_d", cu_d, t, "max_ld", max_ld)?;
+    let codes_h = codes_host(codes)?;
+    let res_h = residual_bytes("residuals", residuals, t, codec.residual_width(dim))?;
+    let dense = codec.decompress_host(&codes_h, &res_h, &vec![true; t], dim)?;
+    let d = Tensor::from_vec(dense, (t, dim), q.device())?.to_dtype(q.dtype())?;
+    let (q, d) = maybe_normalize(q, &d, normalize)?;
+    let nd = ds.n();
+    let problem = Problem {
+        dim,
+        q: Seqs::Uniform { n: nq, len: lq },
+        d: ds,
+        q_valid: None,
+        d_valid: None,
+        pairs: Pairing::Cross { nq, nd },
+    };
+    MaxSimOp::new(problem, Backward::Unified)
+        .apply(&q.reshape((nq * lq, dim))?, &d)?
+        .reshape((nq, nd))
+}
+
+/// PLAID's centroid-only approximate score: `score[b] = Σ_s max_{t < len_b}
+/// qcs[codes[b, t], s]` from per-centroid query scores `qcs [C, Lq]` F32,
+/// `codes [B, Ld]`, `doc_lens [B]` U32 → `[B]` F32 (empty document → 0).
+pub fn plaid_approx_score(query_centroid_scores: &Tensor, codes: &Tensor, doc_lens: &Tensor) -> Result<Tensor> {
+    let qcs = query_centroid_scores;
+    if qcs.dtype() != DType::F32 || qcs.rank() != 2 {
+        bail!("query_centroid_scores: expected F32 [C, Lq], got {:?} {:?}", qcs.dtype(), qcs.dims())
+    }
+    check_rank("codes", codes, &[2], "rank 2 [B, Ld]")?;
+    let (b, _) = codes.dims2()?;
+    if doc_lens.dtype() != DType::U32 || doc_lens.dims() != [b] {
+        bail!("doc_lens: expected U32 [{b}], got {:?} {:?}", doc_lens.dtype(), doc_lens.dims())
+    }
+    if !matches!(codes.dtype(), DType::U32 | DType::I64) {
+        bail!("codes: expected U32 or I64 centroid codes, got {:?}", codes.dtype())
+    }
+    check_device("codes", codes, qcs.device())?;
+    check_device("doc_lens", doc_lens, qcs.device())?;
+    qcs.contiguous()?.apply_op3_no_bwd(&codes.contiguous()?, &doc_lens.contiguous()?, &PlaidApprox)
+}
+
+struct PlaidApprox;
+
+impl CustomOp3 for PlaidApprox {
+    fn name(&self) -> &'static str {
+        "plaid_approx_score"
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout, s3: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (n_c, lq) = l1.shape().dims2()?;
+        let (b, ld) = l2.shape().dims2()?;
+        let (CpuStorage::F32(qcs), CpuStorage::U32(lens)) = (s1, s3) else {
+            bail!("plaid_approx_score: internal error, unexpected storage")
+        };
+        let qcs = &qcs[l1.start_offset()..];
+        let code = |bi: usize, t: usize| -> Result<usize> {
+            let k = l2.start_offset() + bi * ld + t;
+            let c = match s2 {
+                CpuStorage::U32(v) => v[k] as i64,
+                CpuStorage::I64(v) => v[k],
+                _ => bail!("codes: expected U32 or I64"),
+            };
+            if c < 0 || c as usize >= n_c {
+                bail!("codes: codes[{bi}, {t}] = {c} is out of range for {n_c} centroids")
+            }
+            Ok(c as usize)
+        };
+        let mut out = vec![0f32; b];
+        let mut best = vec![f32::NEG_INFINITY; lq];
+        for (bi, o) in out.iter_mut().enumerate() {
+            let len = lens[bi] as usize;
+            if len > ld {
+                bail!("doc_lens: doc_lens[{bi}] = {len} exceeds Ld = {ld}")
+            }
+            if len == 0 {
+                continue;
+            }
+            best.fill(f32::NEG_INFINITY);
+            for t in 0..len {
+                let row = &qcs[code(bi, t)? * lq..][..lq];
+                for (m, &v) in best.iter_mut().zip(row) {
+                    *m = m.max(v);
+                }
+            }
+            *o = best.iter().sum();
+        }
+        Ok((CpuStorage::F32(out), Shape::from(b)))
+    }
+}
+
+/// Unpacks every bucket index of packed residual rows (for tests and tools).
+pub fn unpack_bucket_indices(bytes: &[u8], nbits: usize, order: BitOrder) -> Result<Vec<u8>> {
+    check_nbits(nbits)?;
+    Ok((0..bytes.len() * 8 / nbits).map(|k| bucket_index(bytes, k, nbits, order)).collect())
+}

@@ -1,0 +1,55 @@
+//! Top-k retrieval over a large corpus, streaming documents in chunks.
+
+use super::dense::maxsim;
+use crate::layout::check_rank;
+use candle_core::{bail, Result, Tensor};
+
+/// Top-k documents per query, best first: `(scores [Nq, k] F32, indices [Nq, k] U32)`
+/// with k = min(top_k, Nd). Documents are scored `chunk` at a time so memory
+/// stays O(Nq · (chunk + k)); equal scores keep the lower document index first.
+pub fn retrieve(
+    q: &Tensor,
+    d: &Tensor,
+    q_mask: Option<&Tensor>,
+    d_mask: Option<&Tensor>,
+    top_k: usize,
+    chunk: usize,
+) -> Result<(Tensor, Tensor)> {
+    if top_k == 0 {
+        bail!("top_k: must be at least 1")
+    }
+    if chunk == 0 {
+        bail!("chunk: must be at least 1")
+    }
+    check_rank("d", d, &[3], "rank 3 [Nd, Ld, dim]")?;
+    check_rank("q", q, &[3], "rank 3 [Nq, Lq, dim]")?;
+    let nq = q.dim(0)?;
+    let nd = d.dim(0)?;
+    let k = top_k.min(nd);
+    // Per query: the best k so far as (score, doc), sorted best first.
+    let mut best: Vec<Vec<(f32, u32)>> = vec![Vec::with_capacity(2 * k); nq];
+    let mut start = 0;
+    // Validate shapes even when there are no documents.
+    if nd == 0 {
+        maxsim(q, d, q_mask, d_mask)?;
+    }
+    while start < nd {
+        let len = chunk.min(nd - start);
+        let dm = d_mask.map(|m| m.narrow(0, start, len)).transpose()?;
+        let s = maxsim(q, &d.narrow(0, start, len)?, q_mask, dm.as_ref())?;
+        let s: Vec<Vec<f32>> = s.to_vec2()?;
+        for (row, top) in s.iter().zip(best.iter_mut()) {
+            top.extend(row.iter().enumerate().map(|(j, &v)| (v, (start + j) as u32)));
+            // Best first; ties (and NaN, ranked last) by ascending document index.
+            top.sort_by(|a, b| b.0.partial_cmp(&a.0).unwrap_or_else(|| a.0.is_nan().cmp(&b.0.is_nan())).then(a.1.cmp(&b.1)));
+            top.truncate(k);
+        }
+        start += len;
+    }
+    let scores: Vec<f32> = best.iter().flat_map(|t| t.iter().map(|x| x.0)).collect();
+    let idx: Vec<u32> = best.iter().flat_map(|t| t.iter().map(|x| x.1)).collect();
+    Ok((
+        Tensor::from_vec(scores, (nq, k), q.device())?,
+        Tensor::from_vec(idx, (nq, k), q.device())?,
+    ))
+}

@@ -1,0 +1,65 @@
+//! Helpers shared by the CPU and GPU test targets.
+#![allow(dead_code)]
+
+use candle_core::{DType, Device, Result, Tensor};
+
+/// max|out − ref| / max|ref| over all elements (both cast to F64).
+pub fn rel_err(out: &Tensor, reference: &Tensor) -> Result<f64> {
+    assert_eq!(out.dims(), reference.dims(), "shape mismatch");
+    let o = out.to_dtype(DType::F64)?.flatten_all()?;
+    let r = reference.to_dtype(DType::F64)?.flatten_all()?;
+    let scale = r.abs()?.max(0)?.to_scalar::<f64>()?.max(1e-30);
+    let diff = (o - &r)?.abs()?.max(0)?.to_scalar::<f64>()?;
+    assert!(diff.is_finite(), "non-finite difference");
+    Ok(diff / scale)
+}
+
+pub fn assert_close(what: &str, out: &Tensor, reference: &Tensor, tol: f64) -> Result<()> {
+    if out.elem_count() == 0 {
+        assert_eq!(out.dims(), reference.dims(), "{what}: shape");
+        return Ok(());
+    }
+    let e = rel_err(out, reference)?;
+    assert!(e < tol, "{what}: rel err {e:e} >= {tol:e}");
+    Ok(())
+}
+
+/// Tolerance of the scores for each input dtype (issue 2).
+pub fn tol(dt: DType) -> f64 {
+    match dt {
+        DType::F16 => 5e-3,
+        DType::BF16 => 2e-2,
+        DType::F32 => 1e-5,
+        _ => 1e-9,
+    }
+}
+
+pub fn randn(shape: &[usize], dt: DType, dev: &Device) -> Result<Tensor> {
+    Tensor::randn(0f32, 1f32, shape, dev)?.to_dtype(dt)
+}
+
+/// U8 mask with about `drop` of the entries 0.
+pub fn rand_mask(shape: &[usize], drop: f32, dev: &Device) -> Result<Tensor> {
+    Tensor::rand(0f32, 1f32, shape, dev)?.ge(drop)
+}
+
+/// `[n, l, dim]` with a non-contiguous layout (a transposed view).
+pub fn randn_strided(n: usize, l: usize, dim: usize, dt: DType, dev: &Device) -> Result<Tensor> {
+    let t = randn(&[n, dim, l], dt, dev)?.transpose(1, 2)?;
+    assert!(!t.is_contiguous());
+    Ok(t)
+}
+
+/// Offsets (U32 `[n+1]`) of random lengths in `0..=max`, some empty.
+pub fn rand_offsets(n: usize, max: usize, seed: u64) -> (Vec<u32>, usize) {
+    let mut x = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    let mut cu = vec![0u32];
+    let mut longest = 0;
+    for k in 0..n {
+        x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        let len = if k % 5 == 3 { 0 } else { ((x >> 33) as usize) % (max + 1) };
+        longest = longest.max(len);
+        cu.push(cu.last().unwrap() + len as u32);
+    }
+    (cu, longest)
+}

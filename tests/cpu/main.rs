@@ -1,0 +1,10 @@
+//! CPU tests: parity with `reference`, gradients, codecs, errors, properties.
+
+#[path = "../common/mod.rs"]
+mod common;
+
+mod errors;
+mod grads;
+mod parity;
+mod props;
+mod residual;
