@@ -1,1 +1,59 @@
-fn main() {}
+//! Without the `cuda` feature this does nothing. With it, every kernels/*.cu
+//! is compiled to PTX once per target architecture (bindgen_cuda), and
+//! `ptx.rs` in OUT_DIR exposes them as `<KERNEL>_SM<arch>` string constants.
+//! The crate picks the newest module the device can run at run time.
+
+fn main() {
+    println!("cargo:rerun-if-changed=build.rs");
+    if std::env::var_os("CARGO_FEATURE_CUDA").is_some() {
+        #[cfg(feature = "cuda")]
+        cuda::build();
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    use std::fmt::Write;
+    use std::path::PathBuf;
+
+    /// sm_75: Turing and later (SIMT paths only); sm_80: Ampere and later (mma.sync).
+    const ARCHS: [usize; 2] = [75, 80];
+
+    pub fn build() {
+        println!("cargo:rerun-if-changed=kernels");
+        let out = PathBuf::from(std::env::var("OUT_DIR").unwrap());
+        let kernels: Vec<PathBuf> = std::fs::read_dir("kernels")
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.extension().is_some_and(|x| x == "cu"))
+            .collect();
+        let mut rs = String::new();
+        for arch in ARCHS {
+            let dir = out.join(format!("sm{arch}"));
+            // bindgen_cuda only compares a .ptx with its .cu: drop stale PTX so header edits rebuild too.
+            let _ = std::fs::remove_dir_all(&dir);
+            std::fs::create_dir_all(&dir).unwrap();
+            bindgen_cuda::Builder::default()
+                .kernel_paths(kernels.clone())
+                .include_paths_glob("kernels/*.cuh")
+                .out_dir(&dir)
+                .compute_cap(arch)
+                .arg("-O3")
+                .arg("--std=c++17")
+                .build_ptx()
+                .expect("nvcc failed on kernels/");
+            for k in &kernels {
+                let stem = k.file_stem().unwrap().to_str().unwrap();
+                let path = dir.join(format!("{stem}.ptx"));
+                writeln!(
+                    rs,
+                    "pub const {}_SM{arch}: &str = include_str!({:?});",
+                    stem.to_uppercase(),
+                    path.display().to_string()
+                )
+                .unwrap();
+            }
+        }
+        std::fs::write(out.join("ptx.rs"), rs).unwrap();
+    }
+}

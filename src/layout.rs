@@ -19,6 +19,7 @@ pub(crate) enum Seqs {
     /// `cu` is kept on the host (validated once) and on the device.
     Packed {
         cu: Arc<Vec<u32>>,
+        #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
         cu_dev: Tensor,
         max_len: usize,
     },
@@ -50,6 +51,7 @@ impl Seqs {
         }
     }
     /// Rows spanned by all sequences.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub fn rows(&self) -> usize {
         match self.n() {
             0 => 0,
@@ -87,7 +89,7 @@ impl Seqs {
         }
         Ok(Seqs::Packed {
             cu: Arc::new(host),
-            cu_dev: cu.clone(),
+            cu_dev: cu.contiguous()?,
             max_len,
         })
     }
@@ -102,7 +104,9 @@ pub(crate) enum Pairing {
     List {
         pq: Arc<Vec<u32>>,
         pd: Arc<Vec<u32>>,
+        #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
         pq_dev: Tensor,
+        #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
         pd_dev: Tensor,
     },
 }
@@ -156,8 +160,8 @@ impl Pairing {
         Ok(Pairing::List {
             pq: Arc::new(pq),
             pd: Arc::new(pd),
-            pq_dev: pair_q.clone(),
-            pd_dev: pair_d.clone(),
+            pq_dev: pair_q.contiguous()?,
+            pd_dev: pair_d.contiguous()?,
         })
     }
 }

@@ -35,7 +35,7 @@ pub mod reference;
 pub(crate) mod cuda;
 
 pub use layers::{MaxSim, MaxSimPairwise, EMPTY_DOC_SCORE};
-pub use ops::dense::{maxsim, maxsim_pairs, maxsim_pairs_with, maxsim_with};
+pub use ops::dense::{maxsim, maxsim_pairs, maxsim_pairs_with, maxsim_with, maxsim_with_argmax};
 pub use ops::hidden::maxsim_from_hidden;
 pub use ops::l2_normalize;
 pub use ops::residual::{

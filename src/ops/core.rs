@@ -11,6 +11,7 @@ use std::sync::Mutex;
 
 pub(crate) struct MaxSimOp {
     pub problem: Problem,
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub backward: Backward,
     /// Whether the forward should keep the argmax for the backward.
     pub save_argmax: bool,
@@ -37,6 +38,17 @@ impl MaxSimOp {
             q.apply_op2(&d, MaxSimOp { save_argmax: true, ..self })
         } else {
             q.apply_op2_no_bwd(&d, &self)
+        }
+    }
+
+    /// Forward without autograd that also returns the argmax `[n_pairs, max_lq]` I32.
+    pub fn run_with_argmax(self, q: &Tensor, d: &Tensor) -> Result<(Tensor, Tensor)> {
+        let op = MaxSimOp { save_argmax: true, ..self };
+        let scores = q.contiguous()?.apply_op2_no_bwd(&d.contiguous()?, &op)?;
+        let argmax = op.saved.lock().unwrap().take();
+        match argmax {
+            Some(a) => Ok((scores, a)),
+            None => bail!("maxsim: internal error, the forward kept no argmax"),
         }
     }
 

@@ -20,53 +20,87 @@ pub fn maxsim_with(
     d_mask: Option<&Tensor>,
     opts: &MaxSimOptions,
 ) -> Result<Tensor> {
-    check_rank("q", q, &[3], "rank 3 [Nq, Lq, dim]")?;
-    check_rank("d", d, &[3, 4], "rank 3 [Nd, Ld, dim] or rank 4 [Nq, K, Ld, dim]")?;
-    let (nq, lq, dim) = q.dims3()?;
-    check_common(q, d, dim)?;
-    if let Some(m) = q_mask {
-        check_mask("q_mask", m, &[nq, lq], q.device())?;
-    }
-    let kd = d.rank() == 4;
-    let (nd_total, ld) = if kd {
-        let (n, k, ld, _) = d.dims4()?;
-        if n != nq {
-            bail!("d: KD layout [Nq, K, Ld, dim] needs d.dim(0) = Nq = {nq}, got {n}")
+    let dense = Dense::new(q, d, q_mask, d_mask, opts)?;
+    let scores = MaxSimOp::new(dense.problem, dense.backward).apply(&dense.q, &dense.d)?;
+    scores.reshape(dense.out_shape)
+}
+
+/// Scores and, for each (query, document, query token), the document token
+/// that won the max (doc-local index; -1 for masked query tokens and empty
+/// documents): `([Nq, Nd], [Nq, Nd, Lq] I32)`, or `[Nq, K]` / `[Nq, K, Lq]`
+/// for the KD layout. No gradient. Useful to explain a match.
+pub fn maxsim_with_argmax(
+    q: &Tensor,
+    d: &Tensor,
+    q_mask: Option<&Tensor>,
+    d_mask: Option<&Tensor>,
+) -> Result<(Tensor, Tensor)> {
+    let dense = Dense::new(q, d, q_mask, d_mask, &MaxSimOptions::default())?;
+    let lq = q.dim(1)?;
+    let (scores, argmax) = MaxSimOp::new(dense.problem, dense.backward).run_with_argmax(&dense.q, &dense.d)?;
+    let (a, b) = dense.out_shape;
+    Ok((scores.reshape((a, b))?, argmax.reshape((a, b, lq))?))
+}
+
+/// A dense call lowered to packed rows.
+struct Dense {
+    problem: Problem,
+    backward: Backward,
+    q: Tensor,
+    d: Tensor,
+    out_shape: (usize, usize),
+}
+
+impl Dense {
+    fn new(q: &Tensor, d: &Tensor, q_mask: Option<&Tensor>, d_mask: Option<&Tensor>, opts: &MaxSimOptions) -> Result<Self> {
+        check_rank("q", q, &[3], "rank 3 [Nq, Lq, dim]")?;
+        check_rank("d", d, &[3, 4], "rank 3 [Nd, Ld, dim] or rank 4 [Nq, K, Ld, dim]")?;
+        let (nq, lq, dim) = q.dims3()?;
+        check_common(q, d, dim)?;
+        if let Some(m) = q_mask {
+            check_mask("q_mask", m, &[nq, lq], q.device())?;
         }
-        if let Some(m) = d_mask {
-            check_mask("d_mask", m, &[nq, k, ld], q.device())?;
-        }
-        (nq * k, ld)
-    } else {
-        let (nd, ld, _) = d.dims3()?;
-        if let Some(m) = d_mask {
-            check_mask("d_mask", m, &[nd, ld], q.device())?;
-        }
-        (nd, ld)
-    };
-    let pairs = if kd {
-        let k = d.dim(1)?;
-        let pq = (0..nq * k).map(|p| (p / k) as u32).collect();
-        let pd = (0..nq * k).map(|p| p as u32).collect();
-        Pairing::list_from(pq, pd, q.device())?
-    } else {
-        Pairing::Cross { nq, nd: nd_total }
-    };
-    let (q, d) = maybe_normalize(q, d, opts.normalize)?;
-    let problem = Problem {
-        dim,
-        q: Seqs::Uniform { n: nq, len: lq },
-        d: Seqs::Uniform { n: nd_total, len: ld },
-        q_valid: q_mask.map(|m| m.flatten_all()).transpose()?,
-        d_valid: d_mask.map(|m| m.flatten_all()).transpose()?,
-        pairs,
-    };
-    let backward = resolve_backward(opts.backward, kd, nq, nd_total, lq);
-    let scores = MaxSimOp::new(problem, backward).apply(&q.reshape((nq * lq, dim))?, &d.reshape((nd_total * ld, dim))?)?;
-    if kd {
-        scores.reshape((nq, d.dim(1)?))
-    } else {
-        scores.reshape((nq, nd_total))
+        let kd = d.rank() == 4;
+        let (nd_total, ld, out_shape) = if kd {
+            let (n, k, ld, _) = d.dims4()?;
+            if n != nq {
+                bail!("d: KD layout [Nq, K, Ld, dim] needs d.dim(0) = Nq = {nq}, got {n}")
+            }
+            if let Some(m) = d_mask {
+                check_mask("d_mask", m, &[nq, k, ld], q.device())?;
+            }
+            (nq * k, ld, (nq, k))
+        } else {
+            let (nd, ld, _) = d.dims3()?;
+            if let Some(m) = d_mask {
+                check_mask("d_mask", m, &[nd, ld], q.device())?;
+            }
+            (nd, ld, (nq, nd))
+        };
+        let pairs = if kd {
+            let k = out_shape.1;
+            let pq = (0..nq * k).map(|p| (p / k) as u32).collect();
+            let pd = (0..nq * k).map(|p| p as u32).collect();
+            Pairing::list_from(pq, pd, q.device())?
+        } else {
+            Pairing::Cross { nq, nd: nd_total }
+        };
+        let (qn, dn) = maybe_normalize(q, d, opts.normalize)?;
+        let problem = Problem {
+            dim,
+            q: Seqs::Uniform { n: nq, len: lq },
+            d: Seqs::Uniform { n: nd_total, len: ld },
+            q_valid: q_mask.map(|m| m.flatten_all()).transpose()?,
+            d_valid: d_mask.map(|m| m.flatten_all()).transpose()?,
+            pairs,
+        };
+        Ok(Self {
+            problem,
+            backward: resolve_backward(opts.backward, kd, nq, nd_total, lq),
+            q: qn.reshape((nq * lq, dim))?,
+            d: dn.reshape((nd_total * ld, dim))?,
+            out_shape,
+        })
     }
 }
 

@@ -1,0 +1,150 @@
+// Tile primitives shared by the MaxSim kernels: element types, the problem
+// description every layout lowers to, tensor-core MMA and async copies.
+#pragma once
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+#define MAXSIM_NEG_INF (__int_as_float(0xff800000))
+
+// ---------------------------------------------------------------------------
+// Element types
+// ---------------------------------------------------------------------------
+template <typename T> struct Elem;
+template <> struct Elem<__half> {
+    static __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+};
+template <> struct Elem<__nv_bfloat16> {
+    static __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+};
+template <> struct Elem<float> {
+    static __device__ __forceinline__ float to_float(float x) { return x; }
+};
+template <> struct Elem<double> {
+    static __device__ __forceinline__ double to_float(double x) { return x; }
+};
+
+// ---------------------------------------------------------------------------
+// The problem, identical for every layout (mirrors src/layout.rs):
+// queries are row ranges of a packed Q [Tq, dim], documents row ranges of a
+// packed D [Td, dim]; either the cross product of all queries and documents
+// or an explicit list of pairs is scored. Passed by value to every kernel.
+// ---------------------------------------------------------------------------
+struct MaxSimParams {
+    const void* q;            // [Tq, dim] packed rows
+    const void* d;            // [Td, dim]
+    const uint8_t* q_valid;   // [Tq] row validity, or null (all valid)
+    const uint8_t* d_valid;   // [Td], or null
+    const uint32_t* cu_q;     // [Nq+1] offsets, or null: uniform length lq
+    const uint32_t* cu_d;     // [Nd+1] offsets, or null: uniform length ld
+    const uint32_t* q_groups; // [n_groups+1] first query of each group, or null: uniform groups
+    const uint32_t* pair_q;   // [P] (list mode), or null: cross product
+    const uint32_t* pair_d;   // [P]
+    float* out;               // [P] scores (cross: P = Nq * Nd, pair i*Nd + j)
+    int32_t* argmax;          // [P, max_lq] winning doc-local token, -1 = none; or null
+    int32_t nq, nd, lq, ld;
+    int32_t dim, max_lq;
+    int32_t n_groups, group_size; // query groups (uniform groups: group_size queries each)
+    int32_t n_pairs;              // list mode: number of pairs
+    int32_t docs_per_block;       // cross mode: documents per block
+    int32_t vec_ok;               // rows are 16-byte aligned (dim % 8 == 0, aligned base)
+};
+
+struct Range { int32_t begin, end; };
+
+__device__ __forceinline__ Range q_rows(const MaxSimParams& p, int i) {
+    if (p.cu_q) return {(int32_t)p.cu_q[i], (int32_t)p.cu_q[i + 1]};
+    return {i * p.lq, (i + 1) * p.lq};
+}
+__device__ __forceinline__ Range d_rows(const MaxSimParams& p, int j) {
+    if (p.cu_d) return {(int32_t)p.cu_d[j], (int32_t)p.cu_d[j + 1]};
+    return {j * p.ld, (j + 1) * p.ld};
+}
+
+// The block's work: queries [q_begin, q_end) against its documents.
+// Cross mode: a document chunk; list mode: one pair.
+struct BlockWork {
+    int32_t q_begin, q_end;
+    int32_t d_begin, d_end; // cross: doc range; list: the pair's doc (d_begin, d_begin + 1)
+    int32_t pair;           // list mode: the pair index; cross: -1
+};
+
+__device__ __forceinline__ BlockWork block_work(const MaxSimParams& p, int b) {
+    BlockWork w;
+    if (p.pair_q) {
+        w.q_begin = p.pair_q[b];
+        w.q_end = w.q_begin + 1;
+        w.d_begin = p.pair_d[b];
+        w.d_end = w.d_begin + 1;
+        w.pair = b;
+        return w;
+    }
+    // Chunk-major order: blocks running together share a document chunk (L2 reuse).
+    const int g = b % p.n_groups, c = b / p.n_groups;
+    if (p.q_groups) {
+        w.q_begin = p.q_groups[g];
+        w.q_end = p.q_groups[g + 1];
+    } else {
+        w.q_begin = g * p.group_size;
+        w.q_end = min(w.q_begin + p.group_size, p.nq);
+    }
+    w.d_begin = c * p.docs_per_block;
+    w.d_end = min(w.d_begin + p.docs_per_block, p.nd);
+    w.pair = -1;
+    return w;
+}
+
+__device__ __forceinline__ int out_index(const MaxSimParams& p, const BlockWork& w, int i, int j) {
+    return w.pair >= 0 ? w.pair : i * p.nd + j;
+}
+
+// ---------------------------------------------------------------------------
+// Async copies (sm_80+) and tensor-core MMA
+// ---------------------------------------------------------------------------
+#if __CUDA_ARCH__ >= 800
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes) {
+    const uint32_t s = (uint32_t)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+template <typename T> struct Mma;
+// D[16x8] += A[16x16] (row) * B[16x8] (col), f32 accumulators.
+template <> struct Mma<__half> {
+    static __device__ __forceinline__ void run(float* c, const uint32_t* a, const uint32_t* b) {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+            "{%0,%1,%2,%3};\n"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+    }
+};
+template <> struct Mma<__nv_bfloat16> {
+    static __device__ __forceinline__ void run(float* c, const uint32_t* a, const uint32_t* b) {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+            "{%0,%1,%2,%3};\n"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+    }
+};
+
+// ldmatrix: four 8x8 b16 matrices from shared memory, one row address per lane.
+__device__ __forceinline__ void ldmatrix_x4(uint32_t* r, const void* smem) {
+    const uint32_t s = (uint32_t)__cvta_generic_to_shared(smem);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(s));
+}
+#endif
+
+// Running (max, argmax) merge: larger value wins, ties keep the lower index.
+__device__ __forceinline__ void merge_max(float& m, int& idx, float om, int oidx) {
+    if (om > m || (om == m && oidx >= 0 && (idx < 0 || oidx < idx))) {
+        m = om;
+        idx = oidx;
+    }
+}

@@ -1,0 +1,357 @@
+// MaxSim forward: score[pair] = sum over valid query rows of the max over
+// valid document rows of <Q[s], D[t]>, never writing the similarity tensor.
+//
+// maxsim_fwd_mma: tensor cores (mma.sync m16n8k16, f16/bf16, sm_80+). A block
+// holds a tile of BQ query rows (whole short queries, or a 128-row chunk of a
+// long one) as A fragments in registers and streams its documents' rows
+// through a double-buffered shared-memory tile of BD rows (cp.async). Each
+// thread keeps a running (max, argmax) for its rows; at the end of a
+// document the rows are reduced across the quad and the warps along N, and
+// the per-query sums are added to the output (pre-zeroed, owned by this block).
+//
+// maxsim_fwd_simt: plain FMA fallback for F32/F64, for GPUs without the MMA
+// path (sm_75) and for dims over 256.
+#include "common.cuh"
+
+template <typename T, int DPAD_, int WM_, int WN_, int MT_, int NT_>
+struct TileConfig {
+    static constexpr int DPAD = DPAD_;       // dim padded to a multiple of 16 (64, 128 or 256)
+    static constexpr int WM = WM_, WN = WN_; // warps along query rows / document columns
+    static constexpr int MT = MT_, NT = NT_; // m16 tiles and n8 tiles per warp
+    static constexpr int NWARPS = WM * WN, NTHREADS = 32 * NWARPS;
+    static constexpr int BQ = WM * MT * 16;  // query rows per block
+    static constexpr int BD = WN * NT * 8;   // document rows per pipeline stage
+    static constexpr int SROW = DPAD + 8;    // smem row stride (elements): +16 B keeps ldmatrix conflict-free
+    static constexpr int KSTEPS = DPAD / 16;
+    static constexpr int SMEM_ROWS = (BQ > 2 * BD) ? BQ : 2 * BD; // Q staging reuses the D stages
+    static constexpr int SMEM_BYTES = SMEM_ROWS * SROW * (int)sizeof(T) + 2 * BD;
+    static_assert(NT % 2 == 0, "ldmatrix.x4 loads two n8 tiles");
+};
+
+#if __CUDA_ARCH__ >= 800
+
+// Copies rows [row0, row0 + n) of a [*, dim] matrix into a [rows, SROW] smem
+// tile, zero-filling the padding columns and the rows past n. Async (cp.async)
+// when rows are 16-byte aligned, plain loads otherwise.
+template <typename C, typename T>
+__device__ __forceinline__ void load_rows(T* smem, const T* g, int row0, int n, int rows, int dim, bool vec_ok) {
+    constexpr int VEC = 8; // elements per 16 bytes
+    constexpr int CHUNKS = C::DPAD / VEC;
+    if (vec_ok) {
+        for (int k = threadIdx.x; k < rows * CHUNKS; k += C::NTHREADS) {
+            const int r = k / CHUNKS, col = (k % CHUNKS) * VEC;
+            const bool ok = r < n && col < dim;
+            const T* src = ok ? g + (size_t)(row0 + r) * dim + col : g;
+            cp_async16(smem + r * C::SROW + col, src, ok ? 16 : 0);
+        }
+    } else {
+        for (int k = threadIdx.x; k < rows * C::DPAD; k += C::NTHREADS) {
+            const int r = k / C::DPAD, col = k % C::DPAD;
+            T v = T(0.0f);
+            if (r < n && col < dim) v = g[(size_t)(row0 + r) * dim + col];
+            smem[r * C::SROW + col] = v;
+        }
+    }
+}
+
+template <typename C, typename T, bool ARGMAX>
+__device__ __forceinline__ void maxsim_fwd_mma(const MaxSimParams& p) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    T* sbuf = reinterpret_cast<T*>(smem_raw);
+    uint8_t* smask = smem_raw + C::SMEM_ROWS * C::SROW * sizeof(T);
+    __shared__ float red_m[C::WN][C::BQ];
+    __shared__ int red_i[ARGMAX ? C::WN : 1][C::BQ];
+    __shared__ float rowval[C::BQ];
+    __shared__ int row_q[C::BQ], row_s[C::BQ]; // query of each tile row (-1: padding or masked), position
+    __shared__ int q_lo[C::BQ], q_hi[C::BQ];   // tile rows of each query of the group
+
+    const T* Q = static_cast<const T*>(p.q);
+    const T* D = static_cast<const T*>(p.d);
+    const BlockWork w = block_work(p, blockIdx.x);
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const int wm = warp / C::WN, wn = warp % C::WN;
+    const int g = lane / 4, c = lane % 4;
+    const int nqg = w.q_end - w.q_begin;
+    const int grow0 = q_rows(p, w.q_begin).begin, grow1 = q_rows(p, w.q_end - 1).end;
+    const int nchunks = (grow1 - grow0 + C::BQ - 1) / C::BQ;
+
+    for (int ch = 0; ch < nchunks; ++ch) {
+        const int r0 = grow0 + ch * C::BQ, r1 = min(r0 + C::BQ, grow1);
+        // Row metadata of this chunk.
+        for (int r = tid; r < C::BQ; r += C::NTHREADS) row_q[r] = -1;
+        __syncthreads();
+        for (int qi = tid; qi < nqg; qi += C::NTHREADS) {
+            const Range rr = q_rows(p, w.q_begin + qi);
+            const int lo = max(rr.begin, r0) - r0, hi = max(min(rr.end, r1) - r0, lo);
+            q_lo[qi] = lo;
+            q_hi[qi] = hi;
+            for (int r = lo; r < hi; ++r) {
+                const bool ok = !p.q_valid || p.q_valid[r0 + r];
+                row_q[r] = ok ? w.q_begin + qi : -1;
+                row_s[r] = r0 + r - rr.begin;
+            }
+        }
+        // Q chunk -> smem -> A fragments in registers.
+        load_rows<C>(sbuf, Q, r0, r1 - r0, C::BQ, p.dim, p.vec_ok);
+        cp_async_commit();
+        cp_async_wait<0>();
+        __syncthreads();
+        uint32_t a[C::MT][C::KSTEPS][4];
+#pragma unroll
+        for (int mt = 0; mt < C::MT; ++mt) {
+            const int ra = (wm * C::MT + mt) * 16 + g;
+#pragma unroll
+            for (int ks = 0; ks < C::KSTEPS; ++ks) {
+                const int col = ks * 16 + 2 * c;
+                a[mt][ks][0] = *reinterpret_cast<const uint32_t*>(&sbuf[ra * C::SROW + col]);
+                a[mt][ks][1] = *reinterpret_cast<const uint32_t*>(&sbuf[(ra + 8) * C::SROW + col]);
+                a[mt][ks][2] = *reinterpret_cast<const uint32_t*>(&sbuf[ra * C::SROW + col + 8]);
+                a[mt][ks][3] = *reinterpret_cast<const uint32_t*>(&sbuf[(ra + 8) * C::SROW + col + 8]);
+            }
+        }
+        __syncthreads(); // the D stages overwrite the Q staging area
+
+        // Document pipeline: (doc, tile) steps over the block's non-empty documents.
+        auto first_nonempty = [&](int j) {
+            while (j < w.d_end) {
+                const Range dr = d_rows(p, j);
+                if (dr.end > dr.begin) break;
+                ++j;
+            }
+            return j;
+        };
+        auto load_tile = [&](int stage, int j, int k) {
+            const Range dr = d_rows(p, j);
+            const int start = dr.begin + k * C::BD, n = min(C::BD, dr.end - start);
+            load_rows<C>(sbuf + stage * C::BD * C::SROW, D, start, n, C::BD, p.dim, p.vec_ok);
+            for (int r = tid; r < C::BD; r += C::NTHREADS)
+                smask[stage * C::BD + r] = r < n && (!p.d_valid || p.d_valid[start + r]);
+            cp_async_commit();
+        };
+
+        float m[C::MT][2];
+        int idx[C::MT][2];
+#pragma unroll
+        for (int mt = 0; mt < C::MT; ++mt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) m[mt][h] = MAXSIM_NEG_INF, idx[mt][h] = -1;
+
+        int j = first_nonempty(w.d_begin), k = 0, stage = 0;
+        if (j < w.d_end) load_tile(0, j, 0);
+        while (j < w.d_end) {
+            const Range dr = d_rows(p, j);
+            const int ntiles = (dr.end - dr.begin + C::BD - 1) / C::BD;
+            const int n = min(C::BD, dr.end - dr.begin - k * C::BD);
+            // Prefetch the next step into the other stage.
+            int nj = j, nk = k + 1;
+            if (nk >= ntiles) nj = first_nonempty(j + 1), nk = 0;
+            if (nj < w.d_end) {
+                load_tile(stage ^ 1, nj, nk);
+                cp_async_wait<1>();
+            } else {
+                cp_async_wait<0>();
+            }
+            __syncthreads();
+
+            // S = Q_tile . D_tile^T on tensor cores.
+            float acc[C::MT][C::NT][4];
+#pragma unroll
+            for (int mt = 0; mt < C::MT; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < C::NT; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.f;
+            const T* sd = sbuf + stage * C::BD * C::SROW;
+#pragma unroll
+            for (int ks = 0; ks < C::KSTEPS; ++ks) {
+#pragma unroll
+                for (int nt = 0; nt < C::NT; nt += 2) {
+                    uint32_t b[4];
+                    const int mi = lane / 8;
+                    const int row = wn * C::NT * 8 + nt * 8 + (mi / 2) * 8 + lane % 8;
+                    ldmatrix_x4(b, sd + row * C::SROW + ks * 16 + (mi % 2) * 8);
+#pragma unroll
+                    for (int mt = 0; mt < C::MT; ++mt) {
+                        Mma<T>::run(acc[mt][nt], a[mt][ks], b);
+                        Mma<T>::run(acc[mt][nt + 1], a[mt][ks], b + 2);
+                    }
+                }
+            }
+
+            // Running max (and argmax) over this tile's valid columns.
+            const bool dense_tile = n == C::BD && !p.d_valid;
+            const uint8_t* sm = smask + stage * C::BD;
+#pragma unroll
+            for (int mt = 0; mt < C::MT; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < C::NT; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int h = e / 2;
+                        const int col = wn * C::NT * 8 + nt * 8 + 2 * c + (e % 2);
+                        const float v = acc[mt][nt][e];
+                        const bool ok = dense_tile || sm[col];
+                        if (ARGMAX) {
+                            if (ok && v > m[mt][h]) m[mt][h] = v, idx[mt][h] = k * C::BD + col;
+                        } else if (ok) {
+                            m[mt][h] = fmaxf(m[mt][h], v);
+                        }
+                    }
+
+            if (k == ntiles - 1) {
+                // End of document j: rows reduced over the quad, then over the warps along N.
+#pragma unroll
+                for (int mt = 0; mt < C::MT; ++mt)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        float mv = m[mt][h];
+                        int iv = idx[mt][h];
+#pragma unroll
+                        for (int off = 1; off <= 2; off <<= 1) {
+                            const float om = __shfl_xor_sync(0xffffffffu, mv, off);
+                            if (ARGMAX) {
+                                const int oi = __shfl_xor_sync(0xffffffffu, iv, off);
+                                merge_max(mv, iv, om, oi);
+                            } else {
+                                mv = fmaxf(mv, om);
+                            }
+                        }
+                        if (c == 0) {
+                            const int r = (wm * C::MT + mt) * 16 + h * 8 + g;
+                            red_m[wn][r] = mv;
+                            if (ARGMAX) red_i[wn][r] = iv;
+                        }
+                        m[mt][h] = MAXSIM_NEG_INF;
+                        idx[mt][h] = -1;
+                    }
+                __syncthreads();
+                for (int r = tid; r < C::BQ; r += C::NTHREADS) {
+                    float mv = red_m[0][r];
+                    int iv = ARGMAX ? red_i[0][r] : 0;
+#pragma unroll
+                    for (int x = 1; x < C::WN; ++x) {
+                        if (ARGMAX) merge_max(mv, iv, red_m[x][r], red_i[x][r]);
+                        else mv = fmaxf(mv, red_m[x][r]);
+                    }
+                    const bool has = mv > MAXSIM_NEG_INF;
+                    const int qa = row_q[r];
+                    rowval[r] = (qa >= 0 && has) ? mv : 0.f;
+                    if (ARGMAX && qa >= 0 && has)
+                        p.argmax[(size_t)out_index(p, w, qa, j) * p.max_lq + row_s[r]] = iv;
+                }
+                __syncthreads();
+                for (int qi = warp; qi < nqg; qi += C::NWARPS) {
+                    float s = 0.f;
+                    for (int r = q_lo[qi] + lane; r < q_hi[qi]; r += 32) s += rowval[r];
+#pragma unroll
+                    for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+                    if (lane == 0 && q_hi[qi] > q_lo[qi]) p.out[out_index(p, w, w.q_begin + qi, j)] += s;
+                }
+            }
+            __syncthreads(); // everyone is done with this stage before it is refilled
+            stage ^= 1;
+            j = nj;
+            k = nk;
+        }
+    }
+}
+
+// Entry points: maxsim_mma_<dtype>_<config>_d<DPAD>_<nograd|argmax>.
+//   large: 4 warps x 32 rows, BQ = 128 query rows, BD = 64 doc rows per stage
+//   small: 4 warps along the documents, BQ = 32, BD = 128 (few query rows: rerank, scan)
+//   wide : dims 129..256, 16 rows per warp so the A fragments fit in registers
+#define MAXSIM_MMA_ENTRY(NAME, T, DPAD, WM, WN, MT, NT)                                                   \
+    extern "C" __global__ void __launch_bounds__(TileConfig<T, DPAD, WM, WN, MT, NT>::NTHREADS)          \
+        NAME##_nograd(const MaxSimParams p) {                                                             \
+        maxsim_fwd_mma<TileConfig<T, DPAD, WM, WN, MT, NT>, T, false>(p);                                \
+    }                                                                                                      \
+    extern "C" __global__ void __launch_bounds__(TileConfig<T, DPAD, WM, WN, MT, NT>::NTHREADS)          \
+        NAME##_argmax(const MaxSimParams p) {                                                             \
+        maxsim_fwd_mma<TileConfig<T, DPAD, WM, WN, MT, NT>, T, true>(p);                                 \
+    }
+#define MAXSIM_MMA_DTYPE(TNAME, T)                                   \
+    MAXSIM_MMA_ENTRY(maxsim_mma_##TNAME##_large_d64, T, 64, 4, 1, 2, 8)  \
+    MAXSIM_MMA_ENTRY(maxsim_mma_##TNAME##_large_d128, T, 128, 4, 1, 2, 8) \
+    MAXSIM_MMA_ENTRY(maxsim_mma_##TNAME##_small_d64, T, 64, 1, 4, 2, 4)  \
+    MAXSIM_MMA_ENTRY(maxsim_mma_##TNAME##_small_d128, T, 128, 1, 4, 2, 4) \
+    MAXSIM_MMA_ENTRY(maxsim_mma_##TNAME##_wide_d256, T, 256, 4, 1, 1, 8)
+MAXSIM_MMA_DTYPE(f16, __half)
+MAXSIM_MMA_DTYPE(bf16, __nv_bfloat16)
+
+#endif // __CUDA_ARCH__ >= 800
+
+// ---------------------------------------------------------------------------
+// SIMT fallback: one block per pair, one thread per query row.
+// ---------------------------------------------------------------------------
+constexpr int SIMT_THREADS = 128;
+constexpr int SIMT_ROWS = 16; // document rows per shared-memory tile (fewer for large dims)
+constexpr int SIMT_SMEM = 48 * 1024;
+
+template <typename T, typename Acc, bool ARGMAX>
+__device__ void maxsim_fwd_simt(const MaxSimParams& p) {
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    Acc* sd = reinterpret_cast<Acc*>(smem_raw);          // [SIMT_ROWS, dim]
+    __shared__ Acc partial[SIMT_THREADS / 32];
+    const T* Q = static_cast<const T*>(p.q);
+    const T* D = static_cast<const T*>(p.d);
+    const int b = blockIdx.x;
+    int i, j;
+    if (p.pair_q) i = p.pair_q[b], j = p.pair_d[b];
+    else i = b / p.nd, j = b % p.nd;
+    const Range qr = q_rows(p, i), dr = d_rows(p, j);
+    const int tile_rows = min(SIMT_ROWS, SIMT_SMEM / (p.dim * (int)sizeof(Acc)));
+    Acc sum = 0;
+    for (int s0 = 0; s0 < qr.end - qr.begin; s0 += SIMT_THREADS) {
+        const int s = s0 + threadIdx.x;
+        const int row = qr.begin + s;
+        const bool active = row < qr.end && (!p.q_valid || p.q_valid[row]);
+        Acc m = 0;
+        int idx = -1;
+        for (int t0 = dr.begin; t0 < dr.end; t0 += tile_rows) {
+            const int n = min(tile_rows, dr.end - t0);
+            __syncthreads();
+            for (int k = threadIdx.x; k < n * p.dim; k += SIMT_THREADS)
+                sd[k] = Elem<T>::to_float(D[(size_t)t0 * p.dim + k]);
+            __syncthreads();
+            if (!active) continue;
+            for (int t = 0; t < n; ++t) {
+                if (p.d_valid && !p.d_valid[t0 + t]) continue;
+                Acc dot = 0;
+                const T* qrow = Q + (size_t)row * p.dim;
+                for (int k = 0; k < p.dim; ++k) dot += Elem<T>::to_float(qrow[k]) * sd[t * p.dim + k];
+                if (idx < 0 || dot > m) m = dot, idx = t0 + t - dr.begin;
+            }
+        }
+        if (active && idx >= 0) {
+            sum += m;
+            if (ARGMAX) p.argmax[(size_t)b * p.max_lq + s] = idx;
+        }
+    }
+    // Fixed-order block reduction (deterministic).
+    for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+    if (threadIdx.x % 32 == 0) partial[threadIdx.x / 32] = sum;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        Acc total = 0;
+        for (int k = 0; k < SIMT_THREADS / 32; ++k) total += partial[k];
+        p.out[b] = (float)total;
+    }
+}
+
+// Fills an int32 buffer (argmax = -1 before the forward writes the winners).
+extern "C" __global__ void maxsim_fill_i32(int32_t* x, long long n, int32_t v) {
+    for (long long k = blockIdx.x * (long long)blockDim.x + threadIdx.x; k < n; k += (long long)gridDim.x * blockDim.x)
+        x[k] = v;
+}
+
+#define MAXSIM_SIMT(NAME, T, ACC)                                                                          \
+    extern "C" __global__ void __launch_bounds__(SIMT_THREADS) NAME##_nograd(const MaxSimParams p) {  \
+        maxsim_fwd_simt<T, ACC, false>(p);                                                               \
+    }                                                                                                    \
+    extern "C" __global__ void __launch_bounds__(SIMT_THREADS) NAME##_argmax(const MaxSimParams p) {  \
+        maxsim_fwd_simt<T, ACC, true>(p);                                                                \
+    }
+MAXSIM_SIMT(maxsim_simt_f16, __half, float)
+MAXSIM_SIMT(maxsim_simt_bf16, __nv_bfloat16, float)
+MAXSIM_SIMT(maxsim_simt_f32, float, float)
+MAXSIM_SIMT(maxsim_simt_f64, double, double)

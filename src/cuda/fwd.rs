@@ -1,0 +1,407 @@
+//! Forward launch of kernels/maxsim_fwd.cu: tile-config choice (autotuned once
+//! per problem class and cached), query grouping, and the grid.
+
+use super::{device_info, fill_i32, fwd_func, launch, slice_ptr, storage_ptr, tensor_ptr, DeviceInfo};
+use crate::cpu::{self, HostProblem};
+use crate::layout::{Pairing, Problem, Seqs};
+use crate::Backward;
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::{sys, DeviceRepr};
+use candle_core::cuda_backend::WrapErr;
+use candle_core::{bail, CudaDevice, CudaStorage, DType, Device, Layout, Result, Storage, Tensor};
+use std::collections::HashMap;
+use std::sync::{Mutex, OnceLock};
+
+/// Mirror of `MaxSimParams` in kernels/common.cuh (same field order, C layout).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+struct Params {
+    q: u64,
+    d: u64,
+    q_valid: u64,
+    d_valid: u64,
+    cu_q: u64,
+    cu_d: u64,
+    q_groups: u64,
+    pair_q: u64,
+    pair_d: u64,
+    out: u64,
+    argmax: u64,
+    nq: i32,
+    nd: i32,
+    lq: i32,
+    ld: i32,
+    dim: i32,
+    max_lq: i32,
+    n_groups: i32,
+    group_size: i32,
+    n_pairs: i32,
+    docs_per_block: i32,
+    vec_ok: i32,
+}
+// SAFETY: plain old data with the layout of the C struct.
+unsafe impl DeviceRepr for Params {}
+
+/// Compiled tile configurations of the tensor-core kernel (see maxsim_fwd.cu).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum TileConfig {
+    /// 128 query rows x 64 doc rows per step, 4 warps of 32 rows: in-batch shapes.
+    Large,
+    /// 32 query rows x 128 doc rows, 4 warps along the documents: few query rows.
+    Small,
+    /// dims 129..=256: 64 query rows, 16 per warp.
+    Wide,
+}
+
+impl TileConfig {
+    fn name(self) -> &'static str {
+        match self {
+            TileConfig::Large => "large",
+            TileConfig::Small => "small",
+            TileConfig::Wide => "wide",
+        }
+    }
+    fn parse(s: &str) -> Option<Self> {
+        match s {
+            "large" => Some(TileConfig::Large),
+            "small" => Some(TileConfig::Small),
+            "wide" => Some(TileConfig::Wide),
+            _ => None,
+        }
+    }
+    /// (query rows per block, doc rows per stage, threads).
+    fn shape(self) -> (usize, usize, u32) {
+        match self {
+            TileConfig::Large => (128, 64, 128),
+            TileConfig::Small => (32, 128, 128),
+            TileConfig::Wide => (64, 64, 128),
+        }
+    }
+    fn smem(self, dpad: usize) -> u32 {
+        let (bq, bd, _) = self.shape();
+        (bq.max(2 * bd) * (dpad + 8) * 2 + 2 * bd) as u32
+    }
+}
+
+/// The kernel family a problem runs on.
+#[derive(Clone, Copy, Debug)]
+enum Path {
+    Mma { dpad: usize },
+    Simt,
+}
+
+fn path_for(info: &DeviceInfo, dtype: DType, dim: usize) -> Path {
+    let tc = matches!(dtype, DType::F16 | DType::BF16) && info.cc >= 80 && dim <= 256;
+    match (tc, dim) {
+        (true, 0..=64) => Path::Mma { dpad: 64 },
+        (true, 65..=128) => Path::Mma { dpad: 128 },
+        (true, _) => Path::Mma { dpad: 256 },
+        _ => Path::Simt,
+    }
+}
+
+fn dtype_tag(dt: DType) -> &'static str {
+    match dt {
+        DType::F16 => "f16",
+        DType::BF16 => "bf16",
+        DType::F32 => "f32",
+        _ => "f64",
+    }
+}
+
+/// What decides the best tile: layout, dtype, dim, query-length bucket,
+/// whether there are few or many query rows per document, and long documents.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct TuneKey {
+    device: usize,
+    dtype: DType,
+    dpad: usize,
+    cross: bool,
+    lq_bucket: usize,
+    many_rows: bool,
+    long_docs: bool,
+}
+
+fn tune_cache() -> &'static Mutex<HashMap<TuneKey, TileConfig>> {
+    static CACHE: OnceLock<Mutex<HashMap<TuneKey, TileConfig>>> = OnceLock::new();
+    CACHE.get_or_init(Default::default)
+}
+
+/// `CANDLE_MAXSIM_TILE=large|small|wide` pins the tile configuration (reproducible runs).
+fn pinned_config() -> Option<TileConfig> {
+    std::env::var("CANDLE_MAXSIM_TILE").ok().and_then(|s| TileConfig::parse(&s))
+}
+
+/// Groups of consecutive queries whose rows fit one tile of `bq` rows (a
+/// longer query is a group alone and is processed in chunks); at most `bq`
+/// queries per group. Returns the first query of each group, plus the end.
+fn query_groups(s: &Seqs, bq: usize) -> Vec<u32> {
+    let n = s.n();
+    let mut out = vec![0u32];
+    let mut a = 0;
+    while a < n {
+        let mut b = a + 1;
+        while b < n && b - a < bq && s.end(b) - s.start(a) <= bq {
+            b += 1;
+        }
+        out.push(b as u32);
+        a = b;
+    }
+    out
+}
+
+/// Everything a launch needs besides the config-independent pointers.
+struct Plan {
+    params: Params,
+    grid: u32,
+    /// Keeps the uploaded query-group table alive until the launch is queued.
+    _groups: Option<candle_core::cuda_backend::cudarc::driver::CudaSlice<u32>>,
+}
+
+fn plan(dev: &CudaDevice, info: &DeviceInfo, pb: &Problem, base: Params, bq: usize) -> Result<Plan> {
+    let mut p = base;
+    match &pb.pairs {
+        Pairing::List { pq_dev, pd_dev, pq, .. } => {
+            p.pair_q = tensor_ptr(pq_dev)?;
+            p.pair_d = tensor_ptr(pd_dev)?;
+            p.n_pairs = pq.len() as i32;
+            Ok(Plan { params: p, grid: pq.len() as u32, _groups: None })
+        }
+        Pairing::Cross { nq, nd } => {
+            let (nq, nd) = (*nq, *nd);
+            let mut groups_buf = None;
+            let n_groups = match &pb.q {
+                Seqs::Uniform { len, .. } if *len > 0 => {
+                    p.group_size = (bq / len).max(1) as i32;
+                    nq.div_ceil(p.group_size as usize)
+                }
+                q => {
+                    let g = query_groups(q, bq);
+                    let buf = dev.clone_htod(&g)?;
+                    p.q_groups = slice_ptr(dev, &buf);
+                    groups_buf = Some(buf);
+                    g.len() - 1
+                }
+            };
+            // Enough blocks for ~8 per SM; each block walks a chunk of documents.
+            let target = (info.sm_count as usize * 8).max(1);
+            let chunks = target.div_ceil(n_groups.max(1)).clamp(1, nd.max(1));
+            let per_block = nd.div_ceil(chunks).max(1);
+            p.docs_per_block = per_block as i32;
+            p.n_groups = n_groups as i32;
+            let grid = n_groups * nd.div_ceil(per_block);
+            if grid > u32::MAX as usize / 2 {
+                bail!("maxsim: problem too large for one launch ({grid} blocks)")
+            }
+            Ok(Plan { params: p, grid: grid as u32, _groups: groups_buf })
+        }
+    }
+}
+
+fn kernel_name(dtype: DType, path: Path, cfg: TileConfig, argmax: bool) -> String {
+    let suffix = if argmax { "argmax" } else { "nograd" };
+    match path {
+        Path::Mma { dpad } => format!("maxsim_mma_{}_{}_d{dpad}_{suffix}", dtype_tag(dtype), cfg.name()),
+        Path::Simt => format!("maxsim_simt_{}_{suffix}", dtype_tag(dtype)),
+    }
+}
+
+fn run(dev: &CudaDevice, name: &str, plan: &Plan, block: u32, smem: u32) -> Result<()> {
+    if plan.grid == 0 {
+        return Ok(());
+    }
+    let func = fwd_func(dev, name, smem)?;
+    launch(dev, &func, plan.grid, block, smem, &plan.params)
+}
+
+fn simt_smem(dtype: DType, dim: usize) -> Result<u32> {
+    let acc = if dtype == DType::F64 { 8 } else { 4 };
+    let rows = 16.min(48 * 1024 / (dim * acc).max(1));
+    if rows == 0 {
+        bail!("d: dim {dim} is too large for the CUDA fallback kernel (at most {})", 48 * 1024 / acc)
+    }
+    Ok((rows * dim * acc) as u32)
+}
+
+/// Forward on CUDA: scores `[n_pairs]` F32 and, when asked, the argmax `[n_pairs, max_lq]` I32.
+pub(crate) fn maxsim_fwd(
+    pb: &Problem,
+    s1: &CudaStorage,
+    l1: &Layout,
+    s2: &CudaStorage,
+    l2: &Layout,
+    want_argmax: bool,
+) -> Result<(CudaStorage, Option<Tensor>)> {
+    let dev = s1.device.clone();
+    let info = device_info(&dev)?;
+    let n_out = pb.n_out();
+    let max_lq = pb.q.max_len();
+    let mut out = dev.alloc_zeros::<f32>(n_out)?;
+    let mut argmax = if want_argmax {
+        let mut a = unsafe { dev.alloc::<i32>(n_out * max_lq) }?;
+        fill_i32(&dev, &mut a, -1)?;
+        Some(a)
+    } else {
+        None
+    };
+    let dtype = s1.dtype();
+    let any_rows = pb.q.rows() > 0 && pb.d.rows() > 0;
+    if n_out > 0 && any_rows {
+        let q_valid = pb.q_valid.as_ref().map(|t| t.contiguous()).transpose()?;
+        let d_valid = pb.d_valid.as_ref().map(|t| t.contiguous()).transpose()?;
+        let qp = storage_ptr(s1, l1)?;
+        let dp = storage_ptr(s2, l2)?;
+        let elem = dtype.size_in_bytes() as u64;
+        let mut base = Params {
+            q: qp,
+            d: dp,
+            q_valid: q_valid.as_ref().map(tensor_ptr).transpose()?.unwrap_or(0),
+            d_valid: d_valid.as_ref().map(tensor_ptr).transpose()?.unwrap_or(0),
+            out: slice_ptr(&dev, &out),
+            argmax: argmax.as_ref().map(|a| slice_ptr(&dev, a)).unwrap_or(0),
+            nq: pb.q.n() as i32,
+            nd: pb.d.n() as i32,
+            dim: pb.dim as i32,
+            max_lq: max_lq as i32,
+            vec_ok: (pb.dim % 8 == 0 && qp % 16 == 0 && dp % 16 == 0 && elem == 2) as i32,
+            ..Default::default()
+        };
+        if let Seqs::Packed { cu_dev, .. } = &pb.q {
+            base.cu_q = tensor_ptr(cu_dev)?;
+        }
+        if let Seqs::Packed { cu_dev, .. } = &pb.d {
+            base.cu_d = tensor_ptr(cu_dev)?;
+        }
+        base.lq = pb.q.max_len() as i32;
+        base.ld = pb.d.max_len() as i32;
+        match path_for(&info, dtype, pb.dim) {
+            Path::Simt => {
+                // One block per pair, in pair order.
+                let smem = simt_smem(dtype, pb.dim)?;
+                if let Pairing::List { pq_dev, pd_dev, .. } = &pb.pairs {
+                    base.pair_q = tensor_ptr(pq_dev)?;
+                    base.pair_d = tensor_ptr(pd_dev)?;
+                    base.n_pairs = n_out as i32;
+                }
+                let plan = Plan { params: base, grid: n_out as u32, _groups: None };
+                run(&dev, &kernel_name(dtype, Path::Simt, TileConfig::Large, want_argmax), &plan, 128, smem)?;
+            }
+            Path::Mma { dpad } => {
+                let cfg = choose_config(&dev, &info, pb, base, dtype, dpad, &mut out, argmax.as_mut())?;
+                let (bq, _, threads) = cfg.shape();
+                let plan = plan(&dev, &info, pb, base, bq)?;
+                run(&dev, &kernel_name(dtype, Path::Mma { dpad }, cfg, want_argmax), &plan, threads, cfg.smem(dpad))?;
+            }
+        }
+    }
+    let argmax = match argmax {
+        Some(a) => {
+            let st = CudaStorage::wrap_cuda_slice(a, dev.clone());
+            Some(Tensor::from((Storage::Cuda(st), (n_out, max_lq))))
+        }
+        None => None,
+    };
+    Ok((CudaStorage::wrap_cuda_slice(out, dev), argmax))
+}
+
+/// The tile configuration for this problem: pinned by env, cached, or
+/// measured now on the real inputs (each candidate timed with CUDA events).
+#[allow(clippy::too_many_arguments)]
+fn choose_config(
+    dev: &CudaDevice,
+    info: &DeviceInfo,
+    pb: &Problem,
+    base: Params,
+    dtype: DType,
+    dpad: usize,
+    out: &mut candle_core::cuda_backend::cudarc::driver::CudaSlice<f32>,
+    argmax: Option<&mut candle_core::cuda_backend::cudarc::driver::CudaSlice<i32>>,
+) -> Result<TileConfig> {
+    if dpad > 128 {
+        return Ok(TileConfig::Wide);
+    }
+    if let Some(c) = pinned_config().filter(|c| *c != TileConfig::Wide) {
+        return Ok(c);
+    }
+    let lq = pb.q.max_len();
+    let rows_per_doc = match &pb.pairs {
+        Pairing::Cross { .. } => pb.q.rows(),
+        Pairing::List { .. } => lq,
+    };
+    let key = TuneKey {
+        device: info.cc as usize * 1000 + dev.cuda_stream().context().ordinal(),
+        dtype,
+        dpad,
+        cross: matches!(pb.pairs, Pairing::Cross { .. }),
+        lq_bucket: lq.next_power_of_two().min(1024),
+        many_rows: rows_per_doc > 64,
+        long_docs: pb.d.max_len() > 512,
+    };
+    if let Some(c) = tune_cache().lock().unwrap().get(&key) {
+        return Ok(*c);
+    }
+    // Time each candidate on these inputs (scratch outputs are re-zeroed; the
+    // nograd kernels are timed, they decide the tile for both).
+    let stream = dev.cuda_stream();
+    let mut best = (f32::INFINITY, TileConfig::Large);
+    for cfg in [TileConfig::Large, TileConfig::Small] {
+        let (bq, _, threads) = cfg.shape();
+        let plan = plan(dev, info, pb, Params { argmax: 0, ..base }, bq)?;
+        let name = kernel_name(dtype, Path::Mma { dpad }, cfg, false);
+        run(dev, &name, &plan, threads, cfg.smem(dpad))?; // warm-up (module load)
+        let start = stream.record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)).w()?;
+        for _ in 0..3 {
+            run(dev, &name, &plan, threads, cfg.smem(dpad))?;
+        }
+        let end = stream.record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)).w()?;
+        let ms = start.elapsed_ms(&end).w()?;
+        if ms < best.0 {
+            best = (ms, cfg);
+        }
+    }
+    stream.memset_zeros(out).w()?;
+    if let Some(a) = argmax {
+        fill_i32(dev, a, -1)?;
+    }
+    tune_cache().lock().unwrap().insert(key, best.1);
+    Ok(best.1)
+}
+
+/// Argmax recomputed on the device (when the forward did not keep it).
+pub(crate) fn maxsim_argmax(pb: &Problem, q: &Tensor, d: &Tensor) -> Result<Tensor> {
+    let (qs, ql) = q.storage_and_layout();
+    let (ds, dl) = d.storage_and_layout();
+    match (&*qs, &*ds) {
+        (Storage::Cuda(a), Storage::Cuda(b)) => Ok(maxsim_fwd(pb, a, ql, b, dl, true)?.1.unwrap()),
+        _ => bail!("maxsim: internal error, expected CUDA tensors"),
+    }
+}
+
+/// Backward on a CUDA device. Interim: the closed-form gradient is computed
+/// by the CPU engine from the device argmax and copied back; the fused
+/// backward kernels are the subject of the next milestone (README).
+pub(crate) fn maxsim_bwd(
+    pb: &Problem,
+    _mode: Backward,
+    q: &Tensor,
+    d: &Tensor,
+    argmax: &Tensor,
+    grad: &Tensor,
+) -> Result<(Tensor, Tensor)> {
+    let qv = pb.q_valid.as_ref().map(|t| t.to_vec1::<u8>()).transpose()?;
+    let dv = pb.d_valid.as_ref().map(|t| t.to_vec1::<u8>()).transpose()?;
+    let hp = HostProblem::new(pb, qv.as_deref(), dv.as_deref());
+    let am: Vec<i32> = argmax.flatten_all()?.to_vec1()?;
+    let g: Vec<f32> = grad.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
+    let dev = q.device();
+    let (gq, gd) = if q.dtype() == DType::F64 {
+        let (a, b) = cpu::backward(&hp, &q.flatten_all()?.to_vec1::<f64>()?, &d.flatten_all()?.to_vec1::<f64>()?, &am, &g);
+        (Tensor::from_vec(a, q.shape(), &Device::Cpu)?, Tensor::from_vec(b, d.shape(), &Device::Cpu)?)
+    } else {
+        let qf: Vec<f32> = q.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
+        let df: Vec<f32> = d.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
+        let (a, b) = cpu::backward(&hp, &qf, &df, &am, &g);
+        (Tensor::from_vec(a, q.shape(), &Device::Cpu)?, Tensor::from_vec(b, d.shape(), &Device::Cpu)?)
+    };
+    Ok((gq.to_device(dev)?.to_dtype(q.dtype())?, gd.to_device(dev)?.to_dtype(d.dtype())?))
+}

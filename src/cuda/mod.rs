@@ -1,0 +1,147 @@
+//! CUDA path: PTX modules built from kernels/ by build.rs, picked per device
+//! at run time, and the launch code of each op.
+
+mod fwd;
+
+pub(crate) use fwd::{maxsim_argmax, maxsim_bwd, maxsim_fwd};
+
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::{sys, CudaFunction, CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::WrapErr;
+use candle_core::{bail, CudaDevice, CudaStorage, DType, Layout, Result, Storage, Tensor};
+use std::collections::HashMap;
+use std::sync::{Mutex, OnceLock};
+
+#[allow(dead_code)]
+mod ptx {
+    include!(concat!(env!("OUT_DIR"), "/ptx.rs"));
+}
+
+/// What the kernels need to know about a device.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct DeviceInfo {
+    /// Compute capability as major * 10 + minor.
+    pub cc: i32,
+    pub sm_count: i32,
+}
+
+pub(crate) fn device_info(dev: &CudaDevice) -> Result<DeviceInfo> {
+    static CACHE: OnceLock<Mutex<HashMap<usize, DeviceInfo>>> = OnceLock::new();
+    let stream = dev.cuda_stream();
+    let ctx = stream.context();
+    let key = ctx.ordinal();
+    let mut cache = CACHE.get_or_init(Default::default).lock().unwrap();
+    if let Some(i) = cache.get(&key) {
+        return Ok(*i);
+    }
+    use sys::CUdevice_attribute::*;
+    let major = ctx.attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR).w()?;
+    let minor = ctx.attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR).w()?;
+    let sm_count = ctx.attribute(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).w()?;
+    let info = DeviceInfo { cc: major * 10 + minor, sm_count };
+    cache.insert(key, info);
+    Ok(info)
+}
+
+/// The newest PTX module of a kernel file that this device runs.
+fn module_for(info: &DeviceInfo, sm80: &'static str, sm75: &'static str) -> (&'static str, &'static str) {
+    if info.cc >= 80 {
+        (sm80, "sm80")
+    } else {
+        (sm75, "sm75")
+    }
+}
+
+/// Loads `name` from the forward module for this device; raises the dynamic
+/// shared-memory limit when a launch needs more than the default 48 KB.
+pub(crate) fn fwd_func(dev: &CudaDevice, name: &str, smem: u32) -> Result<CudaFunction> {
+    let info = device_info(dev)?;
+    let (ptx, tag) = module_for(&info, ptx::MAXSIM_FWD_SM80, ptx::MAXSIM_FWD_SM75);
+    let func = dev.get_or_load_custom_func(name, &format!("candle_maxsim_fwd_{tag}"), ptx)?.into_cuda_function();
+    if smem > 48 * 1024 {
+        func.set_attribute(
+            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            smem as i32,
+        )
+        .w()?;
+    }
+    Ok(func)
+}
+
+/// Raw device address of a contiguous CUDA tensor (its layout offset applied)
+/// and the dtype it holds. The tensor must outlive the launch that uses it.
+pub(crate) fn tensor_ptr(t: &Tensor) -> Result<u64> {
+    let (st, layout) = t.storage_and_layout();
+    match &*st {
+        Storage::Cuda(cs) => storage_ptr(cs, layout),
+        _ => bail!("maxsim: internal error, expected a CUDA tensor"),
+    }
+}
+
+pub(crate) fn storage_ptr(cs: &CudaStorage, layout: &Layout) -> Result<u64> {
+    if !layout.is_contiguous() {
+        bail!("maxsim: internal error, CUDA operand is not contiguous")
+    }
+    let stream = cs.device.cuda_stream();
+    macro_rules! ptr {
+        ($t:ty) => {{
+            let s = cs.as_cuda_slice::<$t>()?;
+            let (p, _sync) = s.device_ptr(&stream);
+            p + (layout.start_offset() * std::mem::size_of::<$t>()) as u64
+        }};
+    }
+    Ok(match cs.dtype() {
+        DType::U8 => ptr!(u8),
+        DType::U32 => ptr!(u32),
+        DType::I64 => ptr!(i64),
+        DType::I32 => ptr!(i32),
+        DType::F16 => ptr!(half::f16),
+        DType::BF16 => ptr!(half::bf16),
+        DType::F32 => ptr!(f32),
+        DType::F64 => ptr!(f64),
+        dt => bail!("maxsim: unsupported dtype {dt:?} on CUDA"),
+    })
+}
+
+pub(crate) fn slice_ptr<T>(dev: &CudaDevice, s: &CudaSlice<T>) -> u64 {
+    let stream = dev.cuda_stream();
+    let (p, _sync) = s.device_ptr(&stream);
+    p
+}
+
+/// Launches `func` with one by-value parameter struct.
+pub(crate) fn launch<P: DeviceRepr>(
+    dev: &CudaDevice,
+    func: &CudaFunction,
+    grid: u32,
+    block: u32,
+    smem: u32,
+    params: &P,
+) -> Result<()> {
+    let cfg = LaunchConfig { grid_dim: (grid, 1, 1), block_dim: (block, 1, 1), shared_mem_bytes: smem };
+    let stream = dev.cuda_stream();
+    let mut b = stream.launch_builder(func);
+    b.arg(params);
+    // SAFETY: the parameter struct matches the kernel's signature (kernels/common.cuh).
+    unsafe { b.launch(cfg) }.w()?;
+    Ok(())
+}
+
+/// Fills an i32 buffer with `value` on the device's stream.
+pub(crate) fn fill_i32(dev: &CudaDevice, buf: &mut CudaSlice<i32>, value: i32) -> Result<()> {
+    let n = buf.len();
+    if n == 0 {
+        return Ok(());
+    }
+    let func = fwd_func(dev, "maxsim_fill_i32", 0)?;
+    let cfg = LaunchConfig { grid_dim: (n.div_ceil(256).min(4096) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+    let stream = dev.cuda_stream();
+    let mut b = stream.launch_builder(&func);
+    let n = n as i64;
+    b.arg(buf);
+    b.arg(&n);
+    b.arg(&value);
+    // SAFETY: (int32_t*, long long, int32_t) as declared in maxsim_fwd.cu.
+    unsafe { b.launch(cfg) }.w()?;
+    Ok(())
+}

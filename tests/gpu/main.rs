@@ -1,0 +1,241 @@
+//! GPU tests: the CUDA ops against `reference` and the CPU op on random
+//! inputs. Each test is skipped (with a message, not failed) where no CUDA
+//! device is available, e.g. in CI.
+
+#[path = "../common/mod.rs"]
+mod common;
+
+use candle_core::{DType, Device, IndexOp, Result, Tensor, Var};
+use candle_maxsim::{self as ms, reference as r};
+use common::*;
+
+fn gpu() -> Option<Device> {
+    match Device::new_cuda(0) {
+        Ok(d) => Some(d),
+        Err(e) => {
+            eprintln!("skipped: no CUDA device ({e})");
+            None
+        }
+    }
+}
+
+/// Issue 3 tolerances for the CUDA forward.
+fn gpu_tol(dt: DType) -> f64 {
+    match dt {
+        DType::F16 => 5e-3,
+        DType::BF16 => 2e-2,
+        _ => 1e-3,
+    }
+}
+
+const DTYPES: [DType; 3] = [DType::BF16, DType::F16, DType::F32];
+
+/// Runs the dense op on the GPU; checks it against reference (CPU, upcast) and the CPU op.
+#[allow(clippy::too_many_arguments)]
+fn dense_check(dev: &Device, nq: usize, nd: usize, lq: usize, ld: usize, dim: usize, dt: DType, masks: bool, strided: bool) -> Result<()> {
+    let cpu = Device::Cpu;
+    let (q, d) = if strided {
+        (randn_strided(nq, lq, dim, dt, &cpu)?, randn_strided(nd, ld, dim, dt, &cpu)?)
+    } else {
+        (randn(&[nq, lq, dim], dt, &cpu)?, randn(&[nd, ld, dim], dt, &cpu)?)
+    };
+    let qm = masks.then(|| rand_mask(&[nq, lq], 0.2, &cpu)).transpose()?;
+    let dm = masks.then(|| rand_mask(&[nd, ld], 0.2, &cpu)).transpose()?;
+    let qg = q.to_device(dev)?;
+    let dg = d.to_device(dev)?;
+    let qmg = qm.as_ref().map(|m| m.to_device(dev)).transpose()?;
+    let dmg = dm.as_ref().map(|m| m.to_device(dev)).transpose()?;
+    let out = ms::maxsim(&qg, &dg, qmg.as_ref(), dmg.as_ref())?.to_device(&cpu)?;
+    let what = format!("gpu dense {nq}x{nd} lq{lq} ld{ld} d{dim} {dt:?} masks={masks} strided={strided}");
+    let want = r::maxsim(&q, &d, qm.as_ref(), dm.as_ref())?;
+    assert_close(&format!("{what} vs reference"), &out, &want, gpu_tol(dt))?;
+    let cpu_out = ms::maxsim(&q, &d, qm.as_ref(), dm.as_ref())?;
+    assert_close(&format!("{what} vs cpu op"), &out, &cpu_out, gpu_tol(dt))?;
+    Ok(())
+}
+
+#[test]
+fn dense_dims_dtypes() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    for dt in DTYPES {
+        for dim in [16, 33, 96, 128, 250] {
+            dense_check(&dev, 5, 7, 32, 300, dim, dt, true, false)?;
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn dense_lengths() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    for dt in DTYPES {
+        for (lq, ld) in [(1, 300), (32, 1), (128, 1024), (600, 300), (32, 8192), (7, 13)] {
+            dense_check(&dev, 3, 4, lq, ld, 128, dt, true, false)?;
+        }
+        dense_check(&dev, 40, 33, 32, 256, 128, dt, false, false)?; // many query groups and doc chunks
+        dense_check(&dev, 1, 300, 32, 300, 128, dt, false, false)?; // rerank-like
+        dense_check(&dev, 3, 5, 20, 40, 96, dt, true, true)?; // non-contiguous
+        dense_check(&dev, 3, 5, 20, 40, 33, dt, true, true)?; // unaligned rows
+    }
+    Ok(())
+}
+
+#[test]
+fn masked_and_empty() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    for dt in DTYPES {
+        let q = randn(&[3, 5, 64], dt, &dev)?.abs()?;
+        let d = (randn(&[4, 6, 64], dt, &dev)?.abs()? * -1.0)?;
+        let mut qm = vec![1u8; 15];
+        qm[5..10].fill(0);
+        let mut dm = vec![1u8; 24];
+        dm[12..18].fill(0);
+        dm[0] = 0;
+        let qm = Tensor::from_vec(qm, (3, 5), &dev)?;
+        let dm = Tensor::from_vec(dm, (4, 6), &dev)?;
+        let v: Vec<Vec<f32>> = ms::maxsim(&q, &d, Some(&qm), Some(&dm))?.to_vec2()?;
+        for (i, row) in v.iter().enumerate() {
+            for (j, &s) in row.iter().enumerate() {
+                if i == 1 || j == 2 {
+                    assert_eq!(s, 0.0, "{dt:?} ({i},{j}) should be exactly 0");
+                } else {
+                    assert!(s < 0.0, "{dt:?} ({i},{j}) = {s}: masked tokens must not win");
+                }
+            }
+        }
+        // Empty batches: empty output, no crash.
+        let e = ms::maxsim(&randn(&[0, 4, 64], dt, &dev)?, &d, None, None)?;
+        assert_eq!(e.dims(), &[0, 4]);
+        let e = ms::maxsim(&q, &randn(&[0, 6, 64], dt, &dev)?, None, None)?;
+        assert_eq!(e.dims(), &[3, 0]);
+    }
+    Ok(())
+}
+
+#[test]
+fn kd_pairs_varlen_packed_pairs() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    let cpu = Device::Cpu;
+    for dt in DTYPES {
+        let tol = gpu_tol(dt);
+        // KD layout.
+        let q = randn(&[3, 32, 96], dt, &cpu)?;
+        let d = randn(&[3, 5, 70, 96], dt, &cpu)?;
+        let qm = rand_mask(&[3, 32], 0.2, &cpu)?;
+        let dm = rand_mask(&[3, 5, 70], 0.2, &cpu)?;
+        let out = ms::maxsim(&q.to_device(&dev)?, &d.to_device(&dev)?, Some(&qm.to_device(&dev)?), Some(&dm.to_device(&dev)?))?;
+        assert_close("gpu kd", &out.to_device(&cpu)?, &r::maxsim(&q, &d, Some(&qm), Some(&dm))?, tol)?;
+        // Pairs.
+        let d2 = randn(&[3, 50, 96], dt, &cpu)?;
+        let out = ms::maxsim_pairs(&q.to_device(&dev)?, &d2.to_device(&dev)?, None, None)?;
+        assert_close("gpu pairs", &out.to_device(&cpu)?, &r::maxsim_pairs(&q, &d2, None, None)?, tol)?;
+        // Varlen with empty sequences, and a long query (chunked).
+        let (mut cu_q, mut lq) = rand_offsets(6, 40, 3);
+        let last = *cu_q.last().unwrap();
+        cu_q.push(last + 600);
+        lq = lq.max(600);
+        let (cu_d, ld) = rand_offsets(11, 400, 4);
+        let qp = randn(&[*cu_q.last().unwrap() as usize, 128], dt, &cpu)?;
+        let dp = randn(&[*cu_d.last().unwrap() as usize, 128], dt, &cpu)?;
+        let cu_q = Tensor::new(cu_q, &cpu)?;
+        let cu_d = Tensor::new(cu_d, &cpu)?;
+        let out = ms::maxsim_varlen(&qp.to_device(&dev)?, &cu_q.to_device(&dev)?, lq, &dp.to_device(&dev)?, &cu_d.to_device(&dev)?, ld)?;
+        let want = r::maxsim_varlen(&qp, &cu_q, lq, &dp, &cu_d, ld)?;
+        assert_close("gpu varlen", &out.to_device(&cpu)?, &want, tol)?;
+        let pq = Tensor::new(&[0u32, 6, 3, 3, 1, 5, 2], &cpu)?;
+        let pd = Tensor::new(&[8u32, 0, 3, 10, 1, 8, 3], &cpu)?;
+        let out = ms::score_pairs_packed(
+            &qp.to_device(&dev)?,
+            &cu_q.to_device(&dev)?,
+            lq,
+            &dp.to_device(&dev)?,
+            &cu_d.to_device(&dev)?,
+            ld,
+            &pq.to_device(&dev)?,
+            &pd.to_device(&dev)?,
+        )?;
+        let want = r::score_pairs_packed(&qp, &cu_q, lq, &dp, &cu_d, ld, &pq, &pd)?;
+        assert_close("gpu packed pairs", &out.to_device(&cpu)?, &want, tol)?;
+    }
+    Ok(())
+}
+
+#[test]
+fn retrieve_and_layers() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    let cpu = Device::Cpu;
+    let q = randn(&[4, 32, 128], DType::F32, &cpu)?;
+    let d = randn(&[300, 64, 128], DType::F32, &cpu)?;
+    let dm = rand_mask(&[300, 64], 0.2, &cpu)?;
+    let (s, i) = ms::retrieve(&q.to_device(&dev)?, &d.to_device(&dev)?, None, Some(&dm.to_device(&dev)?), 10, 64)?;
+    let (ws, wi) = r::retrieve(&q, &d, None, Some(&dm), 10)?;
+    assert_eq!(i.to_device(&cpu)?.to_vec2::<u32>()?, wi.to_vec2::<u32>()?);
+    assert_close("gpu retrieve", &s.to_device(&cpu)?, &ws, 1e-3)?;
+    let mut m = vec![1u8; 300 * 64];
+    m[64..128].fill(0);
+    let dm = Tensor::from_vec(m, (300, 64), &dev)?;
+    let l: Vec<Vec<f32>> = ms::MaxSim.forward(&q.to_device(&dev)?, &d.to_device(&dev)?, None, Some(&dm))?.to_vec2()?;
+    assert!(l.iter().all(|row| row[1] == -1e9));
+    Ok(())
+}
+
+/// The argmax saved by the CUDA kernel picks a maximal valid token, and the
+/// reference's token wherever the best two are clearly apart.
+#[test]
+fn argmax_matches_reference() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    let cpu = Device::Cpu;
+    for dt in DTYPES {
+        let (nq, nd, lq, ld, dim) = (3, 4, 40, 200, 128);
+        let q = randn(&[nq, lq, dim], dt, &cpu)?;
+        let d = randn(&[nd, ld, dim], dt, &cpu)?;
+        let dm = rand_mask(&[nd, ld], 0.2, &cpu)?;
+        let (_, am) = ms::maxsim_with_argmax(&q.to_device(&dev)?, &d.to_device(&dev)?, None, Some(&dm.to_device(&dev)?))?;
+        let am: Vec<i32> = am.to_device(&cpu)?.flatten_all()?.to_vec1()?;
+        let sim = q.to_dtype(DType::F32)?.unsqueeze(1)?.broadcast_matmul(&d.to_dtype(DType::F32)?.transpose(1, 2)?.unsqueeze(0)?)?;
+        let sim: Vec<f32> = sim.flatten_all()?.to_vec1()?;
+        let dmv: Vec<u8> = dm.flatten_all()?.to_vec1()?;
+        let mut exact = 0;
+        for i in 0..nq {
+            for j in 0..nd {
+                for s in 0..lq {
+                    let row = &sim[((i * nd + j) * lq + s) * ld..][..ld];
+                    let mut vals: Vec<(f32, usize)> = (0..ld).filter(|&t| dmv[j * ld + t] != 0).map(|t| (row[t], t)).collect();
+                    vals.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+                    let got = am[(i * nd + j) * lq + s];
+                    assert!(got >= 0 && dmv[j * ld + got as usize] != 0, "{dt:?}: argmax {got} is not a valid token");
+                    let scale = vals[0].0.abs().max(1.0);
+                    assert!(row[got as usize] >= vals[0].0 - 2e-2 * scale, "{dt:?}: argmax value too small");
+                    if vals[0].0 - vals[1].0 > 5e-2 * scale {
+                        assert_eq!(got as usize, vals[0].1, "{dt:?}: ({i},{j},{s})");
+                        exact += 1;
+                    }
+                }
+            }
+        }
+        assert!(exact > nq * nd * lq / 2, "too few clear winners to check ({exact})");
+    }
+    Ok(())
+}
+
+/// Autograd through the CUDA forward (argmax saved on the device).
+#[test]
+fn gradients_through_cuda_forward() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    let cpu = Device::Cpu;
+    let q = randn(&[4, 32, 64], DType::F32, &cpu)?;
+    let d = randn(&[5, 100, 64], DType::F32, &cpu)?;
+    let w = randn(&[4, 5], DType::F32, &cpu)?;
+    let grads = |dev: &Device| -> Result<(Tensor, Tensor)> {
+        let (qv, dv) = (Var::from_tensor(&q.to_device(dev)?)?, Var::from_tensor(&d.to_device(dev)?)?);
+        let s = ms::maxsim(qv.as_tensor(), dv.as_tensor(), None, None)?;
+        let g = (s * w.to_device(dev)?)?.sum_all()?.backward()?;
+        Ok((g.get(qv.as_tensor()).unwrap().to_device(&cpu)?, g.get(dv.as_tensor()).unwrap().to_device(&cpu)?))
+    };
+    let (gq, gd) = grads(&dev)?;
+    let (cq, cd) = grads(&cpu)?;
+    assert_close("gpu grad q", &gq, &cq, 1e-4)?;
+    assert_close("gpu grad d", &gd, &cd, 1e-4)?;
+    let _ = gd.i(0)?;
+    Ok(())
+}
