@@ -13,7 +13,7 @@
 // path (sm_75) and for dims over 256.
 #include "common.cuh"
 
-template <typename T, int DPAD_, int WM_, int WN_, int MT_, int NT_>
+template <typename T, int DPAD_, int WM_, int WN_, int MT_, int NT_, int STAGES_>
 struct TileConfig {
     static constexpr int DPAD = DPAD_;       // dim padded to a multiple of 16 (64, 128 or 256)
     static constexpr int WM = WM_, WN = WN_; // warps along query rows / document columns
@@ -23,8 +23,10 @@ struct TileConfig {
     static constexpr int BD = WN * NT * 8;   // document rows per pipeline stage
     static constexpr int SROW = DPAD + 8;    // smem row stride (elements): +16 B keeps ldmatrix conflict-free
     static constexpr int KSTEPS = DPAD / 16;
-    static constexpr int SMEM_ROWS = (BQ > 2 * BD) ? BQ : 2 * BD; // Q staging reuses the D stages
-    static constexpr int SMEM_BYTES = SMEM_ROWS * SROW * (int)sizeof(T) + 2 * BD;
+    static constexpr int STAGES = STAGES_;   // cp.async pipeline depth (tiles in flight + 1)
+    // Q staging has its own rows so that the first D tiles load while Q does.
+    static constexpr int SMEM_ROWS = BQ + STAGES * BD;
+    static constexpr int SMEM_BYTES = SMEM_ROWS * SROW * (int)sizeof(T) + STAGES * BD;
     static_assert(NT % 2 == 0, "ldmatrix.x4 loads two n8 tiles");
 };
 
@@ -91,27 +93,7 @@ __device__ __forceinline__ void maxsim_fwd_mma(const MaxSimParams& p) {
                 row_s[r] = r0 + r - rr.begin;
             }
         }
-        // Q chunk -> smem -> A fragments in registers.
-        load_rows<C>(sbuf, Q, r0, r1 - r0, C::BQ, p.dim, p.vec_ok);
-        cp_async_commit();
-        cp_async_wait<0>();
-        __syncthreads();
-        uint32_t a[C::MT][C::KSTEPS][4];
-#pragma unroll
-        for (int mt = 0; mt < C::MT; ++mt) {
-            const int ra = (wm * C::MT + mt) * 16 + g;
-#pragma unroll
-            for (int ks = 0; ks < C::KSTEPS; ++ks) {
-                const int col = ks * 16 + 2 * c;
-                a[mt][ks][0] = *reinterpret_cast<const uint32_t*>(&sbuf[ra * C::SROW + col]);
-                a[mt][ks][1] = *reinterpret_cast<const uint32_t*>(&sbuf[(ra + 8) * C::SROW + col]);
-                a[mt][ks][2] = *reinterpret_cast<const uint32_t*>(&sbuf[ra * C::SROW + col + 8]);
-                a[mt][ks][3] = *reinterpret_cast<const uint32_t*>(&sbuf[(ra + 8) * C::SROW + col + 8]);
-            }
-        }
-        __syncthreads(); // the D stages overwrite the Q staging area
-
-        // Document pipeline: (doc, tile) steps over the block's non-empty documents.
+        // Document pipeline over (doc, tile) steps of the block's non-empty documents.
         auto first_nonempty = [&](int j) {
             while (j < w.d_end) {
                 const Range dr = d_rows(p, j);
@@ -120,14 +102,44 @@ __device__ __forceinline__ void maxsim_fwd_mma(const MaxSimParams& p) {
             }
             return j;
         };
+        auto advance = [&](int& j, int& k) {
+            const Range dr = d_rows(p, j);
+            if (++k * C::BD >= dr.end - dr.begin) j = first_nonempty(j + 1), k = 0;
+        };
+        T* sq = sbuf;                   // [BQ, SROW] query staging
+        T* sd0 = sbuf + C::BQ * C::SROW; // STAGES x [BD, SROW] document tiles
         auto load_tile = [&](int stage, int j, int k) {
             const Range dr = d_rows(p, j);
             const int start = dr.begin + k * C::BD, n = min(C::BD, dr.end - start);
-            load_rows<C>(sbuf + stage * C::BD * C::SROW, D, start, n, C::BD, p.dim, p.vec_ok);
+            load_rows<C>(sd0 + stage * C::BD * C::SROW, D, start, n, C::BD, p.dim, p.vec_ok);
             for (int r = tid; r < C::BD; r += C::NTHREADS)
                 smask[stage * C::BD + r] = r < n && (!p.d_valid || p.d_valid[start + r]);
-            cp_async_commit();
         };
+
+        // Prologue: Q (group 0) and the first STAGES-1 document tiles in flight together.
+        load_rows<C>(sq, Q, r0, r1 - r0, C::BQ, p.dim, p.vec_ok);
+        cp_async_commit();
+        int lj = first_nonempty(w.d_begin), lk = 0; // load cursor
+#pragma unroll
+        for (int s = 0; s < C::STAGES - 1; ++s) {
+            if (lj < w.d_end) load_tile(s, lj, lk), advance(lj, lk);
+            cp_async_commit(); // possibly empty: keeps the group count uniform
+        }
+        cp_async_wait<C::STAGES - 1>();
+        __syncthreads();
+        uint32_t a[C::MT][C::KSTEPS][4];
+#pragma unroll
+        for (int mt = 0; mt < C::MT; ++mt) {
+            const int ra = (wm * C::MT + mt) * 16 + g;
+#pragma unroll
+            for (int ks = 0; ks < C::KSTEPS; ++ks) {
+                const int col = ks * 16 + 2 * c;
+                a[mt][ks][0] = *reinterpret_cast<const uint32_t*>(&sq[ra * C::SROW + col]);
+                a[mt][ks][1] = *reinterpret_cast<const uint32_t*>(&sq[(ra + 8) * C::SROW + col]);
+                a[mt][ks][2] = *reinterpret_cast<const uint32_t*>(&sq[ra * C::SROW + col + 8]);
+                a[mt][ks][3] = *reinterpret_cast<const uint32_t*>(&sq[(ra + 8) * C::SROW + col + 8]);
+            }
+        }
 
         float m[C::MT][2];
         int idx[C::MT][2];
@@ -136,22 +148,16 @@ __device__ __forceinline__ void maxsim_fwd_mma(const MaxSimParams& p) {
 #pragma unroll
             for (int h = 0; h < 2; ++h) m[mt][h] = MAXSIM_NEG_INF, idx[mt][h] = -1;
 
-        int j = first_nonempty(w.d_begin), k = 0, stage = 0;
-        if (j < w.d_end) load_tile(0, j, 0);
-        while (j < w.d_end) {
+        int j = first_nonempty(w.d_begin), k = 0;
+        for (int it = 0; j < w.d_end; ++it) {
+            const int stage = it % C::STAGES;
             const Range dr = d_rows(p, j);
             const int ntiles = (dr.end - dr.begin + C::BD - 1) / C::BD;
             const int n = min(C::BD, dr.end - dr.begin - k * C::BD);
-            // Prefetch the next step into the other stage.
-            int nj = j, nk = k + 1;
-            if (nk >= ntiles) nj = first_nonempty(j + 1), nk = 0;
-            if (nj < w.d_end) {
-                load_tile(stage ^ 1, nj, nk);
-                cp_async_wait<1>();
-            } else {
-                cp_async_wait<0>();
-            }
-            __syncthreads();
+            cp_async_wait<C::STAGES - 2>(); // this step's tile has landed
+            __syncthreads();                // ... for every thread; and the stage refilled below is free
+            if (lj < w.d_end) load_tile((it + C::STAGES - 1) % C::STAGES, lj, lk), advance(lj, lk);
+            cp_async_commit();
 
             // S = Q_tile . D_tile^T on tensor cores.
             float acc[C::MT][C::NT][4];
@@ -161,7 +167,7 @@ __device__ __forceinline__ void maxsim_fwd_mma(const MaxSimParams& p) {
                 for (int nt = 0; nt < C::NT; ++nt)
 #pragma unroll
                     for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.f;
-            const T* sd = sbuf + stage * C::BD * C::SROW;
+            const T* sd = sd0 + stage * C::BD * C::SROW;
 #pragma unroll
             for (int ks = 0; ks < C::KSTEPS; ++ks) {
 #pragma unroll
@@ -248,33 +254,33 @@ __device__ __forceinline__ void maxsim_fwd_mma(const MaxSimParams& p) {
                     if (lane == 0 && q_hi[qi] > q_lo[qi]) p.out[out_index(p, w, w.q_begin + qi, j)] += s;
                 }
             }
-            __syncthreads(); // everyone is done with this stage before it is refilled
-            stage ^= 1;
-            j = nj;
-            k = nk;
+            advance(j, k);
         }
+        cp_async_wait<0>();
+        __syncthreads(); // the next chunk restages Q and the tiles
     }
 }
 
 // Entry points: maxsim_mma_<dtype>_<config>_d<DPAD>_<nograd|argmax>.
-//   large: 4 warps x 32 rows, BQ = 128 query rows, BD = 64 doc rows per stage
-//   small: 4 warps along the documents, BQ = 32, BD = 128 (few query rows: rerank, scan)
+//   large: 4 warps x 32 rows, BQ = 128 query rows, BD = 64 doc rows per stage, 4 stages
+//   small: 4 warps along the documents, BQ = 32, BD = 128, 2 stages (few query rows: rerank, scan)
 //   wide : dims 129..256, 16 rows per warp so the A fragments fit in registers
-#define MAXSIM_MMA_ENTRY(NAME, T, DPAD, WM, WN, MT, NT)                                                   \
-    extern "C" __global__ void __launch_bounds__(TileConfig<T, DPAD, WM, WN, MT, NT>::NTHREADS)          \
-        NAME##_nograd(const MaxSimParams p) {                                                             \
-        maxsim_fwd_mma<TileConfig<T, DPAD, WM, WN, MT, NT>, T, false>(p);                                \
-    }                                                                                                      \
-    extern "C" __global__ void __launch_bounds__(TileConfig<T, DPAD, WM, WN, MT, NT>::NTHREADS)          \
-        NAME##_argmax(const MaxSimParams p) {                                                             \
-        maxsim_fwd_mma<TileConfig<T, DPAD, WM, WN, MT, NT>, T, true>(p);                                 \
+#define MAXSIM_MMA_ENTRY(NAME, T, ...)                                                          \
+    extern "C" __global__ void __launch_bounds__(TileConfig<T, __VA_ARGS__>::NTHREADS)         \
+        NAME##_nograd(const MaxSimParams p) {                                                    \
+        maxsim_fwd_mma<TileConfig<T, __VA_ARGS__>, T, false>(p);                                \
+    }                                                                                             \
+    extern "C" __global__ void __launch_bounds__(TileConfig<T, __VA_ARGS__>::NTHREADS)         \
+        NAME##_argmax(const MaxSimParams p) {                                                    \
+        maxsim_fwd_mma<TileConfig<T, __VA_ARGS__>, T, true>(p);                                 \
     }
-#define MAXSIM_MMA_DTYPE(TNAME, T)                                   \
-    MAXSIM_MMA_ENTRY(maxsim_mma_##TNAME##_large_d64, T, 64, 4, 1, 2, 8)  \
-    MAXSIM_MMA_ENTRY(maxsim_mma_##TNAME##_large_d128, T, 128, 4, 1, 2, 8) \
-    MAXSIM_MMA_ENTRY(maxsim_mma_##TNAME##_small_d64, T, 64, 1, 4, 2, 4)  \
-    MAXSIM_MMA_ENTRY(maxsim_mma_##TNAME##_small_d128, T, 128, 1, 4, 2, 4) \
-    MAXSIM_MMA_ENTRY(maxsim_mma_##TNAME##_wide_d256, T, 256, 4, 1, 1, 8)
+//                                                          DPAD WM WN MT NT STAGES
+#define MAXSIM_MMA_DTYPE(TNAME, T)                                            \
+    MAXSIM_MMA_ENTRY(maxsim_mma_##TNAME##_large_d64, T, 64, 4, 1, 2, 8, 4)   \
+    MAXSIM_MMA_ENTRY(maxsim_mma_##TNAME##_large_d128, T, 128, 4, 1, 2, 8, 4) \
+    MAXSIM_MMA_ENTRY(maxsim_mma_##TNAME##_small_d64, T, 64, 1, 4, 2, 4, 2)   \
+    MAXSIM_MMA_ENTRY(maxsim_mma_##TNAME##_small_d128, T, 128, 1, 4, 2, 4, 2) \
+    MAXSIM_MMA_ENTRY(maxsim_mma_##TNAME##_wide_d256, T, 256, 4, 1, 1, 8, 3)
 MAXSIM_MMA_DTYPE(f16, __half)
 MAXSIM_MMA_DTYPE(bf16, __nv_bfloat16)
 

@@ -69,7 +69,7 @@ impl TileConfig {
             _ => None,
         }
     }
-    /// (query rows per block, doc rows per stage, threads).
+    /// (query rows per block, doc rows per stage, threads), as instantiated in maxsim_fwd.cu.
     fn shape(self) -> (usize, usize, u32) {
         match self {
             TileConfig::Large => (128, 64, 128),
@@ -77,9 +77,17 @@ impl TileConfig {
             TileConfig::Wide => (64, 64, 128),
         }
     }
+    fn stages(self) -> usize {
+        match self {
+            TileConfig::Large => 4,
+            TileConfig::Small => 2,
+            TileConfig::Wide => 3,
+        }
+    }
+    /// Dynamic shared memory: Q staging + document stages + their masks (`TileConfig::SMEM_BYTES`).
     fn smem(self, dpad: usize) -> u32 {
         let (bq, bd, _) = self.shape();
-        (bq.max(2 * bd) * (dpad + 8) * 2 + 2 * bd) as u32
+        ((bq + self.stages() * bd) * (dpad + 8) * 2 + self.stages() * bd) as u32
     }
 }
 
@@ -236,9 +244,10 @@ pub(crate) fn maxsim_fwd(
     let info = device_info(&dev)?;
     let n_out = pb.n_out();
     let max_lq = pb.q.max_len();
-    let mut out = dev.alloc_zeros::<f32>(n_out)?;
+    // CUDA allocations of 0 bytes fail: empty outputs get one spare element.
+    let mut out = dev.alloc_zeros::<f32>(n_out.max(1))?;
     let mut argmax = if want_argmax {
-        let mut a = unsafe { dev.alloc::<i32>(n_out * max_lq) }?;
+        let mut a = unsafe { dev.alloc::<i32>((n_out * max_lq).max(1)) }?;
         fill_i32(&dev, &mut a, -1)?;
         Some(a)
     } else {

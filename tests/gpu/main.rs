@@ -103,11 +103,15 @@ fn masked_and_empty() -> Result<()> {
                 }
             }
         }
-        // Empty batches: empty output, no crash.
-        let e = ms::maxsim(&randn(&[0, 4, 64], dt, &dev)?, &d, None, None)?;
+        // Empty batches (zero-size views: candle allocates no empty CUDA buffer): empty output, no crash.
+        let e = ms::maxsim(&q.narrow(0, 0, 0)?, &d, None, None)?;
         assert_eq!(e.dims(), &[0, 4]);
-        let e = ms::maxsim(&q, &randn(&[0, 6, 64], dt, &dev)?, None, None)?;
+        let e = ms::maxsim(&q, &d.narrow(0, 0, 0)?, None, None)?;
         assert_eq!(e.dims(), &[3, 0]);
+        let (cu0, cu1) = (Tensor::new(&[0u32, 0], &dev)?, Tensor::new(&[0u32, 5, 5], &dev)?);
+        let qp = randn(&[5, 64], dt, &dev)?;
+        let e = ms::maxsim_varlen(&qp.narrow(0, 0, 0)?, &cu0, 0, &qp, &cu1, 5)?;
+        assert_eq!(e.to_vec2::<f32>()?, vec![vec![0f32, 0.0]]);
     }
     Ok(())
 }
