@@ -19,6 +19,9 @@ const DEFAULT_CASES: [(&str, [usize; 5]); 6] = [
     ("scan_32q_10k", [32, 10000, 32, 256, 128]),
 ];
 
+/// One benchmarked implementation.
+type Op<'a> = dyn Fn() -> Result<Tensor> + 'a;
+
 struct Args {
     cases: Vec<(String, [usize; 5])>,
     dtype: DType,
@@ -33,7 +36,8 @@ fn parse() -> Result<Args> {
     while let Some(x) = it.next() {
         match x.as_str() {
             "--shape" => {
-                let v: Vec<usize> = it.next().unwrap_or_default().split(',').map(|s| s.trim().parse()).collect::<Result<_, _>>()?;
+                let v: Vec<usize> =
+                    it.next().unwrap_or_default().split(',').map(|s| s.trim().parse()).collect::<Result<_, _>>()?;
                 if v.len() != 5 {
                     bail!("--shape takes Nq,Nd,Lq,Ld,dim")
                 }
@@ -81,7 +85,11 @@ mod mem {
     pub fn reset() -> u64 {
         let mut zero: u64 = 0;
         unsafe {
-            sys::cuMemPoolSetAttribute(pool(), sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH, &mut zero as *mut u64 as *mut _)
+            sys::cuMemPoolSetAttribute(
+                pool(),
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+                &mut zero as *mut u64 as *mut _,
+            )
         };
         attr(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT)
     }
@@ -131,7 +139,7 @@ fn main() -> Result<()> {
         let q = Tensor::randn(0f32, 1., (*nq, *lq, *dim), &dev)?.to_dtype(args.dtype)?;
         let d = Tensor::randn(0f32, 1., (*nd, *ld, *dim), &dev)?.to_dtype(args.dtype)?;
         let flop = 2.0 * (*nq * *nd * *lq * *ld * *dim) as f64;
-        let mut impls: Vec<(&str, Box<dyn Fn() -> Result<Tensor>>)> =
+        let mut impls: Vec<(&str, Box<Op>)> =
             vec![("fused", Box::new(|| Ok(candle_maxsim::maxsim(&q, &d, None, None)?)))];
         // The naive path materializes [Nq, Nd, Lq, Ld] in f32: skip it past 40 GB.
         if args.reference && (nq * nd * lq * ld * 4) as f64 <= 40e9 {

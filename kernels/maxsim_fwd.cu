@@ -32,22 +32,29 @@ struct TileConfig {
 
 #if __CUDA_ARCH__ >= 800
 
-// Copies rows [row0, row0 + n) of a [*, dim] matrix into a [rows, SROW] smem
-// tile, zero-filling the padding columns and the rows past n. Async (cp.async)
-// when rows are 16-byte aligned, plain loads otherwise.
-template <typename C, typename T>
-__device__ __forceinline__ void load_rows(T* smem, const T* g, int row0, int n, int rows, int dim, bool vec_ok) {
-    constexpr int VEC = 8; // elements per 16 bytes
-    constexpr int CHUNKS = C::DPAD / VEC;
+// Copies rows [row0, row0 + n) of a [*, dim] matrix into a [ROWS, SROW] smem
+// tile, zero-filling the padding columns and the rows past n. Async (cp.async,
+// 16 B per thread per row, each thread always the same column) when rows are
+// 16-byte aligned, plain loads otherwise.
+template <typename C, int ROWS, typename T>
+__device__ __forceinline__ void load_rows(T* smem, const T* g, int row0, int n, int dim, bool vec_ok) {
+    constexpr int CHUNKS = C::DPAD / 8;          // 16-byte chunks per row
+    constexpr int RPP = C::NTHREADS / CHUNKS;    // rows per pass
+    static_assert(C::NTHREADS % CHUNKS == 0 && ROWS % RPP == 0, "tile shape");
     if (vec_ok) {
-        for (int k = threadIdx.x; k < rows * CHUNKS; k += C::NTHREADS) {
-            const int r = k / CHUNKS, col = (k % CHUNKS) * VEC;
-            const bool ok = r < n && col < dim;
-            const T* src = ok ? g + (size_t)(row0 + r) * dim + col : g;
-            cp_async16(smem + r * C::SROW + col, src, ok ? 16 : 0);
+        // Few instructions per copy: the pointer walks by a precomputed stride.
+        const int col = (threadIdx.x % CHUNKS) * 8, r0 = threadIdx.x / CHUNKS;
+        const bool col_ok = col < dim;
+        const T* src = g + ((size_t)row0 + r0) * dim + col;
+        const size_t step = (size_t)RPP * dim;
+        const uint32_t dst = (uint32_t)__cvta_generic_to_shared(smem + r0 * C::SROW + col);
+#pragma unroll
+        for (int i = 0; i < ROWS / RPP; ++i, src += step) {
+            const bool ok = col_ok && r0 + i * RPP < n;
+            cp_async16_s(dst + i * RPP * C::SROW * (int)sizeof(T), ok ? src : g, ok ? 16 : 0);
         }
     } else {
-        for (int k = threadIdx.x; k < rows * C::DPAD; k += C::NTHREADS) {
+        for (int k = threadIdx.x; k < ROWS * C::DPAD; k += C::NTHREADS) {
             const int r = k / C::DPAD, col = k % C::DPAD;
             T v = T(0.0f);
             if (r < n && col < dim) v = g[(size_t)(row0 + r) * dim + col];
@@ -111,13 +118,15 @@ __device__ __forceinline__ void maxsim_fwd_mma(const MaxSimParams& p) {
         auto load_tile = [&](int stage, int j, int k) {
             const Range dr = d_rows(p, j);
             const int start = dr.begin + k * C::BD, n = min(C::BD, dr.end - start);
-            load_rows<C>(sd0 + stage * C::BD * C::SROW, D, start, n, C::BD, p.dim, p.vec_ok);
-            for (int r = tid; r < C::BD; r += C::NTHREADS)
-                smask[stage * C::BD + r] = r < n && (!p.d_valid || p.d_valid[start + r]);
+            load_rows<C, C::BD>(sd0 + stage * C::BD * C::SROW, D, start, n, p.dim, p.vec_ok);
+            // Column validity, read by the epilogue only for masked or partial tiles.
+            if (p.d_valid || n < C::BD)
+                for (int r = tid; r < C::BD; r += C::NTHREADS)
+                    smask[stage * C::BD + r] = r < n && (!p.d_valid || p.d_valid[start + r]);
         };
 
         // Prologue: Q (group 0) and the first STAGES-1 document tiles in flight together.
-        load_rows<C>(sq, Q, r0, r1 - r0, C::BQ, p.dim, p.vec_ok);
+        load_rows<C, C::BQ>(sq, Q, r0, r1 - r0, p.dim, p.vec_ok);
         cp_async_commit();
         int lj = first_nonempty(w.d_begin), lk = 0; // load cursor
 #pragma unroll
@@ -184,25 +193,40 @@ __device__ __forceinline__ void maxsim_fwd_mma(const MaxSimParams& p) {
                 }
             }
 
-            // Running max (and argmax) over this tile's valid columns.
-            const bool dense_tile = n == C::BD && !p.d_valid;
-            const uint8_t* sm = smask + stage * C::BD;
+            // Running max (and argmax) over this tile's valid columns. Branch-free:
+            // full unmasked tiles skip the validity test altogether.
+            const int col0 = k * C::BD + wn * C::NT * 8 + 2 * c; // doc-local index of this thread's first column
+            auto update = [&](float& mv, int& iv, float v, int col) {
+                if (ARGMAX) {
+                    const bool u = v > mv; // strict: ties keep the lower index
+                    mv = u ? v : mv;
+                    iv = u ? col : iv;
+                } else {
+                    mv = fmaxf(mv, v);
+                }
+            };
+            if (n == C::BD && !p.d_valid) {
 #pragma unroll
-            for (int mt = 0; mt < C::MT; ++mt)
+                for (int mt = 0; mt < C::MT; ++mt)
 #pragma unroll
-                for (int nt = 0; nt < C::NT; ++nt)
+                    for (int nt = 0; nt < C::NT; ++nt)
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int h = e / 2;
-                        const int col = wn * C::NT * 8 + nt * 8 + 2 * c + (e % 2);
-                        const float v = acc[mt][nt][e];
-                        const bool ok = dense_tile || sm[col];
-                        if (ARGMAX) {
-                            if (ok && v > m[mt][h]) m[mt][h] = v, idx[mt][h] = k * C::BD + col;
-                        } else if (ok) {
-                            m[mt][h] = fmaxf(m[mt][h], v);
+                        for (int e = 0; e < 4; ++e)
+                            update(m[mt][e / 2], idx[mt][e / 2], acc[mt][nt][e], col0 + nt * 8 + e % 2);
+            } else {
+                const uint8_t* sm = smask + stage * C::BD + wn * C::NT * 8 + 2 * c;
+#pragma unroll
+                for (int nt = 0; nt < C::NT; ++nt) {
+                    const bool ok0 = sm[nt * 8], ok1 = sm[nt * 8 + 1];
+#pragma unroll
+                    for (int mt = 0; mt < C::MT; ++mt)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            const float v = (e % 2 ? ok1 : ok0) ? acc[mt][nt][e] : MAXSIM_NEG_INF;
+                            update(m[mt][e / 2], idx[mt][e / 2], v, col0 + nt * 8 + e % 2);
                         }
-                    }
+                }
+            }
 
             if (k == ntiles - 1) {
                 // End of document j: rows reduced over the quad, then over the warps along N.

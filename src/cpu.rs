@@ -57,14 +57,7 @@ pub(crate) struct HostProblem<'a> {
 
 impl<'a> HostProblem<'a> {
     pub fn new(p: &'a Problem, q_valid: Option<&'a [u8]>, d_valid: Option<&'a [u8]>) -> Self {
-        Self {
-            dim: p.dim,
-            q: &p.q,
-            d: &p.d,
-            q_valid,
-            d_valid,
-            pairs: &p.pairs,
-        }
+        Self { dim: p.dim, q: &p.q, d: &p.d, q_valid, d_valid, pairs: &p.pairs }
     }
     #[inline]
     fn q_ok(&self, row: usize) -> bool {
@@ -98,14 +91,7 @@ fn items(p: &HostProblem) -> Vec<Item> {
             let dg = groups(p.d, *nd, D_TILE);
             for &(q0, q1) in &qg {
                 for &(j0, j1) in &dg {
-                    out.push(Item {
-                        q0,
-                        q1,
-                        j0,
-                        j1,
-                        base: q0 * nd + j0,
-                        stride: *nd,
-                    });
+                    out.push(Item { q0, q1, j0, j1, base: q0 * nd + j0, stride: *nd });
                 }
             }
         }
@@ -126,14 +112,7 @@ fn items(p: &HostProblem) -> Vec<Item> {
                     rows += r;
                     p1 += 1;
                 }
-                out.push(Item {
-                    q0: i,
-                    q1: i + 1,
-                    j0,
-                    j1: j0 + (p1 - p0),
-                    base: p0,
-                    stride: 0,
-                });
+                out.push(Item { q0: i, q1: i + 1, j0, j1: j0 + (p1 - p0), base: p0, stride: 0 });
                 p0 = p1;
             }
         }

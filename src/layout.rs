@@ -63,11 +63,7 @@ impl Seqs {
     /// `rows`, longest sequence ≤ `max_len`) and reads it to the host once.
     pub fn packed(arg: &str, cu: &Tensor, rows: usize, max_arg: &str, max_len: usize) -> Result<Self> {
         if cu.dtype() != DType::U32 || cu.rank() != 1 || cu.dim(0)? == 0 {
-            bail!(
-                "{arg}: expected a rank-1 U32 offsets tensor [N+1], got {:?} {:?}",
-                cu.dtype(),
-                cu.dims()
-            )
+            bail!("{arg}: expected a rank-1 U32 offsets tensor [N+1], got {:?} {:?}", cu.dtype(), cu.dims())
         }
         let host: Vec<u32> = cu.to_vec1()?;
         if host[0] != 0 {
@@ -76,7 +72,13 @@ impl Seqs {
         let mut longest = 0usize;
         for (k, w) in host.windows(2).enumerate() {
             if w[1] < w[0] {
-                bail!("{arg}: offsets must be non-decreasing, but {arg}[{}] = {} > {arg}[{}] = {}", k, w[0], k + 1, w[1])
+                bail!(
+                    "{arg}: offsets must be non-decreasing, but {arg}[{}] = {} > {arg}[{}] = {}",
+                    k,
+                    w[0],
+                    k + 1,
+                    w[1]
+                )
             }
             longest = longest.max((w[1] - w[0]) as usize);
         }
@@ -87,11 +89,7 @@ impl Seqs {
         if longest > max_len {
             bail!("{max_arg}: {max_len} is smaller than the longest sequence in {arg} ({longest})")
         }
-        Ok(Seqs::Packed {
-            cu: Arc::new(host),
-            cu_dev: cu.contiguous()?,
-            max_len,
-        })
+        Ok(Seqs::Packed { cu: Arc::new(host), cu_dev: cu.contiguous()?, max_len })
     }
 }
 
@@ -131,12 +129,7 @@ impl Pairing {
         let n = pq.len();
         let pq_dev = Tensor::from_vec(pq.clone(), n, device)?;
         let pd_dev = Tensor::from_vec(pd.clone(), n, device)?;
-        Ok(Pairing::List {
-            pq: Arc::new(pq),
-            pd: Arc::new(pd),
-            pq_dev,
-            pd_dev,
-        })
+        Ok(Pairing::List { pq: Arc::new(pq), pd: Arc::new(pd), pq_dev, pd_dev })
     }
 
     /// A user-supplied pair list: U32 rank-1, equal lengths, indices in range.

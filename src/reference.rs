@@ -56,7 +56,13 @@ pub fn maxsim(q: &Tensor, d: &Tensor, q_mask: Option<&Tensor>, d_mask: Option<&T
 }
 
 /// Naive [`crate::maxsim_with`] (3-D `d`: cross product; 4-D `d`: KD layout).
-pub fn maxsim_with(q: &Tensor, d: &Tensor, q_mask: Option<&Tensor>, d_mask: Option<&Tensor>, opts: &MaxSimOptions) -> Result<Tensor> {
+pub fn maxsim_with(
+    q: &Tensor,
+    d: &Tensor,
+    q_mask: Option<&Tensor>,
+    d_mask: Option<&Tensor>,
+    opts: &MaxSimOptions,
+) -> Result<Tensor> {
     let (nq, lq, _) = q.dims3()?;
     let qf = prep(q, opts.normalize)?;
     let df = prep(d, opts.normalize)?;
@@ -129,7 +135,14 @@ pub fn pad_packed(x: &Tensor, cu: &Tensor, max_len: usize) -> Result<(Tensor, Te
 }
 
 /// Naive [`crate::maxsim_varlen`]: pad, mask, score.
-pub fn maxsim_varlen(q: &Tensor, cu_q: &Tensor, max_lq: usize, d: &Tensor, cu_d: &Tensor, max_ld: usize) -> Result<Tensor> {
+pub fn maxsim_varlen(
+    q: &Tensor,
+    cu_q: &Tensor,
+    max_lq: usize,
+    d: &Tensor,
+    cu_d: &Tensor,
+    max_ld: usize,
+) -> Result<Tensor> {
     let (qp, qm) = pad_packed(q, cu_q, max_lq)?;
     let (dp, dm) = pad_packed(d, cu_d, max_ld)?;
     maxsim(&qp, &dp, Some(&qm), Some(&dm))
@@ -192,7 +205,14 @@ pub fn decompress(codes: &Tensor, residuals: &Tensor, codec: &ResidualCodec) -> 
 }
 
 /// Naive [`crate::maxsim_residual`].
-pub fn maxsim_residual(q: &Tensor, codes: &Tensor, residuals: &Tensor, doc_lens: &Tensor, codec: &ResidualCodec, normalize: bool) -> Result<Tensor> {
+pub fn maxsim_residual(
+    q: &Tensor,
+    codes: &Tensor,
+    residuals: &Tensor,
+    doc_lens: &Tensor,
+    codec: &ResidualCodec,
+    normalize: bool,
+) -> Result<Tensor> {
     let (nd, ld) = codes.dims2()?;
     let dim = q.dim(2)?;
     let lens: Vec<u32> = doc_lens.to_vec1()?;
@@ -235,7 +255,14 @@ pub fn plaid_approx_score(qcs: &Tensor, codes: &Tensor, doc_lens: &Tensor) -> Re
 }
 
 /// Naive [`crate::maxsim_from_hidden`]: project, (normalize), score.
-pub fn maxsim_from_hidden(q: &Tensor, h_d: &Tensor, w: &Tensor, b: Option<&Tensor>, d_mask: Option<&Tensor>, normalize: bool) -> Result<Tensor> {
+pub fn maxsim_from_hidden(
+    q: &Tensor,
+    h_d: &Tensor,
+    w: &Tensor,
+    b: Option<&Tensor>,
+    d_mask: Option<&Tensor>,
+    normalize: bool,
+) -> Result<Tensor> {
     let wd = work_dtype(q);
     let mut d = h_d.to_dtype(wd)?.broadcast_matmul(&w.to_dtype(wd)?.t()?)?;
     if let Some(b) = b {
@@ -246,7 +273,13 @@ pub fn maxsim_from_hidden(q: &Tensor, h_d: &Tensor, w: &Tensor, b: Option<&Tenso
 }
 
 /// Naive [`crate::retrieve`]: score everything, sort on the host.
-pub fn retrieve(q: &Tensor, d: &Tensor, q_mask: Option<&Tensor>, d_mask: Option<&Tensor>, top_k: usize) -> Result<(Tensor, Tensor)> {
+pub fn retrieve(
+    q: &Tensor,
+    d: &Tensor,
+    q_mask: Option<&Tensor>,
+    d_mask: Option<&Tensor>,
+    top_k: usize,
+) -> Result<(Tensor, Tensor)> {
     let s: Vec<Vec<f32>> = maxsim(q, d, q_mask, d_mask)?.to_vec2()?;
     let k = top_k.min(d.dim(0)?);
     let (mut vs, mut is) = (Vec::new(), Vec::new());

@@ -191,9 +191,17 @@ fn plan(dev: &CudaDevice, info: &DeviceInfo, pb: &Problem, base: Params, bq: usi
                     g.len() - 1
                 }
             };
-            // Enough blocks for ~8 per SM; each block walks a chunk of documents.
-            let target = (info.sm_count as usize * 8).max(1);
-            let chunks = target.div_ceil(n_groups.max(1)).clamp(1, nd.max(1));
+            // Each block walks a chunk of documents (the pipeline runs on across
+            // documents). Pick the chunking that minimises waves x work per block,
+            // counting one document of per-block setup; 2 blocks fit an SM.
+            let capacity = (info.sm_count as usize * 2).max(1);
+            let cost = |chunks: usize| {
+                let per = nd.div_ceil(chunks);
+                let blocks = n_groups * nd.div_ceil(per);
+                (blocks.div_ceil(capacity) * (per + 1), blocks)
+            };
+            let max_chunks = nd.clamp(1, 4 * capacity.div_ceil(n_groups.max(1)));
+            let chunks = (1..=max_chunks).min_by_key(|&c| cost(c)).unwrap_or(1);
             let per_block = nd.div_ceil(chunks).max(1);
             p.docs_per_block = per_block as i32;
             p.n_groups = n_groups as i32;
@@ -272,7 +280,7 @@ pub(crate) fn maxsim_fwd(
             nd: pb.d.n() as i32,
             dim: pb.dim as i32,
             max_lq: max_lq as i32,
-            vec_ok: (pb.dim % 8 == 0 && qp % 16 == 0 && dp % 16 == 0 && elem == 2) as i32,
+            vec_ok: (pb.dim.is_multiple_of(8) && qp.is_multiple_of(16) && dp.is_multiple_of(16) && elem == 2) as i32,
             ..Default::default()
         };
         if let Seqs::Packed { cu_dev, .. } = &pb.q {
@@ -404,7 +412,8 @@ pub(crate) fn maxsim_bwd(
     let g: Vec<f32> = grad.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
     let dev = q.device();
     let (gq, gd) = if q.dtype() == DType::F64 {
-        let (a, b) = cpu::backward(&hp, &q.flatten_all()?.to_vec1::<f64>()?, &d.flatten_all()?.to_vec1::<f64>()?, &am, &g);
+        let (a, b) =
+            cpu::backward(&hp, &q.flatten_all()?.to_vec1::<f64>()?, &d.flatten_all()?.to_vec1::<f64>()?, &am, &g);
         (Tensor::from_vec(a, q.shape(), &Device::Cpu)?, Tensor::from_vec(b, d.shape(), &Device::Cpu)?)
     } else {
         let qf: Vec<f32> = q.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;

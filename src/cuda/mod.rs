@@ -6,7 +6,9 @@ mod fwd;
 pub(crate) use fwd::{maxsim_argmax, maxsim_bwd, maxsim_fwd};
 
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{sys, CudaFunction, CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{
+    sys, CudaFunction, CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
+};
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{bail, CudaDevice, CudaStorage, DType, Layout, Result, Storage, Tensor};
 use std::collections::HashMap;
@@ -59,11 +61,8 @@ pub(crate) fn fwd_func(dev: &CudaDevice, name: &str, smem: u32) -> Result<CudaFu
     let (ptx, tag) = module_for(&info, ptx::MAXSIM_FWD_SM80, ptx::MAXSIM_FWD_SM75);
     let func = dev.get_or_load_custom_func(name, &format!("candle_maxsim_fwd_{tag}"), ptx)?.into_cuda_function();
     if smem > 48 * 1024 {
-        func.set_attribute(
-            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            smem as i32,
-        )
-        .w()?;
+        func.set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
+            .w()?;
     }
     Ok(func)
 }
@@ -134,7 +133,11 @@ pub(crate) fn fill_i32(dev: &CudaDevice, buf: &mut CudaSlice<i32>, value: i32) -
         return Ok(());
     }
     let func = fwd_func(dev, "maxsim_fill_i32", 0)?;
-    let cfg = LaunchConfig { grid_dim: (n.div_ceil(256).min(4096) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+    let cfg = LaunchConfig {
+        grid_dim: (n.div_ceil(256).min(4096) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
     let stream = dev.cuda_stream();
     let mut b = stream.launch_builder(&func);
     let n = n as i64;

@@ -22,12 +22,7 @@ pub(crate) struct MaxSimOp {
 
 impl MaxSimOp {
     pub fn new(problem: Problem, backward: Backward) -> Self {
-        Self {
-            problem,
-            backward,
-            save_argmax: false,
-            saved: Mutex::new(None),
-        }
+        Self { problem, backward, save_argmax: false, saved: Mutex::new(None) }
     }
 
     /// Runs the op on packed `q` / `d`, with autograd when either tracks a gradient.
@@ -74,7 +69,9 @@ impl MaxSimOp {
         let dv = Self::host_flags(&self.problem.d_valid)?;
         let hp = HostProblem::new(&self.problem, qv.as_deref(), dv.as_deref());
         Ok(match q.dtype() {
-            DType::F64 => cpu::forward(&hp, &q.flatten_all()?.to_vec1::<f64>()?, &d.flatten_all()?.to_vec1::<f64>()?, want_argmax),
+            DType::F64 => {
+                cpu::forward(&hp, &q.flatten_all()?.to_vec1::<f64>()?, &d.flatten_all()?.to_vec1::<f64>()?, want_argmax)
+            }
             _ => cpu::forward(&hp, &to_f32_vec(q)?, &to_f32_vec(d)?, want_argmax),
         })
     }
@@ -158,7 +155,13 @@ impl CustomOp2 for MaxSimOp {
         let dev = q.device();
         let (gq, gd) = match q.dtype() {
             DType::F64 => {
-                let (gq, gd) = cpu::backward(&hp, &q.flatten_all()?.to_vec1::<f64>()?, &d.flatten_all()?.to_vec1::<f64>()?, &am, &g);
+                let (gq, gd) = cpu::backward(
+                    &hp,
+                    &q.flatten_all()?.to_vec1::<f64>()?,
+                    &d.flatten_all()?.to_vec1::<f64>()?,
+                    &am,
+                    &g,
+                );
                 (Tensor::from_vec(gq, q.shape(), dev)?, Tensor::from_vec(gd, d.shape(), dev)?)
             }
             dt => {

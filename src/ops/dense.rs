@@ -52,7 +52,13 @@ struct Dense {
 }
 
 impl Dense {
-    fn new(q: &Tensor, d: &Tensor, q_mask: Option<&Tensor>, d_mask: Option<&Tensor>, opts: &MaxSimOptions) -> Result<Self> {
+    fn new(
+        q: &Tensor,
+        d: &Tensor,
+        q_mask: Option<&Tensor>,
+        d_mask: Option<&Tensor>,
+        opts: &MaxSimOptions,
+    ) -> Result<Self> {
         check_rank("q", q, &[3], "rank 3 [Nq, Lq, dim]")?;
         check_rank("d", d, &[3, 4], "rank 3 [Nd, Ld, dim] or rank 4 [Nq, K, Ld, dim]")?;
         let (nq, lq, dim) = q.dims3()?;

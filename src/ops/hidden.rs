@@ -43,10 +43,7 @@ pub fn maxsim_from_hidden(
         proj = proj.broadcast_add(b)?;
     }
     let d = proj.reshape((nd, ld, dout))?;
-    let opts = MaxSimOptions {
-        normalize,
-        ..Default::default()
-    };
+    let opts = MaxSimOptions { normalize, ..Default::default() };
     // normalize applies to both sides: q is a unit vector already for a
     // ColBERT head, where it is a no-op.
     maxsim_with(q, &d, None, d_mask, &opts)

@@ -52,7 +52,7 @@ pub fn bucket_index(row: &[u8], k: usize, nbits: usize, order: BitOrder) -> u8 {
 pub fn pack_bucket_indices(indices: &[u8], nbits: usize, order: BitOrder) -> Result<Vec<u8>> {
     check_nbits(nbits)?;
     let per = 8 / nbits;
-    if indices.len() % per != 0 {
+    if !indices.len().is_multiple_of(per) {
         bail!("indices: length {} is not a multiple of {per} (8 / nbits)", indices.len())
     }
     let mut out = vec![0u8; indices.len() / per];
@@ -85,7 +85,10 @@ fn codes_host(codes: &Tensor) -> Result<Vec<u32>> {
             .to_vec1::<i64>()?
             .into_iter()
             .enumerate()
-            .map(|(k, c)| u32::try_from(c).map_err(|_| candle_core::Error::Msg(format!("codes: codes[{k}] = {c} is negative or too large"))))
+            .map(|(k, c)| {
+                u32::try_from(c)
+                    .map_err(|_| candle_core::Error::Msg(format!("codes: codes[{k}] = {c} is negative or too large")))
+            })
             .collect(),
         dt => bail!("codes: expected U32 or I64 centroid codes, got {dt:?}"),
     }
@@ -108,7 +111,7 @@ impl ResidualCodec {
                 self.bucket_weights.dims()
             )
         }
-        if (dim * self.nbits) % 8 != 0 {
+        if !(dim * self.nbits).is_multiple_of(8) {
             bail!("nbits: dim {dim} · nbits {} is not a whole number of bytes", self.nbits)
         }
         Ok(())
@@ -200,9 +203,7 @@ pub fn maxsim_residual(
         d_valid: Some(d_valid),
         pairs: Pairing::Cross { nq, nd },
     };
-    MaxSimOp::new(problem, Backward::Unified)
-        .apply(&q.reshape((nq * lq, dim))?, &d)?
-        .reshape((nq, nd))
+    MaxSimOp::new(problem, Backward::Unified).apply(&q.reshape((nq * lq, dim))?, &d)?.reshape((nq, nd))
 }
 
 /// Exact MaxSim against packed compressed documents: `codes [T]`,
@@ -244,9 +245,7 @@ pub fn maxsim_residual_varlen(
         d_valid: None,
         pairs: Pairing::Cross { nq, nd },
     };
-    MaxSimOp::new(problem, Backward::Unified)
-        .apply(&q.reshape((nq * lq, dim))?, &d)?
-        .reshape((nq, nd))
+    MaxSimOp::new(problem, Backward::Unified).apply(&q.reshape((nq * lq, dim))?, &d)?.reshape((nq, nd))
 }
 
 /// PLAID's centroid-only approximate score: `score[b] = Σ_s max_{t < len_b}
@@ -277,7 +276,15 @@ impl CustomOp3 for PlaidApprox {
         "plaid_approx_score"
     }
 
-    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout, s3: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
         let (n_c, lq) = l1.shape().dims2()?;
         let (b, ld) = l2.shape().dims2()?;
         let (CpuStorage::F32(qcs), CpuStorage::U32(lens)) = (s1, s3) else {

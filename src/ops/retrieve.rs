@@ -41,15 +41,14 @@ pub fn retrieve(
         for (row, top) in s.iter().zip(best.iter_mut()) {
             top.extend(row.iter().enumerate().map(|(j, &v)| (v, (start + j) as u32)));
             // Best first; ties (and NaN, ranked last) by ascending document index.
-            top.sort_by(|a, b| b.0.partial_cmp(&a.0).unwrap_or_else(|| a.0.is_nan().cmp(&b.0.is_nan())).then(a.1.cmp(&b.1)));
+            top.sort_by(|a, b| {
+                b.0.partial_cmp(&a.0).unwrap_or_else(|| a.0.is_nan().cmp(&b.0.is_nan())).then(a.1.cmp(&b.1))
+            });
             top.truncate(k);
         }
         start += len;
     }
     let scores: Vec<f32> = best.iter().flat_map(|t| t.iter().map(|x| x.0)).collect();
     let idx: Vec<u32> = best.iter().flat_map(|t| t.iter().map(|x| x.1)).collect();
-    Ok((
-        Tensor::from_vec(scores, (nq, k), q.device())?,
-        Tensor::from_vec(idx, (nq, k), q.device())?,
-    ))
+    Ok((Tensor::from_vec(scores, (nq, k), q.device())?, Tensor::from_vec(idx, (nq, k), q.device())?))
 }

@@ -22,14 +22,7 @@ pub fn maxsim_varlen(
     let (qs, ds, dim) = packed_seqs(q, cu_q, max_lq, d, cu_d, max_ld)?;
     let (nq, nd) = (qs.n(), ds.n());
     let backward = resolve_backward(Backward::Auto, false, nq, nd, max_lq);
-    let problem = Problem {
-        dim,
-        q: qs,
-        d: ds,
-        q_valid: None,
-        d_valid: None,
-        pairs: Pairing::Cross { nq, nd },
-    };
+    let problem = Problem { dim, q: qs, d: ds, q_valid: None, d_valid: None, pairs: Pairing::Cross { nq, nd } };
     MaxSimOp::new(problem, backward).apply(q, d)?.reshape((nq, nd))
 }
 
@@ -50,14 +43,7 @@ pub fn score_pairs_packed(
     check_device("pair_q", pair_q, q.device())?;
     check_device("pair_d", pair_d, q.device())?;
     let pairs = Pairing::list_checked(pair_q, pair_d, qs.n(), ds.n())?;
-    let problem = Problem {
-        dim,
-        q: qs,
-        d: ds,
-        q_valid: None,
-        d_valid: None,
-        pairs,
-    };
+    let problem = Problem { dim, q: qs, d: ds, q_valid: None, d_valid: None, pairs };
     MaxSimOp::new(problem, Backward::Unified).apply(q, d)
 }
 

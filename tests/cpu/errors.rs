@@ -70,7 +70,10 @@ fn residual_errors() -> Result<()> {
     let res = Tensor::zeros((2, 3, 4), DType::U8, &dev)?;
     let lens = Tensor::new(&[3u32, 2], &dev)?;
     expect_err(ms::maxsim_residual(&q, &codes, &res, &lens, &codec(3)?, false), "nbits");
-    expect_err(ms::maxsim_residual(&q, &codes, &Tensor::zeros((2, 3, 5), DType::U8, &dev)?, &lens, &codec(2)?, false), "residual");
+    expect_err(
+        ms::maxsim_residual(&q, &codes, &Tensor::zeros((2, 3, 5), DType::U8, &dev)?, &lens, &codec(2)?, false),
+        "residual",
+    );
     let bad = Tensor::new(&[[1u32, 2, 10], [4, 5, 6]], &dev)?;
     expect_err(ms::maxsim_residual(&q, &bad, &res, &lens, &codec(2)?, false), "codes");
     expect_err(ms::maxsim_residual(&q, &codes, &res, &Tensor::new(&[4u32, 2], &dev)?, &codec(2)?, false), "doc_lens");

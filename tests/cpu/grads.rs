@@ -79,8 +79,8 @@ fn finite_differences_from_hidden() -> Result<()> {
     let t: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
     let s = ms::maxsim_from_hidden(&t[0], &t[1], &t[2], Some(&t[3]), Some(&dm), true)?;
     let g = (s * &w8)?.sum_all()?.backward()?;
-    for k in 0..4 {
-        check_fd(&f, &ins, k, g.get(&t[k]).unwrap(), &format!("from_hidden input {k}"))?;
+    for (k, tk) in t.iter().enumerate() {
+        check_fd(&f, &ins, k, g.get(tk).unwrap(), &format!("from_hidden input {k}"))?;
     }
     Ok(())
 }

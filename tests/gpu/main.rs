@@ -32,7 +32,17 @@ const DTYPES: [DType; 3] = [DType::BF16, DType::F16, DType::F32];
 
 /// Runs the dense op on the GPU; checks it against reference (CPU, upcast) and the CPU op.
 #[allow(clippy::too_many_arguments)]
-fn dense_check(dev: &Device, nq: usize, nd: usize, lq: usize, ld: usize, dim: usize, dt: DType, masks: bool, strided: bool) -> Result<()> {
+fn dense_check(
+    dev: &Device,
+    nq: usize,
+    nd: usize,
+    lq: usize,
+    ld: usize,
+    dim: usize,
+    dt: DType,
+    masks: bool,
+    strided: bool,
+) -> Result<()> {
     let cpu = Device::Cpu;
     let (q, d) = if strided {
         (randn_strided(nq, lq, dim, dt, &cpu)?, randn_strided(nd, ld, dim, dt, &cpu)?)
@@ -127,7 +137,12 @@ fn kd_pairs_varlen_packed_pairs() -> Result<()> {
         let d = randn(&[3, 5, 70, 96], dt, &cpu)?;
         let qm = rand_mask(&[3, 32], 0.2, &cpu)?;
         let dm = rand_mask(&[3, 5, 70], 0.2, &cpu)?;
-        let out = ms::maxsim(&q.to_device(&dev)?, &d.to_device(&dev)?, Some(&qm.to_device(&dev)?), Some(&dm.to_device(&dev)?))?;
+        let out = ms::maxsim(
+            &q.to_device(&dev)?,
+            &d.to_device(&dev)?,
+            Some(&qm.to_device(&dev)?),
+            Some(&dm.to_device(&dev)?),
+        )?;
         assert_close("gpu kd", &out.to_device(&cpu)?, &r::maxsim(&q, &d, Some(&qm), Some(&dm))?, tol)?;
         // Pairs.
         let d2 = randn(&[3, 50, 96], dt, &cpu)?;
@@ -143,7 +158,14 @@ fn kd_pairs_varlen_packed_pairs() -> Result<()> {
         let dp = randn(&[*cu_d.last().unwrap() as usize, 128], dt, &cpu)?;
         let cu_q = Tensor::new(cu_q, &cpu)?;
         let cu_d = Tensor::new(cu_d, &cpu)?;
-        let out = ms::maxsim_varlen(&qp.to_device(&dev)?, &cu_q.to_device(&dev)?, lq, &dp.to_device(&dev)?, &cu_d.to_device(&dev)?, ld)?;
+        let out = ms::maxsim_varlen(
+            &qp.to_device(&dev)?,
+            &cu_q.to_device(&dev)?,
+            lq,
+            &dp.to_device(&dev)?,
+            &cu_d.to_device(&dev)?,
+            ld,
+        )?;
         let want = r::maxsim_varlen(&qp, &cu_q, lq, &dp, &cu_d, ld)?;
         assert_close("gpu varlen", &out.to_device(&cpu)?, &want, tol)?;
         let pq = Tensor::new(&[0u32, 6, 3, 3, 1, 5, 2], &cpu)?;
@@ -194,9 +216,13 @@ fn argmax_matches_reference() -> Result<()> {
         let q = randn(&[nq, lq, dim], dt, &cpu)?;
         let d = randn(&[nd, ld, dim], dt, &cpu)?;
         let dm = rand_mask(&[nd, ld], 0.2, &cpu)?;
-        let (_, am) = ms::maxsim_with_argmax(&q.to_device(&dev)?, &d.to_device(&dev)?, None, Some(&dm.to_device(&dev)?))?;
+        let (_, am) =
+            ms::maxsim_with_argmax(&q.to_device(&dev)?, &d.to_device(&dev)?, None, Some(&dm.to_device(&dev)?))?;
         let am: Vec<i32> = am.to_device(&cpu)?.flatten_all()?.to_vec1()?;
-        let sim = q.to_dtype(DType::F32)?.unsqueeze(1)?.broadcast_matmul(&d.to_dtype(DType::F32)?.transpose(1, 2)?.unsqueeze(0)?)?;
+        let sim = q
+            .to_dtype(DType::F32)?
+            .unsqueeze(1)?
+            .broadcast_matmul(&d.to_dtype(DType::F32)?.transpose(1, 2)?.unsqueeze(0)?)?;
         let sim: Vec<f32> = sim.flatten_all()?.to_vec1()?;
         let dmv: Vec<u8> = dm.flatten_all()?.to_vec1()?;
         let mut exact = 0;
@@ -204,7 +230,8 @@ fn argmax_matches_reference() -> Result<()> {
             for j in 0..nd {
                 for s in 0..lq {
                     let row = &sim[((i * nd + j) * lq + s) * ld..][..ld];
-                    let mut vals: Vec<(f32, usize)> = (0..ld).filter(|&t| dmv[j * ld + t] != 0).map(|t| (row[t], t)).collect();
+                    let mut vals: Vec<(f32, usize)> =
+                        (0..ld).filter(|&t| dmv[j * ld + t] != 0).map(|t| (row[t], t)).collect();
                     vals.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
                     let got = am[(i * nd + j) * lq + s];
                     assert!(got >= 0 && dmv[j * ld + got as usize] != 0, "{dt:?}: argmax {got} is not a valid token");
