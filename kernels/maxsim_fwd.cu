@@ -288,6 +288,7 @@ __device__ __forceinline__ void maxsim_fwd_mma(const MaxSimParams& p) {
 // Entry points: maxsim_mma_<dtype>_<config>_d<DPAD>_<nograd|argmax>.
 //   large: 4 warps x 32 rows, BQ = 128 query rows, BD = 64 doc rows per stage, 4 stages
 //   small: 4 warps along the documents, BQ = 32, BD = 128, 2 stages (few query rows: rerank, scan)
+//   narrow: BQ = 32, BD = 64, 4 stages: more document bytes in flight for bandwidth-bound reranking
 //   wide : dims 129..256, 16 rows per warp so the A fragments fit in registers
 #define MAXSIM_MMA_ENTRY(NAME, T, ...)                                                          \
     extern "C" __global__ void __launch_bounds__(TileConfig<T, __VA_ARGS__>::NTHREADS)         \
@@ -304,6 +305,8 @@ __device__ __forceinline__ void maxsim_fwd_mma(const MaxSimParams& p) {
     MAXSIM_MMA_ENTRY(maxsim_mma_##TNAME##_large_d128, T, 128, 4, 1, 2, 8, 4) \
     MAXSIM_MMA_ENTRY(maxsim_mma_##TNAME##_small_d64, T, 64, 1, 4, 2, 4, 2)   \
     MAXSIM_MMA_ENTRY(maxsim_mma_##TNAME##_small_d128, T, 128, 1, 4, 2, 4, 2) \
+    MAXSIM_MMA_ENTRY(maxsim_mma_##TNAME##_narrow_d64, T, 64, 1, 4, 2, 2, 4)  \
+    MAXSIM_MMA_ENTRY(maxsim_mma_##TNAME##_narrow_d128, T, 128, 1, 4, 2, 2, 4) \
     MAXSIM_MMA_ENTRY(maxsim_mma_##TNAME##_wide_d256, T, 256, 4, 1, 1, 8, 3)
 MAXSIM_MMA_DTYPE(f16, __half)
 MAXSIM_MMA_DTYPE(bf16, __nv_bfloat16)

@@ -49,6 +49,8 @@ pub enum TileConfig {
     Large,
     /// 32 query rows x 128 doc rows, 4 warps along the documents: few query rows.
     Small,
+    /// 32 query rows x 64 doc rows, 4 stages deep: bandwidth-bound reranking.
+    Narrow,
     /// dims 129..=256: 64 query rows, 16 per warp.
     Wide,
 }
@@ -58,6 +60,7 @@ impl TileConfig {
         match self {
             TileConfig::Large => "large",
             TileConfig::Small => "small",
+            TileConfig::Narrow => "narrow",
             TileConfig::Wide => "wide",
         }
     }
@@ -65,6 +68,7 @@ impl TileConfig {
         match s {
             "large" => Some(TileConfig::Large),
             "small" => Some(TileConfig::Small),
+            "narrow" => Some(TileConfig::Narrow),
             "wide" => Some(TileConfig::Wide),
             _ => None,
         }
@@ -74,6 +78,7 @@ impl TileConfig {
         match self {
             TileConfig::Large => (128, 64, 128),
             TileConfig::Small => (32, 128, 128),
+            TileConfig::Narrow => (32, 64, 128),
             TileConfig::Wide => (64, 64, 128),
         }
     }
@@ -81,6 +86,7 @@ impl TileConfig {
         match self {
             TileConfig::Large => 4,
             TileConfig::Small => 2,
+            TileConfig::Narrow => 4,
             TileConfig::Wide => 3,
         }
     }
@@ -135,7 +141,8 @@ fn tune_cache() -> &'static Mutex<HashMap<TuneKey, TileConfig>> {
     CACHE.get_or_init(Default::default)
 }
 
-/// `CANDLE_MAXSIM_TILE=large|small|wide` pins the tile configuration (reproducible runs).
+/// `CANDLE_MAXSIM_TILE=large|small|narrow` pins the tile configuration (reproducible runs);
+/// `CANDLE_MAXSIM_LOG=1` prints each autotuning decision.
 fn pinned_config() -> Option<TileConfig> {
     std::env::var("CANDLE_MAXSIM_TILE").ok().and_then(|s| TileConfig::parse(&s))
 }
@@ -361,7 +368,7 @@ fn choose_config(
     // nograd kernels are timed, they decide the tile for both).
     let stream = dev.cuda_stream();
     let mut best = (f32::INFINITY, TileConfig::Large);
-    for cfg in [TileConfig::Large, TileConfig::Small] {
+    for cfg in [TileConfig::Large, TileConfig::Small, TileConfig::Narrow] {
         let (bq, _, threads) = cfg.shape();
         let plan = plan(dev, info, pb, Params { argmax: 0, ..base }, bq)?;
         let name = kernel_name(dtype, Path::Mma { dpad }, cfg, false);
@@ -379,6 +386,9 @@ fn choose_config(
     stream.memset_zeros(out).w()?;
     if let Some(a) = argmax {
         fill_i32(dev, a, -1)?;
+    }
+    if std::env::var_os("CANDLE_MAXSIM_LOG").is_some() {
+        eprintln!("candle-maxsim: autotuned {key:?} -> {:?} ({:.4} ms for 3 runs)", best.1, best.0);
     }
     tune_cache().lock().unwrap().insert(key, best.1);
     Ok(best.1)
