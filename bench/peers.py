@@ -1,6 +1,7 @@
 """Peers on the GPU, one JSON line per (case, impl), same shapes and dtype as examples/bench.rs.
 
     python3 bench/peers.py [--case NAME]... [--impl lik|flash|pylate]... [--fresh N]
+    python3 bench/peers.py --train [--fresh N]     # fwd+bwd, backward=unified and lowmem
 
 Without --case every default case runs, each in a fresh process (the peers
 autotune per process; their times vary between processes), `--fresh N`
@@ -19,6 +20,38 @@ CASES = {
     "longdoc": (16, 32, 32, 8192, 128),
     "scan_32q_10k": (32, 10000, 32, 256, 128),
 }
+
+
+TRAIN_CASES = {"colpali_train": (128, 128, 128, 1024, 128), "colbert_train": (256, 256, 32, 256, 128)}
+
+
+def run_train(case, shape, mode, dtype):
+    """late-interaction-kernels fwd+bwd (sum of scores, backward) with backward=mode."""
+    import torch
+    import triton.testing
+    import late_interaction_kernels as lik
+
+    nq, nd, lq, ld, dim = shape
+    dt = {"bf16": torch.bfloat16, "f16": torch.float16}[dtype]
+    torch.manual_seed(0)
+    q = torch.randn(nq, lq, dim, device="cuda", dtype=dt, requires_grad=True)
+    d = torch.randn(nd, ld, dim, device="cuda", dtype=dt, requires_grad=True)
+
+    def f():
+        q.grad = None
+        d.grad = None
+        lik.maxsim(q, d, backward=mode).sum().backward()
+
+    f()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    f()
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - base) / 1e6
+    ms = triton.testing.do_bench(f, warmup=100, rep=500, return_mode="median")
+    return {"case": case, "impl": "lik_" + mode, "device": torch.cuda.get_device_name(), "shape": list(shape),
+            "dtype": dtype, "median_ms": round(ms, 4), "peak_mem_mb": round(peak, 1)}
 
 
 def run_one(case, shape, impl, dtype):
@@ -62,13 +95,16 @@ def main():
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--fresh", type=int, default=2)
     ap.add_argument("--child", action="store_true")
+    ap.add_argument("--train", action="store_true", help="fwd+bwd of late-interaction-kernels, each backward mode")
     a = ap.parse_args()
-    impls = a.impl or ["lik", "flash", "pylate"]
-    cases = a.case or list(CASES)
+    ap_train = a.train
+    impls = a.impl or (["train_unified", "train_lowmem"] if ap_train else ["lik", "flash", "pylate"])
+    cases = a.case or list(TRAIN_CASES if ap_train else CASES)
     if a.child:
         for c in cases:
             for i in impls:
-                r = run_one(c, CASES[c], i, a.dtype)
+                r = run_train(c, TRAIN_CASES[c], i[len("train_"):], a.dtype) if i.startswith("train_") \
+                    else run_one(c, CASES[c], i, a.dtype)
                 if r:
                     print(json.dumps(r), flush=True)
         return

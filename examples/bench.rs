@@ -4,10 +4,14 @@
 //! device and tensors.
 //!
 //!   cargo run --release --features cuda --example bench -- [--shape Nq,Nd,Lq,Ld,dim]... \
-//!       [--dtype bf16|f16|f32] [--iters N] [--no-reference] [--cpu]
+//!       [--dtype bf16|f16|f32] [--iters N] [--no-reference] [--cpu] [--train]
+//!
+//! `--train` times fwd+bwd (sum of the scores, backward) for each `Backward`
+//! mode on colpali_train and colbert_train.
 
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor};
+use candle_maxsim::{Backward, MaxSimOptions};
 use std::time::Instant;
 
 const DEFAULT_CASES: [(&str, [usize; 5]); 6] = [
@@ -22,16 +26,33 @@ const DEFAULT_CASES: [(&str, [usize; 5]); 6] = [
 /// One benchmarked implementation.
 type Op<'a> = dyn Fn() -> Result<Tensor> + 'a;
 
+const TRAIN_CASES: [(&str, [usize; 5]); 2] =
+    [("colpali_train", [128, 128, 128, 1024, 128]), ("colbert_train", [256, 256, 32, 256, 128])];
+
+/// One training step through `score`: forward, sum of the scores, backward.
+fn train_step(
+    q: &Tensor,
+    d: &Tensor,
+    score: &dyn Fn(&Tensor, &Tensor) -> candle_core::Result<Tensor>,
+) -> Result<Tensor> {
+    let (qv, dv) = (candle_core::Var::from_tensor(q)?, candle_core::Var::from_tensor(d)?);
+    let s = score(qv.as_tensor(), dv.as_tensor())?;
+    let grads = s.sum_all()?.backward()?;
+    Ok(grads.get(dv.as_tensor()).unwrap().clone())
+}
+
 struct Args {
     cases: Vec<(String, [usize; 5])>,
     dtype: DType,
     iters: usize,
     reference: bool,
     cpu: bool,
+    /// fwd+bwd (training step) instead of the forward alone.
+    train: bool,
 }
 
 fn parse() -> Result<Args> {
-    let mut a = Args { cases: vec![], dtype: DType::BF16, iters: 50, reference: true, cpu: false };
+    let mut a = Args { cases: vec![], dtype: DType::BF16, iters: 50, reference: true, cpu: false, train: false };
     let mut it = std::env::args().skip(1);
     while let Some(x) = it.next() {
         match x.as_str() {
@@ -54,11 +75,13 @@ fn parse() -> Result<Args> {
             "--iters" => a.iters = it.next().unwrap_or_default().parse()?,
             "--no-reference" => a.reference = false,
             "--cpu" => a.cpu = true,
+            "--train" => a.train = true,
             x => bail!("unknown argument {x}"),
         }
     }
     if a.cases.is_empty() {
-        a.cases = DEFAULT_CASES.iter().map(|(n, s)| (n.to_string(), *s)).collect();
+        let cases: &[(&str, [usize; 5])] = if a.train { &TRAIN_CASES } else { &DEFAULT_CASES };
+        a.cases = cases.iter().map(|(n, s)| (n.to_string(), *s)).collect();
     }
     Ok(a)
 }
@@ -138,12 +161,33 @@ fn main() -> Result<()> {
     for (name, [nq, nd, lq, ld, dim]) in &args.cases {
         let q = Tensor::randn(0f32, 1., (*nq, *lq, *dim), &dev)?.to_dtype(args.dtype)?;
         let d = Tensor::randn(0f32, 1., (*nd, *ld, *dim), &dev)?.to_dtype(args.dtype)?;
+        // fwd+bwd counts the forward GEMM only (the backward is gathers, not GEMMs).
         let flop = 2.0 * (*nq * *nd * *lq * *ld * *dim) as f64;
-        let mut impls: Vec<(&str, Box<Op>)> =
-            vec![("fused", Box::new(|| Ok(candle_maxsim::maxsim(&q, &d, None, None)?)))];
+        let mut impls: Vec<(&str, Box<Op>)> = if args.train {
+            [("unified", Backward::Unified), ("lowmem", Backward::LowMem)]
+                .into_iter()
+                .map(|(name, backward)| {
+                    let opts = MaxSimOptions { normalize: false, backward };
+                    let (q, d) = (q.clone(), d.clone());
+                    let f: Box<Op> = Box::new(move || {
+                        train_step(&q, &d, &|q, d| candle_maxsim::maxsim_with(q, d, None, None, &opts))
+                    });
+                    (name, f)
+                })
+                .collect()
+        } else {
+            vec![("fused", Box::new(|| Ok(candle_maxsim::maxsim(&q, &d, None, None)?)))]
+        };
         // The naive path materializes [Nq, Nd, Lq, Ld] in f32: skip it past 40 GB.
         if args.reference && (nq * nd * lq * ld * 4) as f64 <= 40e9 {
-            impls.push(("reference", Box::new(|| Ok(candle_maxsim::reference::maxsim(&q, &d, None, None)?))));
+            impls.push(if args.train {
+                (
+                    "reference",
+                    Box::new(|| train_step(&q, &d, &|q, d| candle_maxsim::reference::maxsim(q, d, None, None))),
+                )
+            } else {
+                ("reference", Box::new(|| Ok(candle_maxsim::reference::maxsim(&q, &d, None, None)?)))
+            });
         }
         for (imp, f) in &impls {
             let iters = if *imp == "reference" { args.iters.min(10) } else { args.iters };

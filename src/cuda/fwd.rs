@@ -2,42 +2,40 @@
 //! per problem class and cached), query grouping, and the grid.
 
 use super::{device_info, fill_i32, fwd_func, launch, slice_ptr, storage_ptr, tensor_ptr, DeviceInfo};
-use crate::cpu::{self, HostProblem};
 use crate::layout::{Pairing, Problem, Seqs};
-use crate::Backward;
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{sys, DeviceRepr};
 use candle_core::cuda_backend::WrapErr;
-use candle_core::{bail, CudaDevice, CudaStorage, DType, Device, Layout, Result, Storage, Tensor};
+use candle_core::{bail, CudaDevice, CudaStorage, DType, Layout, Result, Storage, Tensor};
 use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock};
 
 /// Mirror of `MaxSimParams` in kernels/common.cuh (same field order, C layout).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
-struct Params {
-    q: u64,
-    d: u64,
-    q_valid: u64,
-    d_valid: u64,
-    cu_q: u64,
-    cu_d: u64,
-    q_groups: u64,
-    pair_q: u64,
-    pair_d: u64,
-    out: u64,
-    argmax: u64,
-    nq: i32,
-    nd: i32,
-    lq: i32,
-    ld: i32,
-    dim: i32,
-    max_lq: i32,
-    n_groups: i32,
-    group_size: i32,
-    n_pairs: i32,
-    docs_per_block: i32,
-    vec_ok: i32,
+pub(crate) struct Params {
+    pub(crate) q: u64,
+    pub(crate) d: u64,
+    pub(crate) q_valid: u64,
+    pub(crate) d_valid: u64,
+    pub(crate) cu_q: u64,
+    pub(crate) cu_d: u64,
+    pub(crate) q_groups: u64,
+    pub(crate) pair_q: u64,
+    pub(crate) pair_d: u64,
+    pub(crate) out: u64,
+    pub(crate) argmax: u64,
+    pub(crate) nq: i32,
+    pub(crate) nd: i32,
+    pub(crate) lq: i32,
+    pub(crate) ld: i32,
+    pub(crate) dim: i32,
+    pub(crate) max_lq: i32,
+    pub(crate) n_groups: i32,
+    pub(crate) group_size: i32,
+    pub(crate) n_pairs: i32,
+    pub(crate) docs_per_block: i32,
+    pub(crate) vec_ok: i32,
 }
 // SAFETY: plain old data with the layout of the C struct.
 unsafe impl DeviceRepr for Params {}
@@ -114,7 +112,7 @@ fn path_for(info: &DeviceInfo, dtype: DType, dim: usize) -> Path {
     }
 }
 
-fn dtype_tag(dt: DType) -> &'static str {
+pub(crate) fn dtype_tag(dt: DType) -> &'static str {
     match dt {
         DType::F16 => "f16",
         DType::BF16 => "bf16",
@@ -176,12 +174,7 @@ struct Plan {
 fn plan(dev: &CudaDevice, info: &DeviceInfo, pb: &Problem, base: Params, bq: usize) -> Result<Plan> {
     let mut p = base;
     match &pb.pairs {
-        Pairing::List { pq_dev, pd_dev, pq, .. } => {
-            p.pair_q = tensor_ptr(pq_dev)?;
-            p.pair_d = tensor_ptr(pd_dev)?;
-            p.n_pairs = pq.len() as i32;
-            Ok(Plan { params: p, grid: pq.len() as u32, _groups: None })
-        }
+        Pairing::List { pq, .. } => Ok(Plan { params: p, grid: pq.len() as u32, _groups: None }),
         Pairing::Cross { nq, nd } => {
             let (nq, nd) = (*nq, *nd);
             let mut groups_buf = None;
@@ -246,6 +239,31 @@ fn simt_smem(dtype: DType, dim: usize) -> Result<u32> {
     Ok((rows * dim * acc) as u32)
 }
 
+/// The sizes, offsets and pair lists of a problem (no data pointers).
+pub(crate) fn layout_params(pb: &Problem) -> Result<Params> {
+    let mut p = Params {
+        nq: pb.q.n() as i32,
+        nd: pb.d.n() as i32,
+        lq: pb.q.max_len() as i32,
+        ld: pb.d.max_len() as i32,
+        dim: pb.dim as i32,
+        max_lq: pb.q.max_len() as i32,
+        ..Default::default()
+    };
+    if let Seqs::Packed { cu_dev, .. } = &pb.q {
+        p.cu_q = tensor_ptr(cu_dev)?;
+    }
+    if let Seqs::Packed { cu_dev, .. } = &pb.d {
+        p.cu_d = tensor_ptr(cu_dev)?;
+    }
+    if let Pairing::List { pq_dev, pd_dev, pq, .. } = &pb.pairs {
+        p.pair_q = tensor_ptr(pq_dev)?;
+        p.pair_d = tensor_ptr(pd_dev)?;
+        p.n_pairs = pq.len() as i32;
+    }
+    Ok(p)
+}
+
 /// Forward on CUDA: scores `[n_pairs]` F32 and, when asked, the argmax `[n_pairs, max_lq]` I32.
 pub(crate) fn maxsim_fwd(
     pb: &Problem,
@@ -276,37 +294,20 @@ pub(crate) fn maxsim_fwd(
         let qp = storage_ptr(s1, l1)?;
         let dp = storage_ptr(s2, l2)?;
         let elem = dtype.size_in_bytes() as u64;
-        let mut base = Params {
+        let base = Params {
             q: qp,
             d: dp,
             q_valid: q_valid.as_ref().map(tensor_ptr).transpose()?.unwrap_or(0),
             d_valid: d_valid.as_ref().map(tensor_ptr).transpose()?.unwrap_or(0),
             out: slice_ptr(&dev, &out),
             argmax: argmax.as_ref().map(|a| slice_ptr(&dev, a)).unwrap_or(0),
-            nq: pb.q.n() as i32,
-            nd: pb.d.n() as i32,
-            dim: pb.dim as i32,
-            max_lq: max_lq as i32,
             vec_ok: (pb.dim.is_multiple_of(8) && qp.is_multiple_of(16) && dp.is_multiple_of(16) && elem == 2) as i32,
-            ..Default::default()
+            ..layout_params(pb)?
         };
-        if let Seqs::Packed { cu_dev, .. } = &pb.q {
-            base.cu_q = tensor_ptr(cu_dev)?;
-        }
-        if let Seqs::Packed { cu_dev, .. } = &pb.d {
-            base.cu_d = tensor_ptr(cu_dev)?;
-        }
-        base.lq = pb.q.max_len() as i32;
-        base.ld = pb.d.max_len() as i32;
         match path_for(&info, dtype, pb.dim) {
             Path::Simt => {
                 // One block per pair, in pair order.
                 let smem = simt_smem(dtype, pb.dim)?;
-                if let Pairing::List { pq_dev, pd_dev, .. } = &pb.pairs {
-                    base.pair_q = tensor_ptr(pq_dev)?;
-                    base.pair_d = tensor_ptr(pd_dev)?;
-                    base.n_pairs = n_out as i32;
-                }
                 let plan = Plan { params: base, grid: n_out as u32, _groups: None };
                 run(&dev, &kernel_name(dtype, Path::Simt, TileConfig::Large, want_argmax), &plan, 128, smem)?;
             }
@@ -402,34 +403,4 @@ pub(crate) fn maxsim_argmax(pb: &Problem, q: &Tensor, d: &Tensor) -> Result<Tens
         (Storage::Cuda(a), Storage::Cuda(b)) => Ok(maxsim_fwd(pb, a, ql, b, dl, true)?.1.unwrap()),
         _ => bail!("maxsim: internal error, expected CUDA tensors"),
     }
-}
-
-/// Backward on a CUDA device. Interim: the closed-form gradient is computed
-/// by the CPU engine from the device argmax and copied back; the fused
-/// backward kernels are the subject of the next milestone (README).
-pub(crate) fn maxsim_bwd(
-    pb: &Problem,
-    _mode: Backward,
-    q: &Tensor,
-    d: &Tensor,
-    argmax: &Tensor,
-    grad: &Tensor,
-) -> Result<(Tensor, Tensor)> {
-    let qv = pb.q_valid.as_ref().map(|t| t.to_vec1::<u8>()).transpose()?;
-    let dv = pb.d_valid.as_ref().map(|t| t.to_vec1::<u8>()).transpose()?;
-    let hp = HostProblem::new(pb, qv.as_deref(), dv.as_deref());
-    let am: Vec<i32> = argmax.flatten_all()?.to_vec1()?;
-    let g: Vec<f32> = grad.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
-    let dev = q.device();
-    let (gq, gd) = if q.dtype() == DType::F64 {
-        let (a, b) =
-            cpu::backward(&hp, &q.flatten_all()?.to_vec1::<f64>()?, &d.flatten_all()?.to_vec1::<f64>()?, &am, &g);
-        (Tensor::from_vec(a, q.shape(), &Device::Cpu)?, Tensor::from_vec(b, d.shape(), &Device::Cpu)?)
-    } else {
-        let qf: Vec<f32> = q.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
-        let df: Vec<f32> = d.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
-        let (a, b) = cpu::backward(&hp, &qf, &df, &am, &g);
-        (Tensor::from_vec(a, q.shape(), &Device::Cpu)?, Tensor::from_vec(b, d.shape(), &Device::Cpu)?)
-    };
-    Ok((gq.to_device(dev)?.to_dtype(q.dtype())?, gd.to_device(dev)?.to_dtype(d.dtype())?))
 }

@@ -1,9 +1,11 @@
 //! CUDA path: PTX modules built from kernels/ by build.rs, picked per device
 //! at run time, and the launch code of each op.
 
+mod bwd;
 mod fwd;
 
-pub(crate) use fwd::{maxsim_argmax, maxsim_bwd, maxsim_fwd};
+pub(crate) use bwd::maxsim_bwd;
+pub(crate) use fwd::{maxsim_argmax, maxsim_fwd};
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
@@ -57,9 +59,25 @@ fn module_for(info: &DeviceInfo, sm80: &'static str, sm75: &'static str) -> (&'s
 /// Loads `name` from the forward module for this device; raises the dynamic
 /// shared-memory limit when a launch needs more than the default 48 KB.
 pub(crate) fn fwd_func(dev: &CudaDevice, name: &str, smem: u32) -> Result<CudaFunction> {
+    load_func(dev, name, smem, "fwd", ptx::MAXSIM_FWD_SM80, ptx::MAXSIM_FWD_SM75)
+}
+
+/// Loads `name` from the backward module for this device.
+pub(crate) fn bwd_func(dev: &CudaDevice, name: &str, smem: u32) -> Result<CudaFunction> {
+    load_func(dev, name, smem, "bwd", ptx::MAXSIM_BWD_SM80, ptx::MAXSIM_BWD_SM75)
+}
+
+fn load_func(
+    dev: &CudaDevice,
+    name: &str,
+    smem: u32,
+    kind: &str,
+    sm80: &'static str,
+    sm75: &'static str,
+) -> Result<CudaFunction> {
     let info = device_info(dev)?;
-    let (ptx, tag) = module_for(&info, ptx::MAXSIM_FWD_SM80, ptx::MAXSIM_FWD_SM75);
-    let func = dev.get_or_load_custom_func(name, &format!("candle_maxsim_fwd_{tag}"), ptx)?.into_cuda_function();
+    let (ptx, tag) = module_for(&info, sm80, sm75);
+    let func = dev.get_or_load_custom_func(name, &format!("candle_maxsim_{kind}_{tag}"), ptx)?.into_cuda_function();
     if smem > 48 * 1024 {
         func.set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
             .w()?;

@@ -270,3 +270,143 @@ fn gradients_through_cuda_forward() -> Result<()> {
     let _ = gd.i(0)?;
     Ok(())
 }
+
+/// Inputs on a coarse grid (multiples of 0.5): every similarity is exact in
+/// f32 on both devices, so both pick the same winners (ties included) and
+/// the gradients can be compared point by point.
+fn grid(shape: &[usize], dt: DType) -> Result<Tensor> {
+    ((Tensor::randn(0f32, 1., shape, &Device::Cpu)? * 2.0)?.round()? * 0.5)?.to_dtype(dt)
+}
+
+/// Gradient tolerances of issue 4.
+fn grad_tol(dt: DType) -> f64 {
+    match dt {
+        DType::F16 => 1e-2,
+        DType::BF16 => 2e-2,
+        _ => 1e-4,
+    }
+}
+
+type ScoreFn<'a> = dyn Fn(&Tensor, &Tensor) -> Result<Tensor> + 'a;
+
+/// (grad_q, grad_d) of sum(w * f(q, d)) on `dev`, returned on the CPU.
+fn grads_on(dev: &Device, q: &Tensor, d: &Tensor, w: &Tensor, f: &ScoreFn) -> Result<(Tensor, Tensor)> {
+    let cpu = Device::Cpu;
+    let (qv, dv) = (Var::from_tensor(&q.to_device(dev)?)?, Var::from_tensor(&d.to_device(dev)?)?);
+    let s = f(qv.as_tensor(), dv.as_tensor())?;
+    let g = s.to_dtype(DType::F32)?.broadcast_mul(&w.to_device(dev)?)?.sum_all()?.backward()?;
+    Ok((g.get(qv.as_tensor()).unwrap().to_device(&cpu)?, g.get(dv.as_tensor()).unwrap().to_device(&cpu)?))
+}
+
+fn check_grads(what: &str, dev: &Device, q: &Tensor, d: &Tensor, w: &Tensor, dt: DType, f: &ScoreFn) -> Result<()> {
+    let (gq, gd) = grads_on(dev, q, d, w, f)?;
+    let (cq, cd) = grads_on(&Device::Cpu, q, d, w, f)?;
+    assert_eq!(gq.dtype(), dt);
+    assert_close(&format!("{what} {dt:?} grad q"), &gq, &cq, grad_tol(dt))?;
+    assert_close(&format!("{what} {dt:?} grad d"), &gd, &cd, grad_tol(dt))?;
+    Ok(())
+}
+
+#[test]
+fn cuda_backward_all_layouts() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    let cpu = Device::Cpu;
+    for dt in DTYPES {
+        // Dense with masks (one fully masked document), and normalize.
+        let q = grid(&[5, 33, 64], dt)?;
+        let d = grid(&[6, 150, 64], dt)?;
+        let qm = rand_mask(&[5, 33], 0.2, &cpu)?;
+        let mut dmv: Vec<u8> = rand_mask(&[6, 150], 0.2, &cpu)?.flatten_all()?.to_vec1()?;
+        dmv[150..300].fill(0);
+        let dm = Tensor::from_vec(dmv, (6, 150), &cpu)?;
+        let w = randn(&[5, 6], DType::F32, &cpu)?;
+        let (qmd, dmd) = (qm.to_device(&dev)?, dm.to_device(&dev)?);
+        let masked = |q: &Tensor, d: &Tensor| {
+            let (qm, dm) = if q.device().is_cuda() { (&qmd, &dmd) } else { (&qm, &dm) };
+            ms::maxsim(q, d, Some(qm), Some(dm))
+        };
+        check_grads("dense masked", &dev, &q, &d, &w, dt, &masked)?;
+        let (gq, gd) = grads_on(&dev, &q, &d, &w, &masked)?;
+        let zq = gq.to_dtype(DType::F32)?.broadcast_mul(&qm.eq(0u8)?.to_dtype(DType::F32)?.unsqueeze(2)?)?;
+        assert_eq!(zq.abs()?.sum_all()?.to_scalar::<f32>()?, 0.0, "masked query rows get no gradient");
+        let zd = gd.to_dtype(DType::F32)?.broadcast_mul(&dm.eq(0u8)?.to_dtype(DType::F32)?.unsqueeze(2)?)?;
+        assert_eq!(zd.abs()?.sum_all()?.to_scalar::<f32>()?, 0.0, "masked doc rows get no gradient");
+        let opts = candle_maxsim::MaxSimOptions { normalize: true, ..Default::default() };
+        let qn = randn(&[4, 20, 64], DType::F32, &cpu)?.to_dtype(dt)?;
+        let dn = randn(&[3, 30, 64], DType::F32, &cpu)?.to_dtype(dt)?;
+        if dt == DType::F32 {
+            check_grads("normalize", &dev, &qn, &dn, &randn(&[4, 3], DType::F32, &cpu)?, dt, &|q, d| {
+                ms::maxsim_with(q, d, None, None, &opts)
+            })?;
+        }
+        // KD and pairs.
+        let dk = grid(&[5, 3, 40, 64], dt)?;
+        check_grads("kd", &dev, &q, &dk, &randn(&[5, 3], DType::F32, &cpu)?, dt, &|q, d| ms::maxsim(q, d, None, None))?;
+        let dp = grid(&[5, 70, 64], dt)?;
+        check_grads("pairs", &dev, &q, &dp, &randn(&[5], DType::F32, &cpu)?, dt, &|q, d| {
+            ms::maxsim_pairs(q, d, None, None)
+        })?;
+        // Varlen and packed pairs (with empty sequences and a 600-token query).
+        let (mut cu_q, mut lq) = rand_offsets(5, 40, 7);
+        let last = *cu_q.last().unwrap();
+        cu_q.push(last + 600);
+        lq = lq.max(600);
+        let (cu_d, ld) = rand_offsets(8, 200, 8);
+        let qp = grid(&[*cu_q.last().unwrap() as usize, 96], dt)?;
+        let dpk = grid(&[*cu_d.last().unwrap() as usize, 96], dt)?;
+        let (cqc, cdc) = (Tensor::new(cu_q.clone(), &cpu)?, Tensor::new(cu_d.clone(), &cpu)?);
+        let (cqg, cdg) = (cqc.to_device(&dev)?, cdc.to_device(&dev)?);
+        let pick = |t: &Tensor, a: &Tensor, b: &Tensor| if t.device().is_cuda() { b.clone() } else { a.clone() };
+        check_grads("varlen", &dev, &qp, &dpk, &randn(&[6, 8], DType::F32, &cpu)?, dt, &|q, d| {
+            ms::maxsim_varlen(q, &pick(q, &cqc, &cqg), lq, d, &pick(q, &cdc, &cdg), ld)
+        })?;
+        let pq = Tensor::new(&[0u32, 5, 3, 3, 1, 5, 2, 0], &cpu)?;
+        let pd = Tensor::new(&[7u32, 0, 3, 6, 1, 7, 3, 7], &cpu)?;
+        let (pqg, pdg) = (pq.to_device(&dev)?, pd.to_device(&dev)?);
+        check_grads("packed pairs", &dev, &qp, &dpk, &randn(&[8], DType::F32, &cpu)?, dt, &|q, d| {
+            ms::score_pairs_packed(
+                q,
+                &pick(q, &cqc, &cqg),
+                lq,
+                d,
+                &pick(q, &cdc, &cdg),
+                ld,
+                &pick(q, &pq, &pqg),
+                &pick(q, &pd, &pdg),
+            )
+        })?;
+    }
+    Ok(())
+}
+
+/// Bitwise identical gradients across runs, and a hot bucket: every query
+/// token of every query picks the same document token.
+#[test]
+fn cuda_backward_deterministic_and_hot_bucket() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    let cpu = Device::Cpu;
+    let opts = candle_maxsim::MaxSimOptions { normalize: false, backward: candle_maxsim::Backward::LowMem };
+    let q = randn(&[64, 32, 128], DType::F32, &cpu)?.abs()?.to_dtype(DType::BF16)?;
+    let mut d = randn(&[16, 100, 128], DType::F32, &cpu)?;
+    // Token 7 of every document: a large all-positive vector, the winner for all.
+    let hot = Tensor::ones((16, 1, 128), DType::F32, &cpu)?.affine(5.0, 0.0)?;
+    d = d.slice_assign(&[0..16, 7..8, 0..128], &hot)?.to_dtype(DType::BF16)?;
+    let w = randn(&[64, 16], DType::F32, &cpu)?;
+    let f = |q: &Tensor, d: &Tensor| ms::maxsim_with(q, d, None, None, &opts);
+    let mut first: Option<(Vec<f32>, Vec<f32>)> = None;
+    for _ in 0..3 {
+        let (gq, gd) = grads_on(&dev, &q, &d, &w, &f)?;
+        let cur =
+            (gq.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?, gd.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?);
+        match &first {
+            None => first = Some(cur),
+            Some(f0) => assert!(f0 == &cur, "LowMem gradients differ between runs"),
+        }
+    }
+    check_grads("hot bucket", &dev, &q, &d, &w, DType::BF16, &f)?;
+    let (_, gd) = grads_on(&dev, &q, &d, &w, &f)?;
+    let per_token = gd.to_dtype(DType::F32)?.abs()?.sum(2)?.sum(0)?; // [100]
+    let v: Vec<f32> = per_token.to_vec1()?;
+    assert!(v[7] > 0.0 && v.iter().enumerate().all(|(t, &x)| t == 7 || x == 0.0), "only token 7 wins");
+    Ok(())
+}
