@@ -35,12 +35,13 @@ struct BwdParams {
     const uint32_t* by_d;
     int32_t tq, tc;           // query rows; document rows per grad_D block
     int32_t d_chunks;         // grad_D blocks per document
+    int32_t cols;             // grad_D columns per pass: dim rounded up to 32, at most BWD_COLS
 };
 
 constexpr int BWD_WARPS = 4;
 constexpr int BWD_COLS = 256;                // columns per pass (8 per lane)
-// grad_D accumulators: BWD_WARPS x tc x BWD_COLS in shared memory, 48 KB
-// (tc = 12 for f32 accumulation, 6 for f64), so no opt-in is needed.
+// grad_D accumulators: BWD_WARPS x tc x cols in shared memory, 48 KB (tc =
+// 24 for dim 128 with f32 accumulation), so no opt-in is needed.
 constexpr int BWD_PER_LANE = BWD_COLS / 32;
 
 // Query of packed row r: uniform arithmetic, or a binary search of cu_q.
@@ -114,7 +115,7 @@ __device__ void maxsim_bwd_dq(const BwdParams& b) {
 template <typename T, typename Acc>
 __device__ void maxsim_bwd_dd(const BwdParams& b) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    Acc* acc = reinterpret_cast<Acc*>(smem_raw); // [BWD_WARPS][tc][BWD_COLS]
+    Acc* acc = reinterpret_cast<Acc*>(smem_raw); // [BWD_WARPS][tc][cols]
     const MaxSimParams& p = b.f;
     const T* Q = static_cast<const T*>(p.q);
     T* GD = static_cast<T*>(b.gd);
@@ -125,10 +126,11 @@ __device__ void maxsim_bwd_dd(const BwdParams& b) {
     const int rows = min(b.tc, dr.end - dr.begin - t0);
     if (rows <= 0) return;
     const int np = n_pairs_of_d(b, j);
-    Acc* mine = acc + (size_t)warp * b.tc * BWD_COLS;
-    for (int k0 = 0; k0 < p.dim; k0 += BWD_COLS) {
-        const int kn = min(BWD_COLS, p.dim - k0);
-        for (int e = threadIdx.x; e < BWD_WARPS * b.tc * BWD_COLS; e += blockDim.x) acc[e] = 0;
+    const int C = b.cols;
+    Acc* mine = acc + (size_t)warp * b.tc * C;
+    for (int k0 = 0; k0 < p.dim; k0 += C) {
+        const int kn = min(C, p.dim - k0);
+        for (int e = threadIdx.x; e < BWD_WARPS * b.tc * C; e += blockDim.x) acc[e] = 0;
         __syncthreads();
         for (int k = warp; k < np; k += BWD_WARPS) {
             const int pair = pair_of_d(b, j, k);
@@ -145,17 +147,17 @@ __device__ void maxsim_bwd_dd(const BwdParams& b) {
                     const int tt = __shfl_sync(0xffffffffu, t, l) - t0;
                     const T* qrow = Q + (size_t)(qr.begin + s0 + l) * p.dim + k0;
                     for (int col = lane; col < kn; col += 32)
-                        mine[tt * BWD_COLS + col] += gv * (Acc)Elem<T>::to_float(qrow[col]);
+                        mine[tt * C + col] += gv * (Acc)Elem<T>::to_float(qrow[col]);
                 }
             }
         }
         __syncthreads();
-        for (int e = threadIdx.x; e < rows * BWD_COLS; e += blockDim.x) {
-            const int rr = e / BWD_COLS, col = e % BWD_COLS;
+        for (int e = threadIdx.x; e < rows * C; e += blockDim.x) {
+            const int rr = e / C, col = e % C;
             if (col >= kn) continue;
             Acc v = 0;
 #pragma unroll
-            for (int w = 0; w < BWD_WARPS; ++w) v += acc[((size_t)w * b.tc + rr) * BWD_COLS + col];
+            for (int w = 0; w < BWD_WARPS; ++w) v += acc[((size_t)w * b.tc + rr) * C + col];
             GD[(size_t)(dr.begin + t0 + rr) * p.dim + k0 + col] = Store<T>::from(v);
         }
         __syncthreads();

@@ -24,6 +24,7 @@ struct BwdParams {
     tq: i32,
     tc: i32,
     d_chunks: i32,
+    cols: i32,
 }
 // SAFETY: plain old data with the layout of the C struct.
 unsafe impl DeviceRepr for BwdParams {}
@@ -106,7 +107,9 @@ pub(crate) fn maxsim_bwd(
         p.by_d = slice_ptr(&dev, &keep[3]);
     }
     let acc_bytes = if dtype == DType::F64 { 8 } else { 4 };
-    p.tc = (48 * 1024 / (WARPS as usize * COLS * acc_bytes)) as i32;
+    let cols = pb.dim.next_multiple_of(32).clamp(32, COLS);
+    p.cols = cols as i32;
+    p.tc = (48 * 1024 / (WARPS as usize * cols * acc_bytes)) as i32;
     p.d_chunks = pb.d.max_len().div_ceil(p.tc as usize).max(1) as i32;
     let tag = dtype_tag(dtype);
     if tq > 0 {
