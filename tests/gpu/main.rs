@@ -410,3 +410,18 @@ fn cuda_backward_deterministic_and_hot_bucket() -> Result<()> {
     assert!(v[7] > 0.0 && v.iter().enumerate().all(|(t, &x)| t == 7 || x == 0.0), "only token 7 wins");
     Ok(())
 }
+
+/// Operands on different devices are an `Err` naming the argument.
+#[test]
+fn device_mismatch_is_an_error() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    let cpu = Device::Cpu;
+    let q = randn(&[2, 4, 32], DType::F32, &dev)?;
+    let d = randn(&[3, 5, 32], DType::F32, &cpu)?;
+    let e = ms::maxsim(&q, &d, None, None).unwrap_err().to_string();
+    assert!(e.contains("d:"), "{e}");
+    let dm = Tensor::ones((3, 5), DType::U8, &cpu)?;
+    let e = ms::maxsim(&q, &d.to_device(&dev)?, None, Some(&dm)).unwrap_err().to_string();
+    assert!(e.contains("d_mask"), "{e}");
+    Ok(())
+}
