@@ -25,6 +25,7 @@
 //! # Ok::<(), candle_core::Error>(())
 //! ```
 
+pub mod colbert;
 pub(crate) mod cpu;
 pub mod layers;
 pub(crate) mod layout;

@@ -1,0 +1,213 @@
+//! ColBERT loading and encoding on tiny checkpoints generated here (random
+//! weights, a real WordPiece tokenizer.json written by the `tokenizers`
+//! crate), in the PyLate and the colbert-ai layouts, checked token by token.
+
+use candle_core::{DType, Device, Result, Tensor};
+use candle_maxsim::colbert::ColBert;
+use candle_nn::{VarBuilder, VarMap};
+use candle_transformers::models::bert;
+use std::path::{Path, PathBuf};
+use tokenizers::models::wordpiece::WordPiece;
+use tokenizers::normalizers::bert::BertNormalizer;
+use tokenizers::pre_tokenizers::bert::BertPreTokenizer;
+use tokenizers::processors::template::TemplateProcessing;
+use tokenizers::{AddedToken, Tokenizer};
+
+const VOCAB: &[&str] = &[
+    "[PAD]",
+    "[UNK]",
+    "[CLS]",
+    "[SEP]",
+    "[MASK]",
+    "[unused0]",
+    "[unused1]",
+    "[Q]",
+    "[D]",
+    ".",
+    ",",
+    "!",
+    "?",
+    "the",
+    "cat",
+    "sat",
+    "on",
+    "mat",
+    "dog",
+    "runs",
+    "fast",
+    "a",
+    "red",
+    "ball",
+    "is",
+    "big",
+    "small",
+    "##s",
+];
+const HIDDEN: usize = 32;
+const DOUT: usize = 8;
+
+fn id(t: &str) -> u32 {
+    VOCAB.iter().position(|v| *v == t).unwrap() as u32
+}
+
+fn write_tokenizer(dir: &Path, markers: &[&str]) -> anyhow::Result<()> {
+    // vocab.txt (one token per line, the id is the line number) read by the crate's WordPiece builder.
+    let vocab_txt = dir.join("vocab.txt");
+    std::fs::write(&vocab_txt, VOCAB.join("\n") + "\n")?;
+    let wp = WordPiece::builder()
+        .files(vocab_txt.to_string_lossy().into_owned())
+        .unk_token("[UNK]".into())
+        .build()
+        .map_err(anyhow::Error::msg)?;
+    let mut tok = Tokenizer::new(wp);
+    tok.with_normalizer(Some(BertNormalizer::default())).map_err(anyhow::Error::msg)?;
+    tok.with_pre_tokenizer(Some(BertPreTokenizer));
+    let tp = TemplateProcessing::builder()
+        .try_single("[CLS] $A [SEP]")
+        .map_err(anyhow::Error::msg)?
+        .special_tokens(vec![("[CLS]", id("[CLS]")), ("[SEP]", id("[SEP]"))])
+        .build()?;
+    tok.with_post_processor(Some(tp));
+    let mut special: Vec<AddedToken> =
+        ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"].iter().map(|t| AddedToken::from(*t, true)).collect();
+    special.extend(markers.iter().map(|t| AddedToken::from(*t, true)));
+    tok.add_special_tokens(special);
+    tok.save(dir.join("tokenizer.json"), false).map_err(anyhow::Error::msg)?;
+    Ok(())
+}
+
+fn bert_config() -> serde_json::Value {
+    serde_json::json!({
+        "vocab_size": VOCAB.len(), "hidden_size": HIDDEN, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "intermediate_size": 64, "hidden_act": "gelu", "hidden_dropout_prob": 0.0, "max_position_embeddings": 64,
+        "type_vocab_size": 2, "initializer_range": 0.02, "layer_norm_eps": 1e-12, "pad_token_id": 0,
+        "classifier_dropout": null, "model_type": "bert"
+    })
+}
+
+fn tmpdir(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("candle-maxsim-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// PyLate / Sentence Transformers layout: encoder, 1_Dense, ST config.
+fn pylate_checkpoint() -> anyhow::Result<PathBuf> {
+    let dir = tmpdir("pylate");
+    std::fs::write(dir.join("config.json"), bert_config().to_string())?;
+    let vm = VarMap::new();
+    bert::BertModel::load(
+        VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu),
+        &serde_json::from_value(bert_config())?,
+    )?;
+    vm.save(dir.join("model.safetensors"))?;
+    std::fs::create_dir_all(dir.join("1_Dense"))?;
+    let dense = VarMap::new();
+    VarBuilder::from_varmap(&dense, DType::F32, &Device::Cpu).get_with_hints(
+        (DOUT, HIDDEN),
+        "linear.weight",
+        candle_nn::init::DEFAULT_KAIMING_NORMAL,
+    )?;
+    dense.save(dir.join("1_Dense/model.safetensors"))?;
+    std::fs::write(
+        dir.join("1_Dense/config.json"),
+        serde_json::json!({"in_features": HIDDEN, "out_features": DOUT, "bias": false}).to_string(),
+    )?;
+    std::fs::write(
+        dir.join("config_sentence_transformers.json"),
+        serde_json::json!({
+            "query_prefix": "[Q] ", "document_prefix": "[D] ", "query_length": 12, "document_length": 10,
+            "attend_to_expansion_tokens": false, "do_query_expansion": true,
+            "skiplist_words": [".", ",", "!", "?"]
+        })
+        .to_string(),
+    )?;
+    std::fs::write(dir.join("special_tokens_map.json"), r#"{"mask_token": "[MASK]", "pad_token": "[PAD]"}"#)?;
+    write_tokenizer(&dir, &["[Q]", "[D]"])?;
+    Ok(dir)
+}
+
+/// colbert-ai layout: `bert.*` and `linear.weight` in one file, artifact.metadata.
+fn colbert_ai_checkpoint() -> anyhow::Result<PathBuf> {
+    let dir = tmpdir("colbertai");
+    std::fs::write(dir.join("config.json"), bert_config().to_string())?;
+    let vm = VarMap::new();
+    let vb = VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu);
+    bert::BertModel::load(vb.pp("bert"), &serde_json::from_value(bert_config())?)?;
+    vb.get_with_hints((DOUT, HIDDEN), "linear.weight", candle_nn::init::DEFAULT_KAIMING_NORMAL)?;
+    vm.save(dir.join("model.safetensors"))?;
+    std::fs::write(dir.join("artifact.metadata"), r#"{"query_maxlen": 8, "doc_maxlen": 9}"#)?;
+    write_tokenizer(&dir, &[])?;
+    Ok(dir)
+}
+
+#[test]
+fn pylate_layout_token_by_token() -> anyhow::Result<()> {
+    let dir = pylate_checkpoint()?;
+    let m = ColBert::load(&dir, &Device::Cpu, DType::F32)?;
+    assert_eq!(m.config.query_length, 12);
+    assert_eq!(m.config.document_length, 10);
+
+    let q = m.tokenize_queries(&["The cat sat", "the cat sat on the mat a red ball is big small dog runs fast"])?;
+    let (cls, sep, mask) = (id("[CLS]"), id("[SEP]"), id("[MASK]"));
+    let mut want = vec![cls, id("[Q]"), id("the"), id("cat"), id("sat"), sep];
+    want.resize(12, mask);
+    assert_eq!(q.ids[0], want, "query augmentation with [MASK]");
+    assert_eq!(q.attention[0], [vec![1u8; 6], vec![0u8; 6]].concat(), "expansion tokens not attended");
+    assert_eq!(q.score_mask[0], vec![1u8; 12], "every query position is scored");
+    assert_eq!(q.ids[1].len(), 12);
+    assert_eq!((q.ids[1][0], q.ids[1][1], q.ids[1][11]), (cls, id("[Q]"), sep), "truncated, [SEP] kept");
+    assert!(!q.ids[1].contains(&mask));
+
+    let d = m.tokenize_documents(&["the dog, runs.", "a red ball is big small dog runs fast on the mat"])?;
+    let (pad, d_m) = (id("[PAD]"), id("[D]"));
+    assert_eq!(d.ids[0], vec![cls, d_m, id("the"), id("dog"), id(","), id("runs"), id("."), sep, pad, pad]);
+    assert_eq!(d.score_mask[0], vec![1, 1, 1, 1, 0, 1, 0, 1, 0, 0], "punctuation and padding masked");
+    assert_eq!(d.attention[0], vec![1, 1, 1, 1, 1, 1, 1, 1, 0, 0]);
+    assert_eq!(d.ids[1].len(), 10);
+    assert_eq!(d.ids[1][9], sep);
+
+    // Embeddings: shapes, unit norm, and scoring through MaxSim.
+    let (qe, qm) = m.encode_queries(&["the cat sat", "dog runs fast"])?;
+    let docs = ["the cat sat on the mat", "a dog runs fast", "red ball, big ball"];
+    let (de, dm) = m.encode_documents(&docs)?;
+    assert_eq!(qe.dims(), &[2, 12, DOUT]);
+    assert_eq!(de.dims()[0], 3);
+    let norms: Vec<f32> = de.sqr()?.sum(2)?.flatten_all()?.to_vec1()?;
+    assert!(norms.iter().all(|n| (n - 1.0).abs() < 1e-4));
+    let want = candle_maxsim::reference::maxsim(&qe, &de, Some(&qm), Some(&dm))?;
+    let ranked = m.rank("the cat sat", &docs, 3)?;
+    let w0: Vec<f32> = want.get(0)?.to_vec1()?;
+    assert_eq!(ranked.len(), 3);
+    for w in ranked.windows(2) {
+        assert!(w[0].1 >= w[1].1, "best first");
+    }
+    for (i, s) in &ranked {
+        assert!((s - w0[*i]).abs() < 1e-4, "rank scores are MaxSim scores");
+    }
+    Ok(())
+}
+
+#[test]
+fn colbert_ai_layout() -> anyhow::Result<()> {
+    let dir = colbert_ai_checkpoint()?;
+    let m = ColBert::load(&dir, &Device::Cpu, DType::F32)?;
+    assert_eq!((m.config.query_length, m.config.document_length), (8, 9));
+    let q = m.tokenize_queries(&["the cat"])?;
+    let mask = id("[MASK]");
+    assert_eq!(q.ids[0], vec![id("[CLS]"), id("[unused0]"), id("the"), id("cat"), id("[SEP]"), mask, mask, mask]);
+    let d = m.tokenize_documents(&["the mat."])?;
+    assert_eq!(d.ids[0], vec![id("[CLS]"), id("[unused1]"), id("the"), id("mat"), id("."), id("[SEP]")]);
+    let (qe, _) = m.encode_queries(&["the cat"])?;
+    assert_eq!(qe.dims(), &[1, 8, DOUT]);
+    Ok(())
+}
+
+#[test]
+fn bad_checkpoint_is_an_error() -> Result<()> {
+    let dir = tmpdir("empty");
+    assert!(ColBert::load(&dir, &Device::Cpu, DType::F32).is_err());
+    let _ = Tensor::zeros(1, DType::F32, &Device::Cpu)?;
+    Ok(())
+}
