@@ -71,7 +71,7 @@ fn write_tokenizer(dir: &Path, markers: &[&str]) -> anyhow::Result<()> {
     let mut special: Vec<AddedToken> =
         ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"].iter().map(|t| AddedToken::from(*t, true)).collect();
     special.extend(markers.iter().map(|t| AddedToken::from(*t, true)));
-    tok.add_special_tokens(special);
+    tok.add_special_tokens(special).map_err(anyhow::Error::msg)?;
     tok.save(dir.join("tokenizer.json"), false).map_err(anyhow::Error::msg)?;
     Ok(())
 }
