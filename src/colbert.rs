@@ -65,7 +65,7 @@ pub struct Tokenized {
 }
 
 enum Backbone {
-    Bert(bert::BertModel),
+    Bert(Box<bert::BertModel>),
     ModernBert(modernbert::ModernBert),
 }
 
@@ -114,7 +114,7 @@ impl ColBert {
         } else {
             let c: bert::Config = serde_json::from_value(config.clone())
                 .map_err(|e| candle_core::Error::Msg(format!("config.json: {e}")))?;
-            Backbone::Bert(bert::BertModel::load(vb.clone(), &c)?)
+            Backbone::Bert(Box::new(bert::BertModel::load(vb.clone(), &c)?))
         };
 
         let mut enc = EncodeConfig::default();

@@ -120,14 +120,15 @@ fn items(p: &HostProblem) -> Vec<Item> {
     out
 }
 
-/// Consecutive sequences grouped while their rows fit in `cap` (a longer
-/// sequence is a group of its own and is tiled inside the item).
+/// Consecutive sequences grouped while their rows fit in `cap` and there are
+/// at most `cap` of them (a longer sequence is a group of its own and is
+/// tiled inside the item).
 fn groups(s: &Seqs, n: usize, cap: usize) -> Vec<(usize, usize)> {
     let mut out = Vec::new();
     let mut a = 0;
     while a < n {
         let mut b = a + 1;
-        while b < n && s.end(b) - s.start(a) <= cap {
+        while b < n && b - a < cap && s.end(b) - s.start(a) <= cap {
             b += 1;
         }
         out.push((a, b));

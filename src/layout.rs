@@ -127,6 +127,8 @@ impl Pairing {
     /// A pair list built by the crate itself (KD layout, pairs): indices are in range by construction.
     pub fn list_from(pq: Vec<u32>, pd: Vec<u32>, device: &Device) -> Result<Self> {
         let n = pq.len();
+        // CUDA allocates no empty buffer; an empty list is never launched on.
+        let device = if n == 0 { &Device::Cpu } else { device };
         let pq_dev = Tensor::from_vec(pq.clone(), n, device)?;
         let pd_dev = Tensor::from_vec(pd.clone(), n, device)?;
         Ok(Pairing::List { pq: Arc::new(pq), pd: Arc::new(pd), pq_dev, pd_dev })

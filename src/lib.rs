@@ -40,8 +40,8 @@ pub use ops::dense::{maxsim, maxsim_pairs, maxsim_pairs_with, maxsim_with, maxsi
 pub use ops::hidden::maxsim_from_hidden;
 pub use ops::l2_normalize;
 pub use ops::residual::{
-    bucket_index, maxsim_residual, maxsim_residual_varlen, pack_bucket_indices, plaid_approx_score,
-    unpack_bucket_indices, BitOrder, ResidualCodec,
+    maxsim_residual, maxsim_residual_varlen, pack_bucket_indices, plaid_approx_score, unpack_bucket_indices, BitOrder,
+    ResidualCodec,
 };
 pub use ops::retrieve::retrieve;
 pub use ops::varlen::{maxsim_varlen, score_pairs_packed};

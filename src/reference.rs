@@ -119,6 +119,9 @@ pub fn pad_packed(x: &Tensor, cu: &Tensor, max_len: usize) -> Result<(Tensor, Te
     let mut masks = Vec::new();
     for w in cu.windows(2) {
         let (a, len) = (w[0] as usize, (w[1] - w[0]) as usize);
+        if len > max_len {
+            bail!("max_len: {max_len} is smaller than a sequence of {len}")
+        }
         let seq = x.narrow(0, a, len)?;
         let pad = Tensor::zeros((max_len - len, dim), x.dtype(), x.device())?;
         rows.push(Tensor::cat(&[&seq, &pad], 0)?);
@@ -268,8 +271,8 @@ pub fn maxsim_from_hidden(
     if let Some(b) = b {
         d = d.broadcast_add(&b.to_dtype(wd)?)?;
     }
-    let opts = MaxSimOptions { normalize, ..Default::default() };
-    maxsim_with(&q.to_dtype(wd)?, &d, None, d_mask, &opts)
+    let d = prep(&d, normalize)?; // the documents only: q is already projected
+    maxsim(&q.to_dtype(wd)?, &d, None, d_mask)
 }
 
 /// Naive [`crate::retrieve`]: score everything, sort on the host.

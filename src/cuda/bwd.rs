@@ -81,6 +81,10 @@ pub(crate) fn maxsim_bwd(
     };
     let dtype = q.dtype();
     let (tq, td) = (q.dim(0)?, d.dim(0)?);
+    if pb.n_out() == 0 || pb.dim == 0 {
+        // Nothing was scored: zero gradients.
+        return Ok((q.zeros_like()?, d.zeros_like()?));
+    }
     let gq = alloc_out(&dev, dtype, tq * pb.dim)?;
     let gd = alloc_out(&dev, dtype, td * pb.dim)?;
     let g = grad.to_dtype(DType::F32)?.contiguous()?;

@@ -104,12 +104,24 @@ enum Path {
 
 fn path_for(info: &DeviceInfo, dtype: DType, dim: usize) -> Path {
     let tc = matches!(dtype, DType::F16 | DType::BF16) && info.cc >= 80 && dim <= 256;
-    match (tc, dim) {
-        (true, 0..=64) => Path::Mma { dpad: 64 },
-        (true, 65..=128) => Path::Mma { dpad: 128 },
-        (true, _) => Path::Mma { dpad: 256 },
-        _ => Path::Simt,
+    let dpad = match dim {
+        0..=64 => 64,
+        65..=128 => 128,
+        _ => 256,
+    };
+    if tc && !candidates(info, dpad).is_empty() {
+        Path::Mma { dpad }
+    } else {
+        Path::Simt
     }
+}
+
+/// The tile configurations for this width whose shared memory fits the device
+/// (e.g. sm_86 / sm_89 allow less per block than sm_80 / sm_90).
+fn candidates(info: &DeviceInfo, dpad: usize) -> Vec<TileConfig> {
+    let all: &[TileConfig] =
+        if dpad > 128 { &[TileConfig::Wide] } else { &[TileConfig::Large, TileConfig::Small, TileConfig::Narrow] };
+    all.iter().copied().filter(|c| c.smem(dpad) as usize <= info.smem_optin).collect()
 }
 
 pub(crate) fn dtype_tag(dt: DType) -> &'static str {
@@ -257,6 +269,9 @@ pub(crate) fn layout_params(pb: &Problem) -> Result<Params> {
         p.cu_d = tensor_ptr(cu_dev)?;
     }
     if let Pairing::List { pq_dev, pd_dev, pq, .. } = &pb.pairs {
+        if pq.is_empty() {
+            return Ok(p);
+        }
         p.pair_q = tensor_ptr(pq_dev)?;
         p.pair_d = tensor_ptr(pd_dev)?;
         p.n_pairs = pq.len() as i32;
@@ -287,7 +302,10 @@ pub(crate) fn maxsim_fwd(
         None
     };
     let dtype = s1.dtype();
-    let any_rows = pb.q.rows() > 0 && pb.d.rows() > 0;
+    if n_out > i32::MAX as usize || n_out * max_lq > i32::MAX as usize * 16 {
+        bail!("maxsim: {n_out} scores in one call exceed the kernels' 32-bit pair index; split the batch")
+    }
+    let any_rows = pb.q.rows() > 0 && pb.d.rows() > 0 && pb.dim > 0;
     if n_out > 0 && any_rows {
         let q_valid = pb.q_valid.as_ref().map(|t| t.contiguous()).transpose()?;
         let d_valid = pb.d_valid.as_ref().map(|t| t.contiguous()).transpose()?;
@@ -342,10 +360,11 @@ fn choose_config(
     out: &mut candle_core::cuda_backend::cudarc::driver::CudaSlice<f32>,
     argmax: Option<&mut candle_core::cuda_backend::cudarc::driver::CudaSlice<i32>>,
 ) -> Result<TileConfig> {
-    if dpad > 128 {
-        return Ok(TileConfig::Wide);
+    let fits = candidates(info, dpad);
+    if fits.len() == 1 {
+        return Ok(fits[0]);
     }
-    if let Some(c) = pinned_config().filter(|c| *c != TileConfig::Wide) {
+    if let Some(c) = pinned_config().filter(|c| fits.contains(c)) {
         return Ok(c);
     }
     let lq = pb.q.max_len();
@@ -369,7 +388,7 @@ fn choose_config(
     // nograd kernels are timed, they decide the tile for both).
     let stream = dev.cuda_stream();
     let mut best = (f32::INFINITY, TileConfig::Large);
-    for cfg in [TileConfig::Large, TileConfig::Small, TileConfig::Narrow] {
+    for cfg in fits {
         let (bq, _, threads) = cfg.shape();
         let plan = plan(dev, info, pb, Params { argmax: 0, ..base }, bq)?;
         let name = kernel_name(dtype, Path::Mma { dpad }, cfg, false);

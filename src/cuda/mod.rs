@@ -27,6 +27,8 @@ pub(crate) struct DeviceInfo {
     /// Compute capability as major * 10 + minor.
     pub cc: i32,
     pub sm_count: i32,
+    /// Largest dynamic shared memory a block may opt in to, in bytes.
+    pub smem_optin: usize,
 }
 
 pub(crate) fn device_info(dev: &CudaDevice) -> Result<DeviceInfo> {
@@ -42,7 +44,8 @@ pub(crate) fn device_info(dev: &CudaDevice) -> Result<DeviceInfo> {
     let major = ctx.attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR).w()?;
     let minor = ctx.attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR).w()?;
     let sm_count = ctx.attribute(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).w()?;
-    let info = DeviceInfo { cc: major * 10 + minor, sm_count };
+    let smem_optin = ctx.attribute(CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN).w()? as usize;
+    let info = DeviceInfo { cc: major * 10 + minor, sm_count, smem_optin };
     cache.insert(key, info);
     Ok(info)
 }

@@ -1,6 +1,7 @@
 //! Fused D-side projection head: hidden states → linear → (normalize) → MaxSim.
 
 use super::dense::maxsim_with;
+use super::l2_normalize;
 use crate::layout::{check_device, check_float, check_rank};
 use crate::MaxSimOptions;
 use candle_core::{bail, Result, Tensor};
@@ -43,8 +44,7 @@ pub fn maxsim_from_hidden(
         proj = proj.broadcast_add(b)?;
     }
     let d = proj.reshape((nd, ld, dout))?;
-    let opts = MaxSimOptions { normalize, ..Default::default() };
-    // normalize applies to both sides: q is a unit vector already for a
-    // ColBERT head, where it is a no-op.
-    maxsim_with(q, &d, None, d_mask, &opts)
+    // `normalize` applies to the projected documents only (q is already projected).
+    let d = if normalize { l2_normalize(&d)? } else { d };
+    maxsim_with(q, &d, None, d_mask, &MaxSimOptions::default())
 }

@@ -34,9 +34,9 @@ fn reverse_bits(v: u8, nbits: usize) -> u8 {
     v.reverse_bits() >> (8 - nbits)
 }
 
-/// Bucket index of feature `k` in a packed residual row.
+/// Bucket index of feature `k` in a packed residual row (nbits checked by the caller).
 #[inline]
-pub fn bucket_index(row: &[u8], k: usize, nbits: usize, order: BitOrder) -> u8 {
+pub(crate) fn bucket_index(row: &[u8], k: usize, nbits: usize, order: BitOrder) -> u8 {
     let per = 8 / nbits;
     let byte = row[k / per];
     let field = k % per;
@@ -76,22 +76,23 @@ fn check_nbits(nbits: usize) -> Result<()> {
     Ok(())
 }
 
-/// Codes as host u32, from U32 or I64 (rank checked by the caller).
-fn codes_host(codes: &Tensor) -> Result<Vec<u32>> {
-    match codes.dtype() {
-        DType::U32 => codes.flatten_all()?.to_vec1::<u32>(),
-        DType::I64 => codes
-            .flatten_all()?
-            .to_vec1::<i64>()?
-            .into_iter()
-            .enumerate()
-            .map(|(k, c)| {
-                u32::try_from(c)
-                    .map_err(|_| candle_core::Error::Msg(format!("codes: codes[{k}] = {c} is negative or too large")))
-            })
-            .collect(),
+/// Codes as host u32, from U32 or I64 (rank checked by the caller). Codes of
+/// padding tokens (`valid[t] == false`) may hold anything and read as 0.
+fn codes_host(codes: &Tensor, valid: &[bool]) -> Result<Vec<u32>> {
+    let raw: Vec<i64> = match codes.dtype() {
+        DType::U32 => codes.flatten_all()?.to_vec1::<u32>()?.into_iter().map(i64::from).collect(),
+        DType::I64 => codes.flatten_all()?.to_vec1::<i64>()?,
         dt => bail!("codes: expected U32 or I64 centroid codes, got {dt:?}"),
-    }
+    };
+    raw.into_iter()
+        .zip(valid)
+        .enumerate()
+        .map(|(k, (c, &ok))| match (ok, u32::try_from(c)) {
+            (false, _) => Ok(0),
+            (true, Ok(c)) => Ok(c),
+            (true, Err(_)) => bail!("codes: codes[{k}] = {c} is negative or too large"),
+        })
+        .collect()
 }
 
 impl ResidualCodec {
@@ -188,9 +189,9 @@ pub fn maxsim_residual(
     if let Some((j, &l)) = lens.iter().enumerate().find(|(_, &l)| l as usize > ld) {
         bail!("doc_lens: doc_lens[{j}] = {l} exceeds Ld = {ld}")
     }
-    let codes_h = codes_host(codes)?;
-    let res_h = residual_bytes("residuals", residuals, nd * ld, codec.residual_width(dim))?;
     let valid: Vec<bool> = (0..nd * ld).map(|t| t % ld < lens[t / ld] as usize).collect();
+    let codes_h = codes_host(codes, &valid)?;
+    let res_h = residual_bytes("residuals", residuals, nd * ld, codec.residual_width(dim))?;
     let dense = codec.decompress_host(&codes_h, &res_h, &valid, dim)?;
     let d = Tensor::from_vec(dense, (nd * ld, dim), q.device())?.to_dtype(q.dtype())?;
     let d_valid = Tensor::from_vec(valid.iter().map(|&v| v as u8).collect::<Vec<u8>>(), nd * ld, q.device())?;
@@ -231,7 +232,7 @@ pub fn maxsim_residual_varlen(
         bail!("residuals: {} rows, but codes has {t}", residuals.dim(0)?)
     }
     let ds = Seqs::packed("cu_d", cu_d, t, "max_ld", max_ld)?;
-    let codes_h = codes_host(codes)?;
+    let codes_h = codes_host(codes, &vec![true; t])?;
     let res_h = residual_bytes("residuals", residuals, t, codec.residual_width(dim))?;
     let dense = codec.decompress_host(&codes_h, &res_h, &vec![true; t], dim)?;
     let d = Tensor::from_vec(dense, (t, dim), q.device())?.to_dtype(q.dtype())?;
@@ -266,7 +267,14 @@ pub fn plaid_approx_score(query_centroid_scores: &Tensor, codes: &Tensor, doc_le
     }
     check_device("codes", codes, qcs.device())?;
     check_device("doc_lens", doc_lens, qcs.device())?;
-    qcs.contiguous()?.apply_op3_no_bwd(&codes.contiguous()?, &doc_lens.contiguous()?, &PlaidApprox)
+    if qcs.device().is_cpu() {
+        return qcs.contiguous()?.apply_op3_no_bwd(&codes.contiguous()?, &doc_lens.contiguous()?, &PlaidApprox);
+    }
+    // Other devices: the CPU op on host copies (a fused CUDA kernel is still to come).
+    let cpu = candle_core::Device::Cpu;
+    let out =
+        qcs.to_device(&cpu)?.apply_op3_no_bwd(&codes.to_device(&cpu)?, &doc_lens.to_device(&cpu)?, &PlaidApprox)?;
+    out.to_device(qcs.device())
 }
 
 struct PlaidApprox;
@@ -283,7 +291,7 @@ impl CustomOp3 for PlaidApprox {
         s2: &CpuStorage,
         l2: &Layout,
         s3: &CpuStorage,
-        _: &Layout,
+        l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let (n_c, lq) = l1.shape().dims2()?;
         let (b, ld) = l2.shape().dims2()?;
@@ -291,6 +299,7 @@ impl CustomOp3 for PlaidApprox {
             bail!("plaid_approx_score: internal error, unexpected storage")
         };
         let qcs = &qcs[l1.start_offset()..];
+        let lens = &lens[l3.start_offset()..];
         let code = |bi: usize, t: usize| -> Result<usize> {
             let k = l2.start_offset() + bi * ld + t;
             let c = match s2 {

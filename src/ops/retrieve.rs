@@ -24,7 +24,10 @@ pub fn retrieve(
     check_rank("d", d, &[3], "rank 3 [Nd, Ld, dim]")?;
     check_rank("q", q, &[3], "rank 3 [Nq, Lq, dim]")?;
     let nq = q.dim(0)?;
-    let nd = d.dim(0)?;
+    let (nd, ld) = (d.dim(0)?, d.dim(1)?);
+    if let Some(m) = d_mask {
+        crate::layout::check_mask("d_mask", m, &[nd, ld], q.device())?;
+    }
     let k = top_k.min(nd);
     // Per query: the best k so far as (score, doc), sorted best first.
     let mut best: Vec<Vec<(f32, u32)>> = vec![Vec::with_capacity(2 * k); nq];
@@ -47,6 +50,12 @@ pub fn retrieve(
             top.truncate(k);
         }
         start += len;
+    }
+    if k == 0 || nq == 0 {
+        // Empty results as zero-size views (CUDA allocates no empty buffer).
+        let z =
+            Tensor::zeros((nq.max(1), 1), candle_core::DType::F32, q.device())?.narrow(0, 0, nq)?.narrow(1, 0, k)?;
+        return Ok((z.clone(), z.to_dtype(candle_core::DType::U32)?));
     }
     let scores: Vec<f32> = best.iter().flat_map(|t| t.iter().map(|x| x.0)).collect();
     let idx: Vec<u32> = best.iter().flat_map(|t| t.iter().map(|x| x.1)).collect();

@@ -246,3 +246,13 @@ fn layers() -> Result<()> {
     assert!((p[1] - want[1]).abs() < 1e-4);
     Ok(())
 }
+
+#[test]
+fn empty_kd_and_retrieve() -> Result<()> {
+    let dev = Device::Cpu;
+    let q = randn(&[2, 4, 16], DType::F32, &dev)?;
+    assert_eq!(ms::maxsim(&q, &randn(&[2, 0, 5, 16], DType::F32, &dev)?, None, None)?.dims(), &[2, 0]);
+    let (s, i) = ms::retrieve(&q, &randn(&[0, 5, 16], DType::F32, &dev)?, None, None, 3, 8)?;
+    assert_eq!((s.dims(), i.dims()), (&[2usize, 0][..], &[2usize, 0][..]));
+    Ok(())
+}

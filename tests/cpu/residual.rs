@@ -84,3 +84,24 @@ fn plaid_approx_matches_reference() -> Result<()> {
     assert_close("plaid approx i64", &out64, &out, 0.0 + 1e-12)?;
     Ok(())
 }
+
+#[test]
+fn padding_codes_and_views() -> Result<()> {
+    let dev = Device::Cpu;
+    let c = codec(2, BitOrder::ColBert, 16, 10)?;
+    // fast-plaid pads codes with -1: padding codes are never read.
+    let codes = Tensor::new(&[[3i64, 4, -1], [5, -1, -1]], &dev)?;
+    let res = Tensor::rand(0f32, 256., (2, 3, 4), &dev)?.to_dtype(DType::U8)?;
+    let lens = Tensor::new(&[2u32, 1], &dev)?;
+    let q = randn(&[2, 4, 16], DType::F32, &dev)?;
+    let out = ms::maxsim_residual(&q, &codes, &res, &lens, &c, false)?;
+    let want = r::maxsim_residual(&q, &codes.clamp(0i64, 9i64)?, &res, &lens, &c, false)?;
+    assert_close("padding codes", &out, &want, 1e-5)?;
+    // A narrowed (offset) doc_lens view.
+    let qcs = randn(&[10, 3], DType::F32, &dev)?;
+    let codes = Tensor::new(&[[1u32, 2, 3], [4, 5, 6]], &dev)?;
+    let lens = Tensor::new(&[9u32, 3, 1], &dev)?.narrow(0, 1, 2)?;
+    let out = ms::plaid_approx_score(&qcs, &codes, &lens)?;
+    assert_close("narrowed doc_lens", &out, &r::plaid_approx_score(&qcs, &codes, &lens)?, 1e-6)?;
+    Ok(())
+}
