@@ -117,10 +117,22 @@ impl ColBert {
             Backbone::Bert(Box::new(bert::BertModel::load(vb.clone(), &c)?))
         };
 
-        let mut enc = EncodeConfig::default();
         let st = dir.join("config_sentence_transformers.json");
         let colbert_ir = vb.contains_tensor("linear.weight");
-        let projection = if let Some(p) = Self::load_dense(dir, device, dtype)? {
+        let dense = Self::load_dense(dir, device, dtype)?;
+        // A plain encoder (no projection head): token embeddings, no markers, no expansion.
+        let plain = dense.is_none() && !colbert_ir;
+        let mut enc = if plain {
+            EncodeConfig {
+                query_prefix: String::new(),
+                document_prefix: String::new(),
+                do_query_expansion: false,
+                ..Default::default()
+            }
+        } else {
+            EncodeConfig::default()
+        };
+        let projection = if let Some(p) = dense {
             Some(p)
         } else if colbert_ir {
             // colbert-ai: `linear.weight` [dim, hidden] next to the encoder, markers [unused0]/[unused1].
@@ -165,17 +177,16 @@ impl ColBert {
             if let Some(x) = m.get("doc_maxlen").and_then(|x| x.as_u64()) {
                 enc.document_length = x as usize;
             }
-        } else if !colbert_ir && projection.is_none() {
-            // A plain encoder: no markers.
-            enc.query_prefix.clear();
-            enc.document_prefix.clear();
         }
         if let (Some(p), true) = (&projection, hidden > 0) {
             if p.weight().dim(1)? != hidden {
                 bail!("projection: weight {:?} does not take the encoder's hidden size {hidden}", p.weight().dims())
             }
         }
-        let tokenizer = Tokenizer::from_file(dir.join("tokenizer.json")).map_err(tok_err)?;
+        let mut tokenizer = Tokenizer::from_file(dir.join("tokenizer.json")).map_err(tok_err)?;
+        // Lengths, padding and masks are ours to decide (tokenizer.json files often pad to 128).
+        tokenizer.with_padding(None);
+        tokenizer.with_truncation(None).map_err(tok_err)?;
         Self::new(backbone, projection, tokenizer, enc, device)
     }
 
