@@ -15,6 +15,7 @@ fn check_fd(
     let g: Vec<f64> = grad.flatten_all()?.to_vec1()?;
     let scale = g.iter().fold(0f64, |m, v| m.max(v.abs())).max(1e-6);
     let eps = 1e-3;
+    let (mut checked, mut kinks) = (0, 0);
     for k in (0..x.len()).step_by((x.len() / 23).max(1)) {
         let eval = |delta: f64| -> Result<f64> {
             let mut xv = x.clone();
@@ -23,9 +24,18 @@ fn check_fd(
             ins[which] = Tensor::from_vec(xv, inputs[which].shape(), &Device::Cpu)?;
             f(&ins)
         };
-        let fd = (eval(eps)? - eval(-eps)?) / (2.0 * eps);
+        let (fp, f0, fm) = (eval(eps)?, eval(0.0)?, eval(-eps)?);
+        // MaxSim is piecewise smooth: where the winner changes inside [x-eps, x+eps]
+        // the one-sided slopes disagree, and a central difference means nothing.
+        if ((fp - f0) / eps - (f0 - fm) / eps).abs() > 1e-2 * scale {
+            kinks += 1;
+            continue;
+        }
+        let fd = (fp - fm) / (2.0 * eps);
         assert!((fd - g[k]).abs() / scale < 2e-3, "{what}: d/dx[{k}] fd {fd} vs analytic {}", g[k]);
+        checked += 1;
     }
+    assert!(checked > 2 * kinks, "{what}: too few smooth points ({checked} checked, {kinks} kinks)");
     Ok(())
 }
 
