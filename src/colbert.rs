@@ -82,6 +82,7 @@ pub struct ColBert {
     sep_id: Option<u32>,
     skip_ids: Vec<u32>,
     device: Device,
+    out_dtype: DType,
 }
 
 fn read_json(path: &Path) -> Result<serde_json::Value> {
@@ -96,8 +97,14 @@ fn tok_err(e: impl std::fmt::Display) -> candle_core::Error {
 
 impl ColBert {
     /// Loads a checkpoint directory (see the module docs for the layouts).
+    /// Embeddings come out in `dtype`. The encoder runs in F32 except for
+    /// BF16 on CUDA: candle's BERT builds its attention bias from `f32::MIN`,
+    /// -inf in F16, which turns attended positions into NaN (0 x -inf), and
+    /// its BF16 CPU path gave NaN here too (candle-transformers 0.11).
     pub fn load(dir: impl AsRef<Path>, device: &Device, dtype: DType) -> Result<Self> {
         let dir = dir.as_ref();
+        let out_dtype = dtype;
+        let dtype = if dtype == DType::BF16 && device.is_cuda() { dtype } else { DType::F32 };
         let config = read_json(&dir.join("config.json"))?;
         let weights = dir.join("model.safetensors");
         if !weights.exists() {
@@ -187,7 +194,7 @@ impl ColBert {
         // Lengths, padding and masks are ours to decide (tokenizer.json files often pad to 128).
         tokenizer.with_padding(None);
         tokenizer.with_truncation(None).map_err(tok_err)?;
-        Self::new(backbone, projection, tokenizer, enc, device)
+        Self::new(backbone, projection, tokenizer, enc, device, out_dtype)
     }
 
     /// `1_Dense/` of a Sentence Transformers checkpoint, if there is one.
@@ -210,6 +217,7 @@ impl ColBert {
         tokenizer: Tokenizer,
         config: EncodeConfig,
         device: &Device,
+        out_dtype: DType,
     ) -> Result<Self> {
         let id = |t: &str| tokenizer.token_to_id(t);
         let marker = |prefix: &str| -> Result<Option<u32>> {
@@ -237,6 +245,7 @@ impl ColBert {
             pad_id,
             skip_ids,
             device: device.clone(),
+            out_dtype,
         })
     }
 
@@ -332,7 +341,7 @@ impl ColBert {
             Some(p) => p.forward(&hidden)?,
             None => hidden,
         };
-        l2_normalize(&x)
+        l2_normalize(&x)?.to_dtype(self.out_dtype)
     }
 
     /// `(embeddings [N, query_length, dim], score mask [N, query_length] U8)`.

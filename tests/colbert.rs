@@ -85,8 +85,11 @@ fn bert_config() -> serde_json::Value {
     })
 }
 
+/// A fresh directory per call (tests run in parallel threads of one process).
 fn tmpdir(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("candle-maxsim-{name}-{}", std::process::id()));
+    static COUNTER: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let d = std::env::temp_dir().join(format!("candle-maxsim-{name}-{}-{n}", std::process::id()));
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).unwrap();
     d
@@ -209,5 +212,21 @@ fn bad_checkpoint_is_an_error() -> Result<()> {
     let dir = tmpdir("empty");
     assert!(ColBert::load(&dir, &Device::Cpu, DType::F32).is_err());
     let _ = Tensor::zeros(1, DType::F32, &Device::Cpu)?;
+    Ok(())
+}
+
+#[test]
+fn half_precision_encoding() -> anyhow::Result<()> {
+    let dir = pylate_checkpoint()?;
+    let docs = ["the cat sat on the mat", "a dog runs fast"];
+    let f32m = ColBert::load(&dir, &Device::Cpu, DType::F32)?;
+    let (want, _) = f32m.encode_documents(&docs)?;
+    for dt in [DType::F16, DType::BF16] {
+        let m = ColBert::load(&dir, &Device::Cpu, dt)?;
+        let (got, _) = m.encode_documents(&docs)?;
+        assert_eq!(got.dtype(), dt);
+        let err = (got.to_dtype(DType::F32)? - &want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert!(err < 3e-2, "{dt:?}: max |diff| {err} against F32");
+    }
     Ok(())
 }
