@@ -302,7 +302,7 @@ pub(crate) fn maxsim_fwd(
         None
     };
     let dtype = s1.dtype();
-    if n_out > i32::MAX as usize || n_out * max_lq > i32::MAX as usize * 16 {
+    if n_out > i32::MAX as usize {
         bail!("maxsim: {n_out} scores in one call exceed the kernels' 32-bit pair index; split the batch")
     }
     let any_rows = pb.q.rows() > 0 && pb.d.rows() > 0 && pb.dim > 0;
