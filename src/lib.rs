@@ -12,7 +12,7 @@
 //!
 //! Every entry point takes candle `Tensor`s on any device and returns
 //! `candle_core::Result`; invalid input is an `Err` naming the argument.
-//! [`reference`] holds the naive, materializing implementations used as the
+//! [`mod@reference`] holds the naive, materializing implementations used as the
 //! ground truth in tests.
 //!
 //! ```

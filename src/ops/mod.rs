@@ -1,4 +1,4 @@
-//! Entry points, one family per file; all of them lower to [`core::MaxSimOp`].
+//! Entry points, one family per file; all of them lower to one custom op (`core::MaxSimOp`).
 
 pub(crate) mod core;
 pub mod dense;

@@ -17,7 +17,7 @@ pub enum BitOrder {
     ColBert,
 }
 
-/// A residual codec: token = centroids[code] + bucket_weights[bucket(k)] per feature k.
+/// A residual codec: token = `centroids[code] + bucket_weights[bucket(k)]` per feature k.
 #[derive(Clone, Debug)]
 pub struct ResidualCodec {
     /// `[C, dim]` centroids (any float dtype).
@@ -48,7 +48,7 @@ pub(crate) fn bucket_index(row: &[u8], k: usize, nbits: usize, order: BitOrder) 
 }
 
 /// Packs bucket indices (one per feature, each < 2^nbits) into bytes; the
-/// inverse of [`bucket_index`]. `indices.len()` must be a multiple of 8/nbits.
+/// inverse of [`unpack_bucket_indices`]. `indices.len()` must be a multiple of 8/nbits.
 pub fn pack_bucket_indices(indices: &[u8], nbits: usize, order: BitOrder) -> Result<Vec<u8>> {
     check_nbits(nbits)?;
     let per = 8 / nbits;
