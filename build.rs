@@ -1,5 +1,6 @@
 //! Without the `cuda` feature this does nothing. With it, every kernels/*.cu
-//! is compiled to PTX once per target architecture (bindgen_cuda), and
+//! is compiled to PTX once per target architecture (bindgen_cuda for sm_75 and
+//! sm_80, nvcc directly for sm_90a), and
 //! `ptx.rs` in OUT_DIR exposes them as `<KERNEL>_SM<arch>` string constants.
 //! The crate picks the newest module the device can run at run time.
 
@@ -53,6 +54,32 @@ mod cuda {
                 )
                 .unwrap();
             }
+        }
+        // sm_90a (Hopper wgmma): nvcc directly, with -gencode (an -arch=sm_90a
+        // shorthand also runs a plain sm_90 pass that rejects wgmma). PTX for
+        // sm_90a loads only on compute capability 9.0 devices.
+        let dir = out.join("sm90a");
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let nvcc = std::env::var("NVCC").unwrap_or_else(|_| "nvcc".to_string());
+        for k in &kernels {
+            let stem = k.file_stem().unwrap().to_str().unwrap();
+            let path = dir.join(format!("{stem}.ptx"));
+            let status = std::process::Command::new(&nvcc)
+                .args(["--ptx", "-gencode=arch=compute_90a,code=compute_90a", "-O3", "--std=c++17", "-Ikernels"])
+                .arg("-o")
+                .arg(&path)
+                .arg(k)
+                .status()
+                .expect("nvcc not found (set NVCC or PATH)");
+            assert!(status.success(), "nvcc failed on {} for sm_90a", k.display());
+            writeln!(
+                rs,
+                "pub const {}_SM90A: &str = include_str!({:?});",
+                stem.to_uppercase(),
+                path.display().to_string()
+            )
+            .unwrap();
         }
         std::fs::write(out.join("ptx.rs"), rs).unwrap();
     }

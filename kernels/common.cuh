@@ -145,6 +145,68 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t* r, const void* smem) {
 }
 #endif
 
+// ---------------------------------------------------------------------------
+// Hopper warpgroup MMA (sm_90a only): wgmma.mma_async with A in registers
+// (the same m16k16 fragment per warp as mma.sync) and B read by the tensor
+// cores straight from a 128-byte-swizzled shared-memory tile.
+// ---------------------------------------------------------------------------
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define MAXSIM_HOPPER 1
+
+// Swizzled tile of rows with 64 two-byte elements per 128-byte row (K-major
+// B operand): 16-byte chunk c of row r sits at chunk c ^ (r % 8). Wider rows
+// are stored as consecutive [rows, 64] panels. The tile base is 1024-aligned.
+__device__ __forceinline__ uint64_t wgmma_desc_sw128(uint32_t smem_addr) {
+    uint64_t d = 0;
+    d |= (uint64_t)((smem_addr & 0x3FFFF) >> 4);   // start address
+    d |= (uint64_t)1 << 16;                         // leading byte offset (unused with swizzle)
+    d |= (uint64_t)(1024 >> 4) << 32;               // stride byte offset: 8 rows x 128 B
+    d |= (uint64_t)1 << 62;                         // 128-byte swizzle
+    return d;
+}
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Writes by the generic proxy (cp.async, st.shared) made visible to the tensor cores.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// Keeps the compiler from moving accumulator accesses across wgmma issue/wait.
+template <int N> __device__ __forceinline__ void fence_regs(float* r) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+
+// Operand lists: N/2 f32 accumulators, 4 A registers, the B descriptor, scale-d.
+#define MAXSIM_WG_D8(o) "+f"(d[o]), "+f"(d[o + 1]), "+f"(d[o + 2]), "+f"(d[o + 3]), \
+                        "+f"(d[o + 4]), "+f"(d[o + 5]), "+f"(d[o + 6]), "+f"(d[o + 7])
+#define MAXSIM_WG_OPS_N64 MAXSIM_WG_D8(0), MAXSIM_WG_D8(8), MAXSIM_WG_D8(16), MAXSIM_WG_D8(24)
+#define MAXSIM_WG_OPS_N128 MAXSIM_WG_OPS_N64, MAXSIM_WG_D8(32), MAXSIM_WG_D8(40), MAXSIM_WG_D8(48), MAXSIM_WG_D8(56)
+#define MAXSIM_WG_REGS_N64 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define MAXSIM_WG_TAIL_N64 "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n"
+#define MAXSIM_WG_PRED_N64 "setp.ne.b32 p, %37, 0;\n"
+#define MAXSIM_WG_REGS_N128 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+#define MAXSIM_WG_TAIL_N128 "{%64, %65, %66, %67}, %68, p, 1, 1, 0;\n"
+#define MAXSIM_WG_PRED_N128 "setp.ne.b32 p, %69, 0;\n"
+
+// D[64 x N] (+)= A[64 x 16] (registers) * B[16 x N] (shared memory, K-major).
+template <typename T, int N> struct Wgmma;
+#define MAXSIM_WGMMA(T, TS, N)                                                                            \
+    template <> struct Wgmma<T, N> {                                                                      \
+        static __device__ __forceinline__ void run(float* d, const uint32_t* a, uint64_t desc, int acc) { \
+            asm volatile("{\n.reg .pred p;\n" MAXSIM_WG_PRED_N##N                                          \
+                         "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TS "." TS " "                  \
+                         MAXSIM_WG_REGS_N##N ", " MAXSIM_WG_TAIL_N##N "}\n"                               \
+                         : MAXSIM_WG_OPS_N##N                                                             \
+                         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(acc));              \
+        }                                                                                                 \
+    };
+MAXSIM_WGMMA(__half, "f16", 64)
+MAXSIM_WGMMA(__half, "f16", 128)
+MAXSIM_WGMMA(__nv_bfloat16, "bf16", 64)
+MAXSIM_WGMMA(__nv_bfloat16, "bf16", 128)
+#endif // __CUDA_ARCH_FEAT_SM90_ALL
+
 // Running (max, argmax) merge: larger value wins, ties keep the lower index.
 __device__ __forceinline__ void merge_max(float& m, int& idx, float om, int oidx) {
     if (om > m || (om == m && oidx >= 0 && (idx < 0 || oidx < idx))) {

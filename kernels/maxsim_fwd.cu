@@ -9,11 +9,16 @@
 // document the rows are reduced across the quad and the warps along N, and
 // the per-query sums are added to the output (pre-zeroed, owned by this block).
 //
+// On sm_90a the same kernel runs with Hopper tiles (HOPPER configs): each
+// warpgroup of 4 warps owns 64 query rows, loads its Q fragments straight from
+// global memory, and multiplies them by the whole document tile with one
+// wgmma per 16 columns of dim, B read from a 128-byte-swizzled tile.
+//
 // maxsim_fwd_simt: plain FMA fallback for F32/F64, for GPUs without the MMA
 // path (sm_75) and for dims over 256.
 #include "common.cuh"
 
-template <typename T, int DPAD_, int WM_, int WN_, int MT_, int NT_, int STAGES_>
+template <typename T, int DPAD_, int WM_, int WN_, int MT_, int NT_, int STAGES_, bool HOPPER_ = false>
 struct TileConfig {
     static constexpr int DPAD = DPAD_;       // dim padded to a multiple of 16 (64, 128 or 256)
     static constexpr int WM = WM_, WN = WN_; // warps along query rows / document columns
@@ -21,19 +26,36 @@ struct TileConfig {
     static constexpr int NWARPS = WM * WN, NTHREADS = 32 * NWARPS;
     static constexpr int BQ = WM * MT * 16;  // query rows per block
     static constexpr int BD = WN * NT * 8;   // document rows per pipeline stage
-    static constexpr int SROW = DPAD + 8;    // smem row stride (elements): +16 B keeps ldmatrix conflict-free
     static constexpr int KSTEPS = DPAD / 16;
     static constexpr int STAGES = STAGES_;   // cp.async pipeline depth (tiles in flight + 1)
-    // Q staging has its own rows so that the first D tiles load while Q does.
-    static constexpr int SMEM_ROWS = BQ + STAGES * BD;
-    static constexpr int SMEM_BYTES = SMEM_ROWS * SROW * (int)sizeof(T) + STAGES * BD;
+    static constexpr bool HOPPER = HOPPER_;  // wgmma (sm_90a) instead of mma.sync
+    // Hopper tiles ask for two resident blocks per SM (registers capped at 128
+    // for 256 threads), so one block's epilogue overlaps the other's wgmma.
+    static constexpr int MIN_BLOCKS = HOPPER ? 2 : 1;
+    // Tile rows: padded by 16 B (conflict-free ldmatrix), or for wgmma
+    // [DPAD / 64] panels of [BD, 64] elements, 128-byte swizzled.
+    static constexpr int SROW = DPAD + 8;
+    static constexpr int ROW_STEP = HOPPER ? 64 : SROW;
+    static constexpr int TILE_ELEMS = HOPPER ? BD * DPAD : BD * SROW;
+    // mma.sync stages Q in its own rows so that the first D tiles load while Q
+    // does; the Hopper path loads Q fragments straight from global memory.
+    static constexpr int Q_ELEMS = HOPPER ? 0 : BQ * SROW;
+    static constexpr int ALIGN_SLACK = HOPPER ? 1024 : 0; // swizzled tiles start 1024-aligned
+    static constexpr int SMEM_BYTES = ALIGN_SLACK + (Q_ELEMS + STAGES * TILE_ELEMS) * (int)sizeof(T) + STAGES * BD;
+    // Element offset of 16-byte chunk `ch` of tile row `r`.
+    static __device__ __forceinline__ int offset(int r, int ch) {
+        if (HOPPER) return (ch / 8) * (BD * 64) + r * 64 + ((ch % 8) ^ (r % 8)) * 8;
+        return r * SROW + ch * 8;
+    }
     static_assert(NT % 2 == 0, "ldmatrix.x4 loads two n8 tiles");
+    static_assert(!HOPPER || (WN == 1 && MT == 1 && WM % 4 == 0 && (BD == 64 || BD == 128) && DPAD % 64 == 0),
+                  "wgmma tiles: warpgroups along the query rows, the whole tile along N");
 };
 
 #if __CUDA_ARCH__ >= 800
 
-// Copies rows [row0, row0 + n) of a [*, dim] matrix into a [ROWS, SROW] smem
-// tile, zero-filling the padding columns and the rows past n. Async (cp.async,
+// Copies rows [row0, row0 + n) of a [*, dim] matrix into a smem tile laid out
+// by C::offset, zero-filling the padding columns and the rows past n. Async (cp.async,
 // 16 B per thread per row, each thread always the same column) when rows are
 // 16-byte aligned, plain loads otherwise.
 template <typename C, int ROWS, typename T>
@@ -41,33 +63,50 @@ __device__ __forceinline__ void load_rows(T* smem, const T* g, int row0, int n, 
     constexpr int CHUNKS = C::DPAD / 8;          // 16-byte chunks per row
     constexpr int RPP = C::NTHREADS / CHUNKS;    // rows per pass
     static_assert(C::NTHREADS % CHUNKS == 0 && ROWS % RPP == 0, "tile shape");
+    static_assert(!C::HOPPER || RPP % 8 == 0, "each thread keeps its swizzle phase");
     if (vec_ok) {
         // Few instructions per copy: the pointer walks by a precomputed stride.
-        const int col = (threadIdx.x % CHUNKS) * 8, r0 = threadIdx.x / CHUNKS;
+        const int ch = threadIdx.x % CHUNKS, col = ch * 8, r0 = threadIdx.x / CHUNKS;
         const bool col_ok = col < dim;
         const T* src = g + ((size_t)row0 + r0) * dim + col;
         const size_t step = (size_t)RPP * dim;
-        const uint32_t dst = (uint32_t)__cvta_generic_to_shared(smem + r0 * C::SROW + col);
+        const uint32_t dst = (uint32_t)__cvta_generic_to_shared(smem + C::offset(r0, ch));
 #pragma unroll
         for (int i = 0; i < ROWS / RPP; ++i, src += step) {
             const bool ok = col_ok && r0 + i * RPP < n;
-            cp_async16_s(dst + i * RPP * C::SROW * (int)sizeof(T), ok ? src : g, ok ? 16 : 0);
+            cp_async16_s(dst + i * RPP * C::ROW_STEP * (int)sizeof(T), ok ? src : g, ok ? 16 : 0);
         }
     } else {
         for (int k = threadIdx.x; k < ROWS * C::DPAD; k += C::NTHREADS) {
             const int r = k / C::DPAD, col = k % C::DPAD;
             T v = T(0.0f);
             if (r < n && col < dim) v = g[(size_t)(row0 + r) * dim + col];
-            smem[r * C::SROW + col] = v;
+            smem[C::offset(r, col / 8) + col % 8] = v;
         }
     }
+}
+
+// Two consecutive elements (col, col + 1) of Q row `row` as one A-fragment
+// register, zero past the chunk's rows and past dim.
+template <typename T>
+__device__ __forceinline__ uint32_t q_pair(const T* Q, int row, int row_end, int col, int dim, bool vec_ok) {
+    if (row >= row_end || col >= dim) return 0u;
+    const T* x = Q + (size_t)row * dim + col;
+    if (vec_ok) return __ldg(reinterpret_cast<const unsigned int*>(x)); // dim % 8 == 0: col + 1 < dim
+    unsigned short lo, hi = 0;
+    T v = x[0];
+    memcpy(&lo, &v, 2);
+    if (col + 1 < dim) v = x[1], memcpy(&hi, &v, 2);
+    return (uint32_t)lo | ((uint32_t)hi << 16);
 }
 
 template <typename C, typename T, bool ARGMAX>
 __device__ __forceinline__ void maxsim_fwd_mma(const MaxSimParams& p) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    T* sbuf = reinterpret_cast<T*>(smem_raw);
-    uint8_t* smask = smem_raw + C::SMEM_ROWS * C::SROW * sizeof(T);
+    unsigned char* base = smem_raw;
+    if (C::HOPPER) base = reinterpret_cast<unsigned char*>(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
+    T* sbuf = reinterpret_cast<T*>(base);
+    uint8_t* smask = base + (C::Q_ELEMS + C::STAGES * C::TILE_ELEMS) * sizeof(T);
     __shared__ float red_m[C::WN][C::BQ];
     __shared__ int red_i[ARGMAX ? C::WN : 1][C::BQ];
     __shared__ float rowval[C::BQ];
@@ -113,12 +152,12 @@ __device__ __forceinline__ void maxsim_fwd_mma(const MaxSimParams& p) {
             const Range dr = d_rows(p, j);
             if (++k * C::BD >= dr.end - dr.begin) j = first_nonempty(j + 1), k = 0;
         };
-        T* sq = sbuf;                   // [BQ, SROW] query staging
-        T* sd0 = sbuf + C::BQ * C::SROW; // STAGES x [BD, SROW] document tiles
+        T* sq = sbuf;                 // [BQ, SROW] query staging (mma.sync only)
+        T* sd0 = sbuf + C::Q_ELEMS;   // STAGES document tiles
         auto load_tile = [&](int stage, int j, int k) {
             const Range dr = d_rows(p, j);
             const int start = dr.begin + k * C::BD, n = min(C::BD, dr.end - start);
-            load_rows<C, C::BD>(sd0 + stage * C::BD * C::SROW, D, start, n, p.dim, p.vec_ok);
+            load_rows<C, C::BD>(sd0 + stage * C::TILE_ELEMS, D, start, n, p.dim, p.vec_ok);
             // Column validity, read by the epilogue only for masked or partial tiles.
             if (p.d_valid || n < C::BD)
                 for (int r = tid; r < C::BD; r += C::NTHREADS)
@@ -126,7 +165,7 @@ __device__ __forceinline__ void maxsim_fwd_mma(const MaxSimParams& p) {
         };
 
         // Prologue: Q (group 0) and the first STAGES-1 document tiles in flight together.
-        load_rows<C, C::BQ>(sq, Q, r0, r1 - r0, p.dim, p.vec_ok);
+        if (!C::HOPPER) load_rows<C, C::BQ>(sq, Q, r0, r1 - r0, p.dim, p.vec_ok);
         cp_async_commit();
         int lj = first_nonempty(w.d_begin), lk = 0; // load cursor
 #pragma unroll
@@ -134,19 +173,36 @@ __device__ __forceinline__ void maxsim_fwd_mma(const MaxSimParams& p) {
             if (lj < w.d_end) load_tile(s, lj, lk), advance(lj, lk);
             cp_async_commit(); // possibly empty: keeps the group count uniform
         }
+        uint32_t a[C::MT][C::KSTEPS][4];
+        if (C::HOPPER) {
+            // A fragments straight from global memory, while the first tiles load.
+#pragma unroll
+            for (int mt = 0; mt < C::MT; ++mt) {
+                const int ra = r0 + (wm * C::MT + mt) * 16 + g;
+#pragma unroll
+                for (int ks = 0; ks < C::KSTEPS; ++ks) {
+                    const int col = ks * 16 + 2 * c;
+                    a[mt][ks][0] = q_pair(Q, ra, r1, col, p.dim, p.vec_ok);
+                    a[mt][ks][1] = q_pair(Q, ra + 8, r1, col, p.dim, p.vec_ok);
+                    a[mt][ks][2] = q_pair(Q, ra, r1, col + 8, p.dim, p.vec_ok);
+                    a[mt][ks][3] = q_pair(Q, ra + 8, r1, col + 8, p.dim, p.vec_ok);
+                }
+            }
+        }
         cp_async_wait<C::STAGES - 1>();
         __syncthreads();
-        uint32_t a[C::MT][C::KSTEPS][4];
+        if (!C::HOPPER) {
 #pragma unroll
-        for (int mt = 0; mt < C::MT; ++mt) {
-            const int ra = (wm * C::MT + mt) * 16 + g;
+            for (int mt = 0; mt < C::MT; ++mt) {
+                const int ra = (wm * C::MT + mt) * 16 + g;
 #pragma unroll
-            for (int ks = 0; ks < C::KSTEPS; ++ks) {
-                const int col = ks * 16 + 2 * c;
-                a[mt][ks][0] = *reinterpret_cast<const uint32_t*>(&sq[ra * C::SROW + col]);
-                a[mt][ks][1] = *reinterpret_cast<const uint32_t*>(&sq[(ra + 8) * C::SROW + col]);
-                a[mt][ks][2] = *reinterpret_cast<const uint32_t*>(&sq[ra * C::SROW + col + 8]);
-                a[mt][ks][3] = *reinterpret_cast<const uint32_t*>(&sq[(ra + 8) * C::SROW + col + 8]);
+                for (int ks = 0; ks < C::KSTEPS; ++ks) {
+                    const int col = ks * 16 + 2 * c;
+                    a[mt][ks][0] = *reinterpret_cast<const uint32_t*>(&sq[ra * C::SROW + col]);
+                    a[mt][ks][1] = *reinterpret_cast<const uint32_t*>(&sq[(ra + 8) * C::SROW + col]);
+                    a[mt][ks][2] = *reinterpret_cast<const uint32_t*>(&sq[ra * C::SROW + col + 8]);
+                    a[mt][ks][3] = *reinterpret_cast<const uint32_t*>(&sq[(ra + 8) * C::SROW + col + 8]);
+                }
             }
         }
 
@@ -164,19 +220,38 @@ __device__ __forceinline__ void maxsim_fwd_mma(const MaxSimParams& p) {
             const int ntiles = (dr.end - dr.begin + C::BD - 1) / C::BD;
             const int n = min(C::BD, dr.end - dr.begin - k * C::BD);
             cp_async_wait<C::STAGES - 2>(); // this step's tile has landed
+#ifdef MAXSIM_HOPPER
+            if (C::HOPPER) fence_proxy_async(); // ... and is visible to the tensor cores' reads
+#endif
             __syncthreads();                // ... for every thread; and the stage refilled below is free
             if (lj < w.d_end) load_tile((it + C::STAGES - 1) % C::STAGES, lj, lk), advance(lj, lk);
             cp_async_commit();
 
             // S = Q_tile . D_tile^T on tensor cores.
             float acc[C::MT][C::NT][4];
+            const T* sd = sd0 + stage * C::TILE_ELEMS;
+#ifdef MAXSIM_HOPPER
+            if constexpr (C::HOPPER) {
+                // One wgmma per 16 columns of dim; the first overwrites the accumulators.
+                float* d = &acc[0][0][0];
+                const uint32_t sd_addr = (uint32_t)__cvta_generic_to_shared(sd);
+                wgmma_fence();
+#pragma unroll
+                for (int ks = 0; ks < C::KSTEPS; ++ks)
+                    Wgmma<T, C::BD>::run(d, a[0][ks], wgmma_desc_sw128(sd_addr + (ks / 4) * C::BD * 128 + (ks % 4) * 32),
+                                         ks > 0);
+                wgmma_commit();
+                wgmma_wait<0>();
+                fence_regs<C::NT * 4>(d);
+            } else
+#endif
+            {
 #pragma unroll
             for (int mt = 0; mt < C::MT; ++mt)
 #pragma unroll
                 for (int nt = 0; nt < C::NT; ++nt)
 #pragma unroll
                     for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.f;
-            const T* sd = sd0 + stage * C::BD * C::SROW;
 #pragma unroll
             for (int ks = 0; ks < C::KSTEPS; ++ks) {
 #pragma unroll
@@ -191,6 +266,7 @@ __device__ __forceinline__ void maxsim_fwd_mma(const MaxSimParams& p) {
                         Mma<T>::run(acc[mt][nt + 1], a[mt][ks], b + 2);
                     }
                 }
+            }
             }
 
             // Running max (and argmax) over this tile's valid columns. Branch-free:
@@ -291,11 +367,13 @@ __device__ __forceinline__ void maxsim_fwd_mma(const MaxSimParams& p) {
 //   narrow: BQ = 32, BD = 64, 4 stages: more document bytes in flight for bandwidth-bound reranking
 //   wide : dims 129..256, 16 rows per warp so the A fragments fit in registers
 #define MAXSIM_MMA_ENTRY(NAME, T, ...)                                                          \
-    extern "C" __global__ void __launch_bounds__(TileConfig<T, __VA_ARGS__>::NTHREADS)         \
+    extern "C" __global__ void __launch_bounds__(TileConfig<T, __VA_ARGS__>::NTHREADS,          \
+                                                 TileConfig<T, __VA_ARGS__>::MIN_BLOCKS)        \
         NAME##_nograd(const MaxSimParams p) {                                                    \
         maxsim_fwd_mma<TileConfig<T, __VA_ARGS__>, T, false>(p);                                \
     }                                                                                             \
-    extern "C" __global__ void __launch_bounds__(TileConfig<T, __VA_ARGS__>::NTHREADS)         \
+    extern "C" __global__ void __launch_bounds__(TileConfig<T, __VA_ARGS__>::NTHREADS,          \
+                                                 TileConfig<T, __VA_ARGS__>::MIN_BLOCKS)        \
         NAME##_argmax(const MaxSimParams p) {                                                    \
         maxsim_fwd_mma<TileConfig<T, __VA_ARGS__>, T, true>(p);                                 \
     }
@@ -310,6 +388,23 @@ __device__ __forceinline__ void maxsim_fwd_mma(const MaxSimParams& p) {
     MAXSIM_MMA_ENTRY(maxsim_mma_##TNAME##_wide_d256, T, 256, 4, 1, 1, 8, 3)
 MAXSIM_MMA_DTYPE(f16, __half)
 MAXSIM_MMA_DTYPE(bf16, __nv_bfloat16)
+
+#ifdef MAXSIM_HOPPER
+// Hopper tiles (sm_90a module only): warpgroups of 64 query rows, the whole document tile per wgmma.
+//   hlarge: 2 warpgroups, BQ = 128, BD = 128, 3 stages (in-batch shapes)
+//   hmid  : 1 warpgroup,  BQ = 64,  BD = 128, 3 stages (short queries)
+//   hsmall: 1 warpgroup,  BQ = 64,  BD = 64,  4 stages (few queries, many documents)
+//                                                                       DPAD WM WN MT NT STAGES HOPPER
+#define MAXSIM_WGMMA_DTYPE(TNAME, T)                                                      \
+    MAXSIM_MMA_ENTRY(maxsim_mma_##TNAME##_hlarge_d64, T, 64, 8, 1, 1, 16, 3, true)       \
+    MAXSIM_MMA_ENTRY(maxsim_mma_##TNAME##_hlarge_d128, T, 128, 8, 1, 1, 16, 3, true)     \
+    MAXSIM_MMA_ENTRY(maxsim_mma_##TNAME##_hmid_d64, T, 64, 4, 1, 1, 16, 3, true)         \
+    MAXSIM_MMA_ENTRY(maxsim_mma_##TNAME##_hmid_d128, T, 128, 4, 1, 1, 16, 3, true)       \
+    MAXSIM_MMA_ENTRY(maxsim_mma_##TNAME##_hsmall_d64, T, 64, 4, 1, 1, 8, 4, true)        \
+    MAXSIM_MMA_ENTRY(maxsim_mma_##TNAME##_hsmall_d128, T, 128, 4, 1, 1, 8, 4, true)
+MAXSIM_WGMMA_DTYPE(f16, __half)
+MAXSIM_WGMMA_DTYPE(bf16, __nv_bfloat16)
+#endif
 
 #endif // __CUDA_ARCH__ >= 800
 

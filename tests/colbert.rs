@@ -232,3 +232,45 @@ fn half_precision_encoding() -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+/// The same checkpoints encoded and ranked on CUDA agree with the CPU
+/// encoder: F32 and F16 (F32 encoder, cast) closely, BF16 (a BF16 encoder on
+/// CUDA) in direction. Skipped, with a message, without a GPU.
+#[test]
+fn cuda_matches_cpu() -> anyhow::Result<()> {
+    let Ok(gpu) = Device::new_cuda(0) else {
+        eprintln!("cuda_matches_cpu: skipped, no CUDA device (build with --features cuda on a GPU machine)");
+        return Ok(());
+    };
+    let docs = ["the cat sat on the mat.", "a dog runs fast!", "the mat is red", "cats and dogs"];
+    for dir in [pylate_checkpoint()?, colbert_ai_checkpoint()?] {
+        let cpu = ColBert::load(&dir, &Device::Cpu, DType::F32)?;
+        let (want_d, want_dm) = cpu.encode_documents(&docs)?;
+        let (want_q, _) = cpu.encode_queries(&["the cat"])?;
+        let want_scores = cpu.score("the cat", &docs, 2, &mut |_| {})?;
+        for dt in [DType::F32, DType::F16, DType::BF16] {
+            let m = ColBert::load(&dir, &gpu, dt)?;
+            let (d, dm) = m.encode_documents(&docs)?;
+            let (q, _) = m.encode_queries(&["the cat"])?;
+            assert!(d.device().is_cuda() && d.dtype() == dt, "{dt:?}: {:?} {:?}", d.device(), d.dtype());
+            assert_eq!(dm.to_device(&Device::Cpu)?.to_vec2::<u8>()?, want_dm.to_vec2::<u8>()?, "{dt:?} doc mask");
+            let scores = m.score("the cat", &docs, 2, &mut |_| {})?;
+            let score_err = scores.iter().zip(&want_scores).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+            for (got, want, what) in [(&d, &want_d, "documents"), (&q, &want_q, "queries")] {
+                let got = got.to_device(&Device::Cpu)?.to_dtype(DType::F32)?;
+                let err = (&got - want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+                // Rows are unit vectors (or zero): the dot product is the cosine.
+                let cos = (&got * want)?.sum(2)?.flatten_all()?.to_vec1::<f32>()?;
+                let norms = want.sqr()?.sum(2)?.flatten_all()?.to_vec1::<f32>()?;
+                let min_cos = cos.iter().zip(&norms).filter(|(_, n)| **n > 0.5).map(|(c, _)| *c).fold(1f32, f32::min);
+                println!("{} {dt:?} {what}: max |cuda - cpu| {err:.2e}, min cosine {min_cos:.5}, max score diff {score_err:.2e}", dir.display());
+                match dt {
+                    DType::F32 => assert!(err < 1e-3 && score_err < 1e-2, "F32 {what}: {err} {score_err}"),
+                    DType::F16 => assert!(err < 3e-2 && score_err < 0.2, "F16 {what}: {err} {score_err}"),
+                    _ => assert!(min_cos > 0.97, "BF16 {what}: min cosine {min_cos}"),
+                }
+            }
+        }
+    }
+    Ok(())
+}

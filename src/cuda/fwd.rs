@@ -51,7 +51,23 @@ pub enum TileConfig {
     Narrow,
     /// dims 129..=256: 64 query rows, 16 per warp.
     Wide,
+    /// Hopper (sm_90a) wgmma tiles: 2 warpgroups, 128 query rows x 128 doc rows per step.
+    HLarge,
+    /// Hopper: 1 warpgroup, 64 query rows x 128 doc rows.
+    HMid,
+    /// Hopper: 1 warpgroup, 64 query rows x 64 doc rows, 4 stages deep.
+    HSmall,
 }
+
+const ALL_CONFIGS: [TileConfig; 7] = [
+    TileConfig::Large,
+    TileConfig::Small,
+    TileConfig::Narrow,
+    TileConfig::Wide,
+    TileConfig::HLarge,
+    TileConfig::HMid,
+    TileConfig::HSmall,
+];
 
 impl TileConfig {
     fn name(self) -> &'static str {
@@ -60,16 +76,16 @@ impl TileConfig {
             TileConfig::Small => "small",
             TileConfig::Narrow => "narrow",
             TileConfig::Wide => "wide",
+            TileConfig::HLarge => "hlarge",
+            TileConfig::HMid => "hmid",
+            TileConfig::HSmall => "hsmall",
         }
     }
     fn parse(s: &str) -> Option<Self> {
-        match s {
-            "large" => Some(TileConfig::Large),
-            "small" => Some(TileConfig::Small),
-            "narrow" => Some(TileConfig::Narrow),
-            "wide" => Some(TileConfig::Wide),
-            _ => None,
-        }
+        ALL_CONFIGS.into_iter().find(|c| c.name() == s)
+    }
+    fn hopper(self) -> bool {
+        matches!(self, TileConfig::HLarge | TileConfig::HMid | TileConfig::HSmall)
     }
     /// (query rows per block, doc rows per stage, threads), as instantiated in maxsim_fwd.cu.
     fn shape(self) -> (usize, usize, u32) {
@@ -78,6 +94,9 @@ impl TileConfig {
             TileConfig::Small => (32, 128, 128),
             TileConfig::Narrow => (32, 64, 128),
             TileConfig::Wide => (64, 64, 128),
+            TileConfig::HLarge => (128, 128, 256),
+            TileConfig::HMid => (64, 128, 128),
+            TileConfig::HSmall => (64, 64, 128),
         }
     }
     fn stages(self) -> usize {
@@ -86,12 +105,18 @@ impl TileConfig {
             TileConfig::Small => 2,
             TileConfig::Narrow => 4,
             TileConfig::Wide => 3,
+            TileConfig::HLarge | TileConfig::HMid => 3,
+            TileConfig::HSmall => 4,
         }
     }
-    /// Dynamic shared memory: Q staging + document stages + their masks (`TileConfig::SMEM_BYTES`).
+    /// Dynamic shared memory (`TileConfig::SMEM_BYTES`): mma.sync stages Q and
+    /// the document tiles in padded rows; Hopper tiles hold only the swizzled
+    /// document stages, plus 1024 bytes of alignment slack; then the stages' masks.
     fn smem(self, dpad: usize) -> u32 {
         let (bq, bd, _) = self.shape();
-        ((bq + self.stages() * bd) * (dpad + 8) * 2 + self.stages() * bd) as u32
+        let st = self.stages();
+        let tiles = if self.hopper() { 1024 + st * bd * dpad * 2 } else { (bq + st * bd) * (dpad + 8) * 2 };
+        (tiles + st * bd) as u32
     }
 }
 
@@ -117,11 +142,15 @@ fn path_for(info: &DeviceInfo, dtype: DType, dim: usize) -> Path {
 }
 
 /// The tile configurations for this width whose shared memory fits the device
-/// (e.g. sm_86 / sm_89 allow less per block than sm_80 / sm_90).
+/// (e.g. sm_86 / sm_89 allow less per block than sm_80 / sm_90); the Hopper
+/// tiles exist only in the sm_90a module, loaded on compute capability 9.0.
 fn candidates(info: &DeviceInfo, dpad: usize) -> Vec<TileConfig> {
-    let all: &[TileConfig] =
-        if dpad > 128 { &[TileConfig::Wide] } else { &[TileConfig::Large, TileConfig::Small, TileConfig::Narrow] };
-    all.iter().copied().filter(|c| c.smem(dpad) as usize <= info.smem_optin).collect()
+    ALL_CONFIGS
+        .into_iter()
+        .filter(|c| (*c == TileConfig::Wide) == (dpad > 128))
+        .filter(|c| !c.hopper() || info.cc == 90)
+        .filter(|c| c.smem(dpad) as usize <= info.smem_optin)
+        .collect()
 }
 
 pub(crate) fn dtype_tag(dt: DType) -> &'static str {
@@ -151,7 +180,7 @@ fn tune_cache() -> &'static Mutex<HashMap<TuneKey, TileConfig>> {
     CACHE.get_or_init(Default::default)
 }
 
-/// `CANDLE_MAXSIM_TILE=large|small|narrow` pins the tile configuration (reproducible runs);
+/// `CANDLE_MAXSIM_TILE=large|small|narrow|hlarge|hmid|hsmall` pins the tile configuration (reproducible runs);
 /// `CANDLE_MAXSIM_LOG=1` prints each autotuning decision.
 fn pinned_config() -> Option<TileConfig> {
     std::env::var("CANDLE_MAXSIM_TILE").ok().and_then(|s| TileConfig::parse(&s))

@@ -50,36 +50,40 @@ pub(crate) fn device_info(dev: &CudaDevice) -> Result<DeviceInfo> {
     Ok(info)
 }
 
+/// The PTX builds of one kernel file, oldest target first.
+struct Modules {
+    sm75: &'static str,
+    sm80: &'static str,
+    /// Hopper-only (wgmma): runs on compute capability 9.0 exactly.
+    sm90a: &'static str,
+}
+
 /// The newest PTX module of a kernel file that this device runs.
-fn module_for(info: &DeviceInfo, sm80: &'static str, sm75: &'static str) -> (&'static str, &'static str) {
-    if info.cc >= 80 {
-        (sm80, "sm80")
-    } else {
-        (sm75, "sm75")
+fn module_for(info: &DeviceInfo, m: &Modules) -> (&'static str, &'static str) {
+    match info.cc {
+        90 => (m.sm90a, "sm90a"),
+        cc if cc >= 80 => (m.sm80, "sm80"),
+        _ => (m.sm75, "sm75"),
     }
 }
+
+const FWD: Modules = Modules { sm75: ptx::MAXSIM_FWD_SM75, sm80: ptx::MAXSIM_FWD_SM80, sm90a: ptx::MAXSIM_FWD_SM90A };
+const BWD: Modules = Modules { sm75: ptx::MAXSIM_BWD_SM75, sm80: ptx::MAXSIM_BWD_SM80, sm90a: ptx::MAXSIM_BWD_SM90A };
 
 /// Loads `name` from the forward module for this device; raises the dynamic
 /// shared-memory limit when a launch needs more than the default 48 KB.
 pub(crate) fn fwd_func(dev: &CudaDevice, name: &str, smem: u32) -> Result<CudaFunction> {
-    load_func(dev, name, smem, "fwd", ptx::MAXSIM_FWD_SM80, ptx::MAXSIM_FWD_SM75)
+    load_func(dev, name, smem, "fwd", &FWD)
 }
 
 /// Loads `name` from the backward module for this device.
 pub(crate) fn bwd_func(dev: &CudaDevice, name: &str, smem: u32) -> Result<CudaFunction> {
-    load_func(dev, name, smem, "bwd", ptx::MAXSIM_BWD_SM80, ptx::MAXSIM_BWD_SM75)
+    load_func(dev, name, smem, "bwd", &BWD)
 }
 
-fn load_func(
-    dev: &CudaDevice,
-    name: &str,
-    smem: u32,
-    kind: &str,
-    sm80: &'static str,
-    sm75: &'static str,
-) -> Result<CudaFunction> {
+fn load_func(dev: &CudaDevice, name: &str, smem: u32, kind: &str, modules: &Modules) -> Result<CudaFunction> {
     let info = device_info(dev)?;
-    let (ptx, tag) = module_for(&info, sm80, sm75);
+    let (ptx, tag) = module_for(&info, modules);
     let func = dev.get_or_load_custom_func(name, &format!("candle_maxsim_{kind}_{tag}"), ptx)?.into_cuda_function();
     if smem > 48 * 1024 {
         func.set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
