@@ -4,10 +4,12 @@
 //! device and tensors.
 //!
 //!   cargo run --release --features cuda --example bench -- [--shape Nq,Nd,Lq,Ld,dim]... \
-//!       [--dtype bf16|f16|f32] [--iters N] [--no-reference] [--cpu] [--train]
+//!       [--dtype bf16|f16|f32] [--iters N] [--no-reference] [--cpu] [--train] [--wall] [--residual] [--plaid-approx]
 //!
 //! `--train` times fwd+bwd (sum of the scores, backward) for each `Backward`
-//! mode on colpali_train and colbert_train.
+//! mode on colpali_train and colbert_train. `--plaid-approx` times
+//! `plaid_approx_score` instead (issue 5's case: 65 536 centroids, Lq 32,
+//! 100 000 documents of 1..=64 codes, U32 and I64 codes).
 
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor};
@@ -46,13 +48,26 @@ struct Args {
     dtype: DType,
     iters: usize,
     reference: bool,
+    wall: bool,
     cpu: bool,
     /// fwd+bwd (training step) instead of the forward alone.
     train: bool,
+    plaid_approx: bool,
+    residual: bool,
 }
 
 fn parse() -> Result<Args> {
-    let mut a = Args { cases: vec![], dtype: DType::BF16, iters: 50, reference: true, cpu: false, train: false };
+    let mut a = Args {
+        cases: vec![],
+        dtype: DType::BF16,
+        iters: 50,
+        reference: true,
+        cpu: false,
+        train: false,
+        plaid_approx: false,
+        wall: false,
+        residual: false,
+    };
     let mut it = std::env::args().skip(1);
     while let Some(x) = it.next() {
         match x.as_str() {
@@ -74,8 +89,11 @@ fn parse() -> Result<Args> {
             }
             "--iters" => a.iters = it.next().unwrap_or_default().parse()?,
             "--no-reference" => a.reference = false,
+            "--wall" => a.wall = true,
+            "--residual" => a.residual = true,
             "--cpu" => a.cpu = true,
             "--train" => a.train = true,
+            "--plaid-approx" => a.plaid_approx = true,
             x => bail!("unknown argument {x}"),
         }
     }
@@ -90,8 +108,11 @@ fn parse() -> Result<Args> {
 mod mem;
 
 /// Median milliseconds of `f` over `iters` runs after 3 warm-ups (the first
-/// call also autotunes). The device is synchronized around each run.
-fn time(dev: &Device, iters: usize, f: &dyn Fn() -> Result<Tensor>) -> Result<(f64, Option<u64>)> {
+/// call also autotunes). On CUDA, timed as `triton.testing.do_bench` times
+/// the peers: the L2 cache flushed by a 256 MB memset before each run, CUDA
+/// events around the run alone, so host launch overhead overlaps the flush
+/// (`--wall` times from the host instead, synchronizing around each run).
+fn time(dev: &Device, iters: usize, wall: bool, f: &dyn Fn() -> Result<Tensor>) -> Result<(f64, Option<u64>)> {
     for _ in 0..3 {
         f()?;
     }
@@ -101,6 +122,11 @@ fn time(dev: &Device, iters: usize, f: &dyn Fn() -> Result<Tensor>) -> Result<(f
     dev.synchronize()?;
     let peak = mem::peak_since(base);
     drop(t);
+    #[cfg(feature = "cuda")]
+    if let (Device::Cuda(cd), false) = (dev, wall) {
+        return Ok((gpu_time(cd, iters, f)?, peak));
+    }
+    let _ = wall;
     let mut ts = Vec::with_capacity(iters);
     for _ in 0..iters {
         let t0 = Instant::now();
@@ -113,9 +139,120 @@ fn time(dev: &Device, iters: usize, f: &dyn Fn() -> Result<Tensor>) -> Result<(f
     Ok((ts[ts.len() / 2], peak))
 }
 
+/// Median device time of `f` between CUDA events, L2 flushed before each run.
+#[cfg(feature = "cuda")]
+fn gpu_time(dev: &candle_core::CudaDevice, iters: usize, f: &dyn Fn() -> Result<Tensor>) -> Result<f64> {
+    use candle_core::cuda_backend::cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
+    let stream = dev.cuda_stream();
+    let mut flush = stream.alloc_zeros::<u8>(256 << 20)?;
+    let mut runs = Vec::with_capacity(iters);
+    for _ in 0..iters {
+        stream.memset_zeros(&mut flush)?;
+        let start = stream.record_event(Some(CU_EVENT_DEFAULT))?;
+        let out = f()?;
+        let end = stream.record_event(Some(CU_EVENT_DEFAULT))?;
+        runs.push((start, end, out));
+    }
+    stream.synchronize()?;
+    let mut ts = runs.iter().map(|(a, b, _)| Ok(a.elapsed_ms(b)? as f64)).collect::<Result<Vec<_>>>()?;
+    ts.sort_by(f64::total_cmp);
+    Ok(ts[ts.len() / 2])
+}
+
+/// `--plaid-approx`: the fused op and `reference` on the same tensors.
+fn plaid_approx_bench(dev: &Device, args: &Args) -> Result<()> {
+    let (n_c, lq, b, ld) = (65536, 32, 100_000, 64);
+    let qcs = Tensor::randn(0f32, 1., (n_c, lq), dev)?;
+    let lens = Tensor::rand(1f32, ld as f32 + 1., b, dev)?.to_dtype(DType::U32)?.clamp(1u32, ld as u32)?;
+    let codes = Tensor::rand(0f32, n_c as f32, (b, ld), dev)?.to_dtype(DType::U32)?.clamp(0u32, n_c as u32 - 1)?;
+    for codes in [codes.clone(), codes.to_dtype(DType::I64)?] {
+        let mut impls: Vec<(&str, Box<Op>)> =
+            vec![("fused", Box::new(|| Ok(candle_maxsim::plaid_approx_score(&qcs, &codes, &lens)?)))];
+        if args.reference {
+            impls.push((
+                "reference",
+                Box::new(|| Ok(candle_maxsim::reference::plaid_approx_score(&qcs, &codes, &lens)?)),
+            ));
+        }
+        for (imp, f) in &impls {
+            let (ms, peak) = time(dev, args.iters, args.wall, f.as_ref())?;
+            println!(
+                "{{\"case\":\"plaid_approx\",\"impl\":\"{imp}\",\"device\":\"{}\",\"shape\":[{n_c},{lq},{b},{ld}],\"codes\":\"{:?}\",\"median_ms\":{ms:.4},\"peak_mem_mb\":{}}}",
+                if dev.is_cuda() { "cuda" } else { "cpu" },
+                codes.dtype(),
+                peak.map_or("null".to_string(), |p| format!("{:.1}", p as f64 / 1e6)),
+            );
+        }
+    }
+    Ok(())
+}
+
+/// `--residual`: issue 5's residual case, 1 query (Lq 32, dim 128) against
+/// 10 000 packed documents of 150..=300 tokens, 65 536 F16 centroids, nbits 2
+/// and 4, normalized: the fused op and decompress-then-`maxsim_varlen` with
+/// this crate's own kernels, on the same tensors.
+fn residual_bench(dev: &Device, args: &Args) -> Result<()> {
+    let (n_c, dim, lq, nd) = (65536usize, 128usize, 32usize, 10_000usize);
+    let mut x = 12345u64;
+    let lens: Vec<u32> = (0..nd)
+        .map(|_| {
+            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            150 + ((x >> 33) % 151) as u32
+        })
+        .collect();
+    let mut cu = vec![0u32];
+    for l in &lens {
+        cu.push(cu.last().unwrap() + l);
+    }
+    let t = *cu.last().unwrap() as usize;
+    let cu = Tensor::new(cu, dev)?;
+    let q = candle_maxsim::l2_normalize(&Tensor::randn(0f32, 1., (1, lq, dim), dev)?)?.to_dtype(args.dtype)?;
+    let centroids = candle_maxsim::l2_normalize(&Tensor::randn(0f32, 1., (n_c, dim), dev)?)?.to_dtype(DType::F16)?;
+    let codes = Tensor::rand(0f32, n_c as f32, t, dev)?.to_dtype(DType::U32)?.clamp(0u32, n_c as u32 - 1)?;
+    for nbits in [2usize, 4] {
+        let w = dim * nbits / 8;
+        let residuals = Tensor::rand(0f32, 256., (t, w), dev)?.floor()?.clamp(0f32, 255f32)?.to_dtype(DType::U8)?;
+        let bw: Vec<f32> = (0..1 << nbits).map(|k| (k as f32 - ((1 << nbits) - 1) as f32 / 2.0) * 0.02).collect();
+        let codec = candle_maxsim::ResidualCodec {
+            centroids: centroids.clone(),
+            bucket_weights: Tensor::new(bw, dev)?,
+            nbits,
+            bit_order: candle_maxsim::BitOrder::ColBert,
+        };
+        let impls: Vec<(&str, Box<Op>)> = vec![
+            (
+                "fused",
+                Box::new(|| Ok(candle_maxsim::maxsim_residual_varlen(&q, &codes, &residuals, &cu, 300, &codec, true)?)),
+            ),
+            (
+                "decompress_then_maxsim",
+                Box::new(|| {
+                    let d = codec.decompress_dense(&codes, &residuals, args.dtype, true)?;
+                    let cu_q = Tensor::new(&[0u32, lq as u32], q.device())?;
+                    Ok(candle_maxsim::maxsim_varlen(&q.reshape((lq, dim))?, &cu_q, lq, &d, &cu, 300)?)
+                }),
+            ),
+        ];
+        for (imp, f) in &impls {
+            let (ms, peak) = time(dev, args.iters, args.wall, f.as_ref())?;
+            println!(
+                "{{\"case\":\"residual_varlen_nb{nbits}\",\"impl\":\"{imp}\",\"shape\":[1,{nd},{lq},{t},{dim}],\"median_ms\":{ms:.4},\"peak_mem_mb\":{}}}",
+                peak.map_or("null".to_string(), |p| format!("{:.1}", p as f64 / 1e6)),
+            );
+        }
+    }
+    Ok(())
+}
+
 fn main() -> Result<()> {
     let args = parse()?;
     let dev = if args.cpu { Device::Cpu } else { Device::cuda_if_available(0)? };
+    if args.plaid_approx {
+        return plaid_approx_bench(&dev, &args);
+    }
+    if args.residual {
+        return residual_bench(&dev, &args);
+    }
     let dname = format!("{:?}", args.dtype).to_lowercase();
     for (name, [nq, nd, lq, ld, dim]) in &args.cases {
         let q = Tensor::randn(0f32, 1., (*nq, *lq, *dim), &dev)?.to_dtype(args.dtype)?;
@@ -150,7 +287,7 @@ fn main() -> Result<()> {
         }
         for (imp, f) in &impls {
             let iters = if *imp == "reference" { args.iters.min(10) } else { args.iters };
-            let (ms, peak) = time(&dev, iters, f.as_ref())?;
+            let (ms, peak) = time(&dev, iters, args.wall, f.as_ref())?;
             println!(
                 "{{\"case\":\"{name}\",\"impl\":\"{imp}\",\"device\":\"{}\",\"shape\":[{nq},{nd},{lq},{ld},{dim}],\"dtype\":\"{dname}\",\"median_ms\":{ms:.4},\"tflops\":{:.1},\"peak_mem_mb\":{}}}",
                 if dev.is_cuda() { "cuda" } else { "cpu" },

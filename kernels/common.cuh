@@ -48,6 +48,15 @@ struct MaxSimParams {
     int32_t n_pairs;              // list mode: number of pairs
     int32_t docs_per_block;       // cross mode: documents per block
     int32_t vec_ok;               // rows are 16-byte aligned (dim % 8 == 0, aligned base)
+    // PLAID-compressed documents (the *_res kernels; `d` unused): token t is
+    // centroids[codes[t]] + bucket_weights[bucket(t, k)] per feature k.
+    const void* res_centroids;    // [n_centroids, dim] in the query dtype
+    const float* res_buckets;     // [2^nbits] bucket weights
+    const uint32_t* res_codes;    // [Td] centroid of each token (validated on the host)
+    const uint8_t* res_residuals; // [Td, dim * nbits / 8] packed bucket indices
+    int32_t res_nbits;            // 2, 4 or 8
+    int32_t res_colbert_order;    // 1: ColBERTv2 / fast-plaid bit order, 0: LSB-first
+    int32_t res_normalize;        // L2-normalize each decompressed token
 };
 
 struct Range { int32_t begin, end; };

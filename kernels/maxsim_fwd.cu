@@ -7,7 +7,7 @@
 // through a double-buffered shared-memory tile of BD rows (cp.async). Each
 // thread keeps a running (max, argmax) for its rows; at the end of a
 // document the rows are reduced across the quad and the warps along N, and
-// the per-query sums are added to the output (pre-zeroed, owned by this block).
+// the per-query sums are added to the output (owned and zeroed by this block).
 //
 // On sm_90a the same kernel runs with Hopper tiles (HOPPER configs): each
 // warpgroup of 4 warps owns 64 query rows, loads its Q fragments straight from
@@ -17,6 +17,7 @@
 // maxsim_fwd_simt: plain FMA fallback for F32/F64, for GPUs without the MMA
 // path (sm_75) and for dims over 256.
 #include "common.cuh"
+#include "residual.cuh"
 
 template <typename T, int DPAD_, int WM_, int WN_, int MT_, int NT_, int STAGES_, bool HOPPER_ = false>
 struct TileConfig {
@@ -86,6 +87,44 @@ __device__ __forceinline__ void load_rows(T* smem, const T* g, int row0, int n, 
     }
 }
 
+// Same tile, decompressed from PLAID codes and residuals (dim % 8 == 0):
+// each thread decompresses 16-byte chunks of rows (its column fixed), loading
+// every row's code, centroid chunk and packed bits before using any, then
+// optionally L2-normalizes each row across the lanes that hold it.
+template <typename C, int ROWS, typename T>
+__device__ __forceinline__ void load_residual_rows(T* smem, const MaxSimParams& p, const float* buckets, int row0, int n) {
+    constexpr int CHUNKS = C::DPAD / 8, RPP = C::NTHREADS / CHUNKS, IT = ROWS / RPP;
+    static_assert(C::NTHREADS % CHUNKS == 0 && ROWS % RPP == 0 && 32 % CHUNKS == 0, "tile shape");
+    const int ch = threadIdx.x % CHUNKS, col = ch * 8, r0 = threadIdx.x / CHUNKS;
+    const bool col_ok = col < p.dim;
+    uint32_t code[IT];
+#pragma unroll
+    for (int i = 0; i < IT; ++i) code[i] = col_ok && r0 + i * RPP < n ? __ldg(p.res_codes + row0 + r0 + i * RPP) : 0u;
+    float v[IT][8];
+#pragma unroll
+    for (int i = 0; i < IT; ++i) {
+        if (col_ok && r0 + i * RPP < n) {
+            decompress8<T>(p, buckets, code[i], row0 + r0 + i * RPP, col, v[i]);
+        } else {
+#pragma unroll
+            for (int f = 0; f < 8; ++f) v[i][f] = 0.f;
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < IT; ++i) {
+        if (p.res_normalize) {
+            float ss = 0.f;
+#pragma unroll
+            for (int f = 0; f < 8; ++f) ss += v[i][f] * v[i][f];
+            // As l2_normalize: x / max(|x|, 1e-12).
+            const float inv = 1.f / fmaxf(sqrtf(row_sum<CHUNKS>(ss)), 1e-12f);
+#pragma unroll
+            for (int f = 0; f < 8; ++f) v[i][f] *= inv;
+        }
+        *reinterpret_cast<uint4*>(smem + C::offset(r0 + i * RPP, ch)) = pack8<T>(v[i]);
+    }
+}
+
 // Two consecutive elements (col, col + 1) of Q row `row` as one A-fragment
 // register, zero past the chunk's rows and past dim.
 template <typename T>
@@ -100,7 +139,7 @@ __device__ __forceinline__ uint32_t q_pair(const T* Q, int row, int row_end, int
     return (uint32_t)lo | ((uint32_t)hi << 16);
 }
 
-template <typename C, typename T, bool ARGMAX>
+template <typename C, typename T, bool ARGMAX, bool RESIDUAL>
 __device__ __forceinline__ void maxsim_fwd_mma(const MaxSimParams& p) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     unsigned char* base = smem_raw;
@@ -112,6 +151,7 @@ __device__ __forceinline__ void maxsim_fwd_mma(const MaxSimParams& p) {
     __shared__ float rowval[C::BQ];
     __shared__ int row_q[C::BQ], row_s[C::BQ]; // query of each tile row (-1: padding or masked), position
     __shared__ int q_lo[C::BQ], q_hi[C::BQ];   // tile rows of each query of the group
+    __shared__ float buckets[RESIDUAL ? 256 : 1]; // residual bucket weights
 
     const T* Q = static_cast<const T*>(p.q);
     const T* D = static_cast<const T*>(p.d);
@@ -120,6 +160,18 @@ __device__ __forceinline__ void maxsim_fwd_mma(const MaxSimParams& p) {
     const int wm = warp / C::WN, wn = warp % C::WN;
     const int g = lane / 4, c = lane % 4;
     const int nqg = w.q_end - w.q_begin;
+    // The block owns its outputs and zeroes them itself (no memset launch);
+    // empty queries and documents keep the 0.
+    if (w.pair >= 0) {
+        if (tid == 0) p.out[w.pair] = 0.f;
+    } else {
+        const int ndb = w.d_end - w.d_begin;
+        for (int k = tid; k < nqg * ndb; k += C::NTHREADS)
+            p.out[(size_t)(w.q_begin + k / ndb) * p.nd + w.d_begin + k % ndb] = 0.f;
+    }
+    if (RESIDUAL)
+        for (int k = tid; k < (1 << p.res_nbits); k += C::NTHREADS) buckets[k] = p.res_buckets[k];
+    __syncthreads();
     const int grow0 = q_rows(p, w.q_begin).begin, grow1 = q_rows(p, w.q_end - 1).end;
     const int nchunks = (grow1 - grow0 + C::BQ - 1) / C::BQ;
 
@@ -157,7 +209,8 @@ __device__ __forceinline__ void maxsim_fwd_mma(const MaxSimParams& p) {
         auto load_tile = [&](int stage, int j, int k) {
             const Range dr = d_rows(p, j);
             const int start = dr.begin + k * C::BD, n = min(C::BD, dr.end - start);
-            load_rows<C, C::BD>(sd0 + stage * C::TILE_ELEMS, D, start, n, p.dim, p.vec_ok);
+            if (RESIDUAL) load_residual_rows<C, C::BD>(sd0 + stage * C::TILE_ELEMS, p, buckets, start, n);
+            else load_rows<C, C::BD>(sd0 + stage * C::TILE_ELEMS, D, start, n, p.dim, p.vec_ok);
             // Column validity, read by the epilogue only for masked or partial tiles.
             if (p.d_valid || n < C::BD)
                 for (int r = tid; r < C::BD; r += C::NTHREADS)
@@ -224,8 +277,13 @@ __device__ __forceinline__ void maxsim_fwd_mma(const MaxSimParams& p) {
             if (C::HOPPER) fence_proxy_async(); // ... and is visible to the tensor cores' reads
 #endif
             __syncthreads();                // ... for every thread; and the stage refilled below is free
-            if (lj < w.d_end) load_tile((it + C::STAGES - 1) % C::STAGES, lj, lk), advance(lj, lk);
-            cp_async_commit();
+            // The next tile: cp.async copies run in the background; residual
+            // decompression is synchronous, so it runs while the wgmma does.
+            auto load_next = [&]() {
+                if (lj < w.d_end) load_tile((it + C::STAGES - 1) % C::STAGES, lj, lk), advance(lj, lk);
+                cp_async_commit();
+            };
+            if (!RESIDUAL || !C::HOPPER) load_next();
 
             // S = Q_tile . D_tile^T on tensor cores.
             float acc[C::MT][C::NT][4];
@@ -241,6 +299,7 @@ __device__ __forceinline__ void maxsim_fwd_mma(const MaxSimParams& p) {
                     Wgmma<T, C::BD>::run(d, a[0][ks], wgmma_desc_sw128(sd_addr + (ks / 4) * C::BD * 128 + (ks % 4) * 32),
                                          ks > 0);
                 wgmma_commit();
+                if (RESIDUAL) load_next();
                 wgmma_wait<0>();
                 fence_regs<C::NT * 4>(d);
             } else
@@ -366,17 +425,17 @@ __device__ __forceinline__ void maxsim_fwd_mma(const MaxSimParams& p) {
 //   small: 4 warps along the documents, BQ = 32, BD = 128, 2 stages (few query rows: rerank, scan)
 //   narrow: BQ = 32, BD = 64, 4 stages: more document bytes in flight for bandwidth-bound reranking
 //   wide : dims 129..256, 16 rows per warp so the A fragments fit in registers
-#define MAXSIM_MMA_ENTRY(NAME, T, ...)                                                          \
-    extern "C" __global__ void __launch_bounds__(TileConfig<T, __VA_ARGS__>::NTHREADS,          \
-                                                 TileConfig<T, __VA_ARGS__>::MIN_BLOCKS)        \
-        NAME##_nograd(const MaxSimParams p) {                                                    \
-        maxsim_fwd_mma<TileConfig<T, __VA_ARGS__>, T, false>(p);                                \
-    }                                                                                             \
-    extern "C" __global__ void __launch_bounds__(TileConfig<T, __VA_ARGS__>::NTHREADS,          \
-                                                 TileConfig<T, __VA_ARGS__>::MIN_BLOCKS)        \
-        NAME##_argmax(const MaxSimParams p) {                                                    \
-        maxsim_fwd_mma<TileConfig<T, __VA_ARGS__>, T, true>(p);                                 \
+#define MAXSIM_MMA_KERNEL(NAME, T, ARGMAX, RESIDUAL, ...)                                         \
+    extern "C" __global__ void __launch_bounds__(TileConfig<T, __VA_ARGS__>::NTHREADS,           \
+                                                 TileConfig<T, __VA_ARGS__>::MIN_BLOCKS)         \
+        NAME(const MaxSimParams p) {                                                              \
+        maxsim_fwd_mma<TileConfig<T, __VA_ARGS__>, T, ARGMAX, RESIDUAL>(p);                      \
     }
+#define MAXSIM_MMA_ENTRY(NAME, T, ...)                                 \
+    MAXSIM_MMA_KERNEL(NAME##_nograd, T, false, false, __VA_ARGS__)     \
+    MAXSIM_MMA_KERNEL(NAME##_argmax, T, true, false, __VA_ARGS__)
+// Residual-compressed documents (inference): maxsim_mma_<dtype>_<config>_d<DPAD>_res.
+#define MAXSIM_RES_ENTRY(NAME, T, ...) MAXSIM_MMA_KERNEL(NAME##_res, T, false, true, __VA_ARGS__)
 //                                                          DPAD WM WN MT NT STAGES
 #define MAXSIM_MMA_DTYPE(TNAME, T)                                            \
     MAXSIM_MMA_ENTRY(maxsim_mma_##TNAME##_large_d64, T, 64, 4, 1, 2, 8, 4)   \
@@ -388,6 +447,14 @@ __device__ __forceinline__ void maxsim_fwd_mma(const MaxSimParams& p) {
     MAXSIM_MMA_ENTRY(maxsim_mma_##TNAME##_wide_d256, T, 256, 4, 1, 1, 8, 3)
 MAXSIM_MMA_DTYPE(f16, __half)
 MAXSIM_MMA_DTYPE(bf16, __nv_bfloat16)
+// Residual scoring on the 64-row document tiles (a thread decompresses 8 rows per tile).
+#define MAXSIM_RES_DTYPE(TNAME, T)                                             \
+    MAXSIM_RES_ENTRY(maxsim_mma_##TNAME##_large_d64, T, 64, 4, 1, 2, 8, 4)    \
+    MAXSIM_RES_ENTRY(maxsim_mma_##TNAME##_large_d128, T, 128, 4, 1, 2, 8, 4)  \
+    MAXSIM_RES_ENTRY(maxsim_mma_##TNAME##_narrow_d64, T, 64, 1, 4, 2, 2, 4)   \
+    MAXSIM_RES_ENTRY(maxsim_mma_##TNAME##_narrow_d128, T, 128, 1, 4, 2, 2, 4)
+MAXSIM_RES_DTYPE(f16, __half)
+MAXSIM_RES_DTYPE(bf16, __nv_bfloat16)
 
 #ifdef MAXSIM_HOPPER
 // Hopper tiles (sm_90a module only): warpgroups of 64 query rows, the whole document tile per wgmma.
@@ -404,6 +471,11 @@ MAXSIM_MMA_DTYPE(bf16, __nv_bfloat16)
     MAXSIM_MMA_ENTRY(maxsim_mma_##TNAME##_hsmall_d128, T, 128, 4, 1, 1, 8, 4, true)
 MAXSIM_WGMMA_DTYPE(f16, __half)
 MAXSIM_WGMMA_DTYPE(bf16, __nv_bfloat16)
+#define MAXSIM_WGMMA_RES_DTYPE(TNAME, T)                                                 \
+    MAXSIM_RES_ENTRY(maxsim_mma_##TNAME##_hsmall_d64, T, 64, 4, 1, 1, 8, 4, true)       \
+    MAXSIM_RES_ENTRY(maxsim_mma_##TNAME##_hsmall_d128, T, 128, 4, 1, 1, 8, 4, true)
+MAXSIM_WGMMA_RES_DTYPE(f16, __half)
+MAXSIM_WGMMA_RES_DTYPE(bf16, __nv_bfloat16)
 #endif
 
 #endif // __CUDA_ARCH__ >= 800
@@ -471,6 +543,50 @@ extern "C" __global__ void maxsim_fill_i32(int32_t* x, long long n, int32_t v) {
     for (long long k = blockIdx.x * (long long)blockDim.x + threadIdx.x; k < n; k += (long long)gridDim.x * blockDim.x)
         x[k] = v;
 }
+
+#if __CUDA_ARCH__ >= 800
+// Decompresses tokens [0, n) to dense [n, dim] rows in the query dtype
+// (dim % 8 == 0), L2-normalized if asked: for gradients, and for scoring with
+// the dense kernels. Each row is spread over `lanes` lanes (a power of two,
+// at most 32) that take its 8-feature chunks in turn.
+template <typename T>
+__device__ void maxsim_decompress(const MaxSimParams& p, T* out, int n) {
+    __shared__ float buckets[256];
+    for (int k = threadIdx.x; k < (1 << p.res_nbits); k += blockDim.x) buckets[k] = p.res_buckets[k];
+    __syncthreads();
+    const int chunks = p.dim / 8;
+    int lanes = 1;
+    while (lanes < chunks && lanes < 32) lanes *= 2;
+    const int lane = threadIdx.x % 32, rows_per_warp = 32 / lanes;
+    const int warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32, nwarps = gridDim.x * blockDim.x / 32;
+    for (int r0 = warp * rows_per_warp; r0 < n; r0 += nwarps * rows_per_warp) {
+        const int r = r0 + lane / lanes;
+        const bool ok = r < n;
+        const uint32_t code = ok ? p.res_codes[r] : 0u;
+        float v[8], inv = 1.f;
+        if (p.res_normalize) { // a first pass for the norm (rows longer than the lanes)
+            float ss = 0.f;
+            for (int c = lane % lanes; ok && c < chunks; c += lanes) {
+                decompress8<T>(p, buckets, code, r, c * 8, v);
+#pragma unroll
+                for (int f = 0; f < 8; ++f) ss += v[f] * v[f];
+            }
+            for (int o = lanes / 2; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+            inv = 1.f / fmaxf(sqrtf(ss), 1e-12f);
+        }
+        for (int c = lane % lanes; ok && c < chunks; c += lanes) {
+            decompress8<T>(p, buckets, code, r, c * 8, v);
+#pragma unroll
+            for (int f = 0; f < 8; ++f) v[f] *= inv;
+            *reinterpret_cast<uint4*>(out + (size_t)r * p.dim + c * 8) = pack8<T>(v);
+        }
+    }
+}
+extern "C" __global__ void maxsim_decompress_f16(const MaxSimParams p, __half* out, int n) { maxsim_decompress(p, out, n); }
+extern "C" __global__ void maxsim_decompress_bf16(const MaxSimParams p, __nv_bfloat16* out, int n) {
+    maxsim_decompress(p, out, n);
+}
+#endif
 
 #define MAXSIM_SIMT(NAME, T, ACC)                                                                          \
     extern "C" __global__ void __launch_bounds__(SIMT_THREADS) NAME##_nograd(const MaxSimParams p) {  \

@@ -13,7 +13,8 @@
 //! Every entry point takes candle `Tensor`s on any device and returns
 //! `candle_core::Result`; invalid input is an `Err` naming the argument.
 //! [`mod@reference`] holds the naive, materializing implementations used as the
-//! ground truth in tests.
+//! ground truth in tests. [`PlaidIndex`] loads a fast-plaid (ColBERTv2 /
+//! PLAID) index directory and ranks its compressed documents exactly.
 //!
 //! ```
 //! use candle_core::{Device, Tensor};
@@ -30,6 +31,7 @@ pub(crate) mod cpu;
 pub mod layers;
 pub(crate) mod layout;
 pub mod ops;
+pub mod plaid;
 pub mod reference;
 
 #[cfg(feature = "cuda")]
@@ -45,6 +47,7 @@ pub use ops::residual::{
 };
 pub use ops::retrieve::retrieve;
 pub use ops::varlen::{maxsim_varlen, score_pairs_packed};
+pub use plaid::PlaidIndex;
 
 /// How the backward computes `grad_D` (see the crate README for the trade-offs).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

@@ -36,6 +36,13 @@ pub(crate) struct Params {
     pub(crate) n_pairs: i32,
     pub(crate) docs_per_block: i32,
     pub(crate) vec_ok: i32,
+    pub(crate) res_centroids: u64,
+    pub(crate) res_buckets: u64,
+    pub(crate) res_codes: u64,
+    pub(crate) res_residuals: u64,
+    pub(crate) res_nbits: i32,
+    pub(crate) res_colbert_order: i32,
+    pub(crate) res_normalize: i32,
 }
 // SAFETY: plain old data with the layout of the C struct.
 unsafe impl DeviceRepr for Params {}
@@ -58,6 +65,9 @@ pub enum TileConfig {
     /// Hopper: 1 warpgroup, 64 query rows x 64 doc rows, 4 stages deep.
     HSmall,
 }
+
+/// The configurations instantiated with the residual (PLAID) document loader.
+const RESIDUAL_CONFIGS: [TileConfig; 3] = [TileConfig::Large, TileConfig::Narrow, TileConfig::HSmall];
 
 const ALL_CONFIGS: [TileConfig; 7] = [
     TileConfig::Large,
@@ -134,7 +144,7 @@ fn path_for(info: &DeviceInfo, dtype: DType, dim: usize) -> Path {
         65..=128 => 128,
         _ => 256,
     };
-    if tc && !candidates(info, dpad).is_empty() {
+    if tc && !candidates(info, dpad, false).is_empty() {
         Path::Mma { dpad }
     } else {
         Path::Simt
@@ -144,10 +154,11 @@ fn path_for(info: &DeviceInfo, dtype: DType, dim: usize) -> Path {
 /// The tile configurations for this width whose shared memory fits the device
 /// (e.g. sm_86 / sm_89 allow less per block than sm_80 / sm_90); the Hopper
 /// tiles exist only in the sm_90a module, loaded on compute capability 9.0.
-fn candidates(info: &DeviceInfo, dpad: usize) -> Vec<TileConfig> {
+fn candidates(info: &DeviceInfo, dpad: usize, residual: bool) -> Vec<TileConfig> {
     ALL_CONFIGS
         .into_iter()
         .filter(|c| (*c == TileConfig::Wide) == (dpad > 128))
+        .filter(|c| !residual || RESIDUAL_CONFIGS.contains(c))
         .filter(|c| !c.hopper() || info.cc == 90)
         .filter(|c| c.smem(dpad) as usize <= info.smem_optin)
         .collect()
@@ -173,6 +184,7 @@ struct TuneKey {
     lq_bucket: usize,
     many_rows: bool,
     long_docs: bool,
+    residual: bool,
 }
 
 fn tune_cache() -> &'static Mutex<HashMap<TuneKey, TileConfig>> {
@@ -255,8 +267,23 @@ fn plan(dev: &CudaDevice, info: &DeviceInfo, pb: &Problem, base: Params, bq: usi
     }
 }
 
-fn kernel_name(dtype: DType, path: Path, cfg: TileConfig, argmax: bool) -> String {
-    let suffix = if argmax { "argmax" } else { "nograd" };
+/// What the kernel computes besides the scores.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Variant {
+    /// Dense documents, scores only.
+    Nograd,
+    /// Dense documents, scores and the argmax for the backward.
+    Argmax,
+    /// PLAID-compressed documents, scores only.
+    Residual,
+}
+
+fn kernel_name(dtype: DType, path: Path, cfg: TileConfig, v: Variant) -> String {
+    let suffix = match v {
+        Variant::Nograd => "nograd",
+        Variant::Argmax => "argmax",
+        Variant::Residual => "res",
+    };
     match path {
         Path::Mma { dpad } => format!("maxsim_mma_{}_{}_d{dpad}_{suffix}", dtype_tag(dtype), cfg.name()),
         Path::Simt => format!("maxsim_simt_{}_{suffix}", dtype_tag(dtype)),
@@ -317,12 +344,44 @@ pub(crate) fn maxsim_fwd(
     l2: &Layout,
     want_argmax: bool,
 ) -> Result<(CudaStorage, Option<Tensor>)> {
-    let dev = s1.device.clone();
+    let (qp, dp) = (storage_ptr(s1, l1)?, storage_ptr(s2, l2)?);
+    let two_bytes = s1.dtype().size_in_bytes() == 2;
+    let vec_ok = pb.dim.is_multiple_of(8) && qp.is_multiple_of(16) && dp.is_multiple_of(16) && two_bytes;
+    let src = Params { q: qp, d: dp, vec_ok: vec_ok as i32, ..Default::default() };
+    let v = if want_argmax { Variant::Argmax } else { Variant::Nograd };
+    fwd_launch(&s1.device, pb, s1.dtype(), src, v)
+}
+
+/// Whether the fused residual kernels cover this query dtype and dim on this device.
+pub(crate) fn residual_supported(dev: &CudaDevice, dtype: DType, dim: usize) -> Result<bool> {
+    let info = device_info(dev)?;
+    Ok(dim.is_multiple_of(8) && matches!(path_for(&info, dtype, dim), Path::Mma { dpad } if dpad <= 128))
+}
+
+/// The launch shared by dense and residual documents: `src` carries the
+/// operand pointers (`q`, `d` or the `res_*` fields, `vec_ok`).
+pub(crate) fn fwd_launch(
+    dev: &CudaDevice,
+    pb: &Problem,
+    dtype: DType,
+    src: Params,
+    variant: Variant,
+) -> Result<(CudaStorage, Option<Tensor>)> {
+    let dev = dev.clone();
+    let want_argmax = variant == Variant::Argmax;
     let info = device_info(&dev)?;
     let n_out = pb.n_out();
     let max_lq = pb.q.max_len();
+    let any_rows = pb.q.rows() > 0 && pb.d.rows() > 0 && pb.dim > 0;
     // CUDA allocations of 0 bytes fail: empty outputs get one spare element.
-    let mut out = dev.alloc_zeros::<f32>(n_out.max(1))?;
+    // The kernels write every score (each block zeroes the ones it owns), so
+    // the output is only memset when no kernel runs.
+    let out = if n_out > 0 && any_rows {
+        // SAFETY: every element is written by the launch below before it is read.
+        unsafe { dev.alloc::<f32>(n_out) }?
+    } else {
+        dev.alloc_zeros::<f32>(n_out.max(1))?
+    };
     let mut argmax = if want_argmax {
         let mut a = unsafe { dev.alloc::<i32>((n_out * max_lq).max(1)) }?;
         fill_i32(&dev, &mut a, -1)?;
@@ -330,39 +389,44 @@ pub(crate) fn maxsim_fwd(
     } else {
         None
     };
-    let dtype = s1.dtype();
     if n_out > i32::MAX as usize {
         bail!("maxsim: {n_out} scores in one call exceed the kernels' 32-bit pair index; split the batch")
     }
-    let any_rows = pb.q.rows() > 0 && pb.d.rows() > 0 && pb.dim > 0;
     if n_out > 0 && any_rows {
         let q_valid = pb.q_valid.as_ref().map(|t| t.contiguous()).transpose()?;
         let d_valid = pb.d_valid.as_ref().map(|t| t.contiguous()).transpose()?;
-        let qp = storage_ptr(s1, l1)?;
-        let dp = storage_ptr(s2, l2)?;
-        let elem = dtype.size_in_bytes() as u64;
         let base = Params {
-            q: qp,
-            d: dp,
+            q: src.q,
+            d: src.d,
+            vec_ok: src.vec_ok,
+            res_centroids: src.res_centroids,
+            res_buckets: src.res_buckets,
+            res_codes: src.res_codes,
+            res_residuals: src.res_residuals,
+            res_nbits: src.res_nbits,
+            res_colbert_order: src.res_colbert_order,
+            res_normalize: src.res_normalize,
             q_valid: q_valid.as_ref().map(tensor_ptr).transpose()?.unwrap_or(0),
             d_valid: d_valid.as_ref().map(tensor_ptr).transpose()?.unwrap_or(0),
             out: slice_ptr(&dev, &out),
             argmax: argmax.as_ref().map(|a| slice_ptr(&dev, a)).unwrap_or(0),
-            vec_ok: (pb.dim.is_multiple_of(8) && qp.is_multiple_of(16) && dp.is_multiple_of(16) && elem == 2) as i32,
             ..layout_params(pb)?
         };
         match path_for(&info, dtype, pb.dim) {
+            Path::Simt if variant == Variant::Residual => {
+                bail!("maxsim: internal error, no fused residual kernel for {dtype:?} dim {}", pb.dim)
+            }
             Path::Simt => {
                 // One block per pair, in pair order.
                 let smem = simt_smem(dtype, pb.dim)?;
                 let plan = Plan { params: base, grid: n_out as u32, _groups: None };
-                run(&dev, &kernel_name(dtype, Path::Simt, TileConfig::Large, want_argmax), &plan, 128, smem)?;
+                run(&dev, &kernel_name(dtype, Path::Simt, TileConfig::Large, variant), &plan, 128, smem)?;
             }
             Path::Mma { dpad } => {
-                let cfg = choose_config(&dev, &info, pb, base, dtype, dpad, &mut out, argmax.as_mut())?;
+                let cfg = choose_config(&dev, &info, pb, base, dtype, dpad, variant, argmax.as_mut())?;
                 let (bq, _, threads) = cfg.shape();
                 let plan = plan(&dev, &info, pb, base, bq)?;
-                run(&dev, &kernel_name(dtype, Path::Mma { dpad }, cfg, want_argmax), &plan, threads, cfg.smem(dpad))?;
+                run(&dev, &kernel_name(dtype, Path::Mma { dpad }, cfg, variant), &plan, threads, cfg.smem(dpad))?;
             }
         }
     }
@@ -386,10 +450,11 @@ fn choose_config(
     base: Params,
     dtype: DType,
     dpad: usize,
-    out: &mut candle_core::cuda_backend::cudarc::driver::CudaSlice<f32>,
+    variant: Variant,
     argmax: Option<&mut candle_core::cuda_backend::cudarc::driver::CudaSlice<i32>>,
 ) -> Result<TileConfig> {
-    let fits = candidates(info, dpad);
+    let residual = variant == Variant::Residual;
+    let fits = candidates(info, dpad, residual);
     if fits.len() == 1 {
         return Ok(fits[0]);
     }
@@ -409,18 +474,20 @@ fn choose_config(
         lq_bucket: lq.next_power_of_two().min(1024),
         many_rows: rows_per_doc > 64,
         long_docs: pb.d.max_len() > 512,
+        residual,
     };
     if let Some(c) = tune_cache().lock().unwrap().get(&key) {
         return Ok(*c);
     }
-    // Time each candidate on these inputs (scratch outputs are re-zeroed; the
+    // Time each candidate on these inputs (the real launch rewrites the scores; the
     // nograd kernels are timed, they decide the tile for both).
     let stream = dev.cuda_stream();
     let mut best = (f32::INFINITY, TileConfig::Large);
     for cfg in fits {
         let (bq, _, threads) = cfg.shape();
         let plan = plan(dev, info, pb, Params { argmax: 0, ..base }, bq)?;
-        let name = kernel_name(dtype, Path::Mma { dpad }, cfg, false);
+        let tuned = if residual { Variant::Residual } else { Variant::Nograd };
+        let name = kernel_name(dtype, Path::Mma { dpad }, cfg, tuned);
         run(dev, &name, &plan, threads, cfg.smem(dpad))?; // warm-up (module load)
         let start = stream.record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)).w()?;
         for _ in 0..3 {
@@ -432,7 +499,6 @@ fn choose_config(
             best = (ms, cfg);
         }
     }
-    stream.memset_zeros(out).w()?;
     if let Some(a) = argmax {
         fill_i32(dev, a, -1)?;
     }

@@ -3,9 +3,14 @@
 
 mod bwd;
 mod fwd;
+mod plaid;
+mod residual;
 
 pub(crate) use bwd::maxsim_bwd;
+pub(crate) use fwd::residual_supported;
 pub(crate) use fwd::{maxsim_argmax, maxsim_fwd};
+pub(crate) use plaid::plaid_approx;
+pub(crate) use residual::{decompress as decompress_residual, residual_scores, ResidualDev};
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{

@@ -118,6 +118,100 @@ impl ResidualCodec {
         Ok(())
     }
 
+    /// Decompresses packed tokens, `codes [T]` (U32 or I64) and `residuals
+    /// [T, dim·nbits/8]` U8, to `[T, dim]` F32 on the codes' device: centroid
+    /// row plus one bucket weight per feature, not normalized (fast-plaid and
+    /// ColBERTv2 L2-normalize the result, see [`crate::l2_normalize`]).
+    pub fn decompress(&self, codes: &Tensor, residuals: &Tensor) -> Result<Tensor> {
+        check_rank("centroids", &self.centroids, &[2], "rank 2 [C, dim]")?;
+        let dim = self.centroids.dim(1)?;
+        self.check(dim)?;
+        check_rank("codes", codes, &[1], "rank 1 [T] (packed)")?;
+        check_rank("residuals", residuals, &[2], "rank 2 [T, dim·nbits/8] (packed)")?;
+        if !residuals.device().same_device(codes.device()) {
+            bail!("residuals: is on {:?} but codes is on {:?}", residuals.device(), codes.device())
+        }
+        if residuals.dim(0)? != codes.dim(0)? {
+            bail!("residuals: {} rows, but codes has {}", residuals.dim(0)?, codes.dim(0)?)
+        }
+        self.decompress_packed(codes, residuals, dim)
+    }
+
+    /// Decompressed tokens `[T, dim]` in `dtype`, L2-normalized if asked: the
+    /// dense documents for [`crate::maxsim_varlen`] and friends. On CUDA, for
+    /// F16/BF16 and dims that are a multiple of 8 (at most 128), one
+    /// decompression kernel on the device; elsewhere [`Self::decompress`].
+    pub fn decompress_dense(
+        &self,
+        codes: &Tensor,
+        residuals: &Tensor,
+        dtype: DType,
+        normalize: bool,
+    ) -> Result<Tensor> {
+        check_rank("centroids", &self.centroids, &[2], "rank 2 [C, dim]")?;
+        let dim = self.centroids.dim(1)?;
+        self.check(dim)?;
+        check_rank("codes", codes, &[1], "rank 1 [T] (packed)")?;
+        check_residuals("residuals", residuals, codes.dim(0)?, self.residual_width(dim))?;
+        check_device("residuals", residuals, codes.device())?;
+        #[cfg(feature = "cuda")]
+        if let candle_core::Device::Cuda(dev) = codes.device() {
+            if codes.dim(0)? > 0 && crate::cuda::residual_supported(dev, dtype, dim)? {
+                let res = self.on_device(codes, residuals, None, dtype, normalize)?;
+                return crate::cuda::decompress_residual(&res, dtype, dim);
+            }
+        }
+        let d = self.decompress_packed(codes, residuals, dim)?;
+        let d = if normalize { crate::l2_normalize(&d)? } else { d };
+        d.to_dtype(dtype)
+    }
+
+    /// The codec and documents as the CUDA kernels take them: U32 codes
+    /// (masked by `valid`, checked against the number of centroids with one
+    /// read-back), centroids in `dtype`, F32 bucket weights.
+    #[cfg(feature = "cuda")]
+    fn on_device(
+        &self,
+        codes: &Tensor,
+        residuals: &Tensor,
+        valid: Option<&Tensor>,
+        dtype: DType,
+        normalize: bool,
+    ) -> Result<crate::cuda::ResidualDev> {
+        // I64 codes become U32: negative ones wrap past the range check.
+        let mut codes = codes.flatten_all()?.to_dtype(DType::U32)?;
+        if let Some(v) = valid {
+            codes = v.where_cond(&codes, &codes.zeros_like()?)?;
+        }
+        let n_c = self.centroids.dim(0)?;
+        let max = codes.max_all()?.to_scalar::<u32>()?;
+        if max as usize >= n_c {
+            bail!("codes: code {max} is out of range for {n_c} centroids")
+        }
+        Ok(crate::cuda::ResidualDev {
+            codes,
+            residuals: residuals.flatten_all()?,
+            centroids: self.centroids.to_dtype(dtype)?,
+            buckets: self.bucket_weights.to_dtype(DType::F32)?,
+            nbits: self.nbits,
+            colbert_order: self.bit_order == BitOrder::ColBert,
+            normalize,
+        })
+    }
+
+    /// [`Self::decompress`] after validation (shapes and codec checked by the caller).
+    fn decompress_packed(&self, codes: &Tensor, residuals: &Tensor, dim: usize) -> Result<Tensor> {
+        let t = codes.dim(0)?;
+        if t == 0 {
+            // A zero-size view: CUDA allocates no empty buffer.
+            return Tensor::zeros((1, dim), DType::F32, codes.device())?.narrow(0, 0, 0);
+        }
+        let codes_h = codes_host(codes, &vec![true; t])?;
+        let res_h = residual_bytes("residuals", residuals, t, self.residual_width(dim))?;
+        let dense = self.decompress_host(&codes_h, &res_h, &vec![true; t], dim)?;
+        Tensor::from_vec(dense, (t, dim), codes.device())
+    }
+
     /// Packed residual bytes per token.
     pub fn residual_width(&self, dim: usize) -> usize {
         dim * self.nbits / 8
@@ -148,14 +242,56 @@ impl ResidualCodec {
     }
 }
 
-fn residual_bytes(arg: &str, r: &Tensor, rows: usize, width: usize) -> Result<Vec<u8>> {
+fn check_residuals(arg: &str, r: &Tensor, rows: usize, width: usize) -> Result<()> {
     if r.dtype() != DType::U8 {
         bail!("{arg}: expected U8 packed residuals, got {:?}", r.dtype())
     }
     if r.elem_count() != rows * width || r.dim(candle_core::D::Minus1)? != width {
         bail!("{arg}: residual width must be dim·nbits/8 = {width} bytes per token, got shape {:?}", r.dims())
     }
+    Ok(())
+}
+
+fn residual_bytes(arg: &str, r: &Tensor, rows: usize, width: usize) -> Result<Vec<u8>> {
+    check_residuals(arg, r, rows, width)?;
     r.flatten_all()?.to_vec1()
+}
+
+/// CUDA: decompression on the device, fused into the MaxSim tile loader when
+/// `q` needs no gradient (the dense documents never reach device memory), or
+/// by a decompression kernel feeding the dense op when it does. `None` where
+/// the fused kernels do not apply (F32 queries, dims not a multiple of 8 or
+/// over 128): those take the host path. `valid` masks padded token slots,
+/// whose codes may hold anything. `q` is `[Tq, dim]`, not yet normalized.
+#[cfg(feature = "cuda")]
+fn residual_on_cuda(
+    q: &Tensor,
+    codes: &Tensor,
+    residuals: &Tensor,
+    codec: &ResidualCodec,
+    normalize: bool,
+    valid: Option<&Tensor>,
+    problem: Problem,
+) -> Result<Option<Tensor>> {
+    let candle_core::Device::Cuda(dev) = q.device() else { return Ok(None) };
+    let dim = problem.dim;
+    if !crate::cuda::residual_supported(dev, q.dtype(), dim)? {
+        return Ok(None);
+    }
+    let t = codes.elem_count();
+    check_residuals("residuals", residuals, t, codec.residual_width(dim))?;
+    let n_out = problem.n_out();
+    if t == 0 || n_out == 0 {
+        return Tensor::zeros(n_out, DType::F32, q.device()).map(Some);
+    }
+    let res = codec.on_device(codes, residuals, valid, q.dtype(), normalize)?;
+    let q = if normalize { crate::l2_normalize(q)? } else { q.clone() };
+    if q.track_op() {
+        // Training: dense documents for the closed-form gradient to q.
+        let d = crate::cuda::decompress_residual(&res, q.dtype(), dim)?;
+        return MaxSimOp::new(problem, Backward::Unified).apply(&q, &d).map(Some);
+    }
+    crate::cuda::residual_scores(&problem, &q, &res).map(Some)
 }
 
 /// Exact MaxSim of `q [Nq, Lq, dim]` against padded compressed documents:
@@ -190,20 +326,32 @@ pub fn maxsim_residual(
         bail!("doc_lens: doc_lens[{j}] = {l} exceeds Ld = {ld}")
     }
     let valid: Vec<bool> = (0..nd * ld).map(|t| t % ld < lens[t / ld] as usize).collect();
-    let codes_h = codes_host(codes, &valid)?;
-    let res_h = residual_bytes("residuals", residuals, nd * ld, codec.residual_width(dim))?;
-    let dense = codec.decompress_host(&codes_h, &res_h, &valid, dim)?;
-    let d = Tensor::from_vec(dense, (nd * ld, dim), q.device())?.to_dtype(q.dtype())?;
     let d_valid = Tensor::from_vec(valid.iter().map(|&v| v as u8).collect::<Vec<u8>>(), nd * ld, q.device())?;
-    let (q, d) = maybe_normalize(q, &d, normalize)?;
     let problem = Problem {
         dim,
         q: Seqs::Uniform { n: nq, len: lq },
         d: Seqs::Uniform { n: nd, len: ld },
         q_valid: None,
-        d_valid: Some(d_valid),
+        d_valid: Some(d_valid.clone()),
         pairs: Pairing::Cross { nq, nd },
     };
+    #[cfg(feature = "cuda")]
+    if let Some(s) = residual_on_cuda(
+        &q.reshape((nq * lq, dim))?,
+        codes,
+        residuals,
+        codec,
+        normalize,
+        Some(&d_valid),
+        problem.clone(),
+    )? {
+        return s.reshape((nq, nd));
+    }
+    let codes_h = codes_host(codes, &valid)?;
+    let res_h = residual_bytes("residuals", residuals, nd * ld, codec.residual_width(dim))?;
+    let dense = codec.decompress_host(&codes_h, &res_h, &valid, dim)?;
+    let d = Tensor::from_vec(dense, (nd * ld, dim), q.device())?.to_dtype(q.dtype())?;
+    let (q, d) = maybe_normalize(q, &d, normalize)?;
     MaxSimOp::new(problem, Backward::Unified).apply(&q.reshape((nq * lq, dim))?, &d)?.reshape((nq, nd))
 }
 
@@ -232,11 +380,6 @@ pub fn maxsim_residual_varlen(
         bail!("residuals: {} rows, but codes has {t}", residuals.dim(0)?)
     }
     let ds = Seqs::packed("cu_d", cu_d, t, "max_ld", max_ld)?;
-    let codes_h = codes_host(codes, &vec![true; t])?;
-    let res_h = residual_bytes("residuals", residuals, t, codec.residual_width(dim))?;
-    let dense = codec.decompress_host(&codes_h, &res_h, &vec![true; t], dim)?;
-    let d = Tensor::from_vec(dense, (t, dim), q.device())?.to_dtype(q.dtype())?;
-    let (q, d) = maybe_normalize(q, &d, normalize)?;
     let nd = ds.n();
     let problem = Problem {
         dim,
@@ -246,6 +389,14 @@ pub fn maxsim_residual_varlen(
         d_valid: None,
         pairs: Pairing::Cross { nq, nd },
     };
+    #[cfg(feature = "cuda")]
+    if let Some(s) =
+        residual_on_cuda(&q.reshape((nq * lq, dim))?, codes, residuals, codec, normalize, None, problem.clone())?
+    {
+        return s.reshape((nq, nd));
+    }
+    let d = codec.decompress_packed(codes, residuals, dim)?.to_dtype(q.dtype())?;
+    let (q, d) = maybe_normalize(q, &d, normalize)?;
     MaxSimOp::new(problem, Backward::Unified).apply(&q.reshape((nq * lq, dim))?, &d)?.reshape((nq, nd))
 }
 
@@ -267,10 +418,10 @@ pub fn plaid_approx_score(query_centroid_scores: &Tensor, codes: &Tensor, doc_le
     }
     check_device("codes", codes, qcs.device())?;
     check_device("doc_lens", doc_lens, qcs.device())?;
-    if qcs.device().is_cpu() {
+    if qcs.device().is_cpu() || qcs.device().is_cuda() {
         return qcs.contiguous()?.apply_op3_no_bwd(&codes.contiguous()?, &doc_lens.contiguous()?, &PlaidApprox);
     }
-    // Other devices: the CPU op on host copies (a fused CUDA kernel is still to come).
+    // Other devices (Metal): the CPU op on host copies.
     let cpu = candle_core::Device::Cpu;
     let out =
         qcs.to_device(&cpu)?.apply_op3_no_bwd(&codes.to_device(&cpu)?, &doc_lens.to_device(&cpu)?, &PlaidApprox)?;
@@ -332,6 +483,20 @@ impl CustomOp3 for PlaidApprox {
             *o = best.iter().sum();
         }
         Ok((CpuStorage::F32(out), Shape::from(b)))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let out = crate::cuda::plaid_approx(s1, l1, s2, l2, s3, l3)?;
+        Ok((out, Shape::from(l2.shape().dims()[0])))
     }
 }
 

@@ -28,9 +28,7 @@ pub fn retrieve(
     if let Some(m) = d_mask {
         crate::layout::check_mask("d_mask", m, &[nd, ld], q.device())?;
     }
-    let k = top_k.min(nd);
-    // Per query: the best k so far as (score, doc), sorted best first.
-    let mut best: Vec<Vec<(f32, u32)>> = vec![Vec::with_capacity(2 * k); nq];
+    let mut top = TopK::new(nq, top_k.min(nd));
     let mut start = 0;
     // Validate shapes even when there are no documents.
     if nd == 0 {
@@ -40,24 +38,48 @@ pub fn retrieve(
         let len = chunk.min(nd - start);
         let dm = d_mask.map(|m| m.narrow(0, start, len)).transpose()?;
         let s = maxsim(q, &d.narrow(0, start, len)?, q_mask, dm.as_ref())?;
-        let s: Vec<Vec<f32>> = s.to_vec2()?;
-        for (row, top) in s.iter().zip(best.iter_mut()) {
-            top.extend(row.iter().enumerate().map(|(j, &v)| (v, (start + j) as u32)));
-            // Best first; ties (and NaN, ranked last) by ascending document index.
+        top.push(&s, |j| (start + j) as u32)?;
+        start += len;
+    }
+    top.finish(q.device())
+}
+
+/// The best `k` (score, id) pairs per query seen so far, best first; equal
+/// scores keep the lower id first and NaN ranks last.
+pub(crate) struct TopK {
+    k: usize,
+    best: Vec<Vec<(f32, u32)>>,
+}
+
+impl TopK {
+    pub(crate) fn new(nq: usize, k: usize) -> Self {
+        TopK { k, best: vec![Vec::with_capacity(2 * k); nq] }
+    }
+
+    /// Merges a chunk of scores `[Nq, n]` whose column `j` belongs to id `id(j)`.
+    pub(crate) fn push(&mut self, scores: &Tensor, id: impl Fn(usize) -> u32) -> Result<()> {
+        let s: Vec<Vec<f32>> = scores.to_vec2()?;
+        for (row, top) in s.iter().zip(self.best.iter_mut()) {
+            top.extend(row.iter().enumerate().map(|(j, &v)| (v, id(j))));
             top.sort_by(|a, b| {
                 b.0.partial_cmp(&a.0).unwrap_or_else(|| a.0.is_nan().cmp(&b.0.is_nan())).then(a.1.cmp(&b.1))
             });
-            top.truncate(k);
+            top.truncate(self.k);
         }
-        start += len;
+        Ok(())
     }
-    if k == 0 || nq == 0 {
-        // Empty results as zero-size views (CUDA allocates no empty buffer).
-        let z =
-            Tensor::zeros((nq.max(1), 1), candle_core::DType::F32, q.device())?.narrow(0, 0, nq)?.narrow(1, 0, k)?;
-        return Ok((z.clone(), z.to_dtype(candle_core::DType::U32)?));
+
+    /// `(scores [Nq, k] F32, ids [Nq, k] U32)` on `device`.
+    pub(crate) fn finish(self, device: &candle_core::Device) -> Result<(Tensor, Tensor)> {
+        let (nq, k) = (self.best.len(), self.k);
+        if k == 0 || nq == 0 {
+            // Empty results as zero-size views (CUDA allocates no empty buffer).
+            let z =
+                Tensor::zeros((nq.max(1), 1), candle_core::DType::F32, device)?.narrow(0, 0, nq)?.narrow(1, 0, k)?;
+            return Ok((z.clone(), z.to_dtype(candle_core::DType::U32)?));
+        }
+        let scores: Vec<f32> = self.best.iter().flat_map(|t| t.iter().map(|x| x.0)).collect();
+        let ids: Vec<u32> = self.best.iter().flat_map(|t| t.iter().map(|x| x.1)).collect();
+        Ok((Tensor::from_vec(scores, (nq, k), device)?, Tensor::from_vec(ids, (nq, k), device)?))
     }
-    let scores: Vec<f32> = best.iter().flat_map(|t| t.iter().map(|x| x.0)).collect();
-    let idx: Vec<u32> = best.iter().flat_map(|t| t.iter().map(|x| x.1)).collect();
-    Ok((Tensor::from_vec(scores, (nq, k), q.device())?, Tensor::from_vec(idx, (nq, k), q.device())?))
 }

@@ -3,6 +3,8 @@
 
 use candle_core::{DType, Device, Result, Tensor};
 
+pub mod plaid_index;
+
 /// max|out − ref| / max|ref| over all elements (both cast to F64).
 pub fn rel_err(out: &Tensor, reference: &Tensor) -> Result<f64> {
     assert_eq!(out.dims(), reference.dims(), "shape mismatch");

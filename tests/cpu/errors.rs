@@ -3,7 +3,7 @@ use crate::common::*;
 use candle_core::{DType, Device, Result, Tensor};
 use candle_maxsim::{self as ms, BitOrder, ResidualCodec};
 
-fn expect_err<T: std::fmt::Debug>(r: Result<T>, arg: &str) {
+pub(crate) fn expect_err<T: std::fmt::Debug>(r: Result<T>, arg: &str) {
     match r {
         Ok(v) => panic!("expected an error naming `{arg}`, got Ok({v:?})"),
         Err(e) => {

@@ -6,5 +6,6 @@ mod common;
 mod errors;
 mod grads;
 mod parity;
+mod plaid;
 mod props;
 mod residual;

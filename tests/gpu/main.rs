@@ -425,3 +425,297 @@ fn device_mismatch_is_an_error() -> Result<()> {
     assert!(e.contains("d_mask"), "{e}");
     Ok(())
 }
+
+/// `plaid_approx_score` on CUDA vs `reference` and the CPU op: U32 and I64
+/// codes, empty and full documents, query lengths that take every kernel
+/// variant (16-byte and scalar row loads, 8/16/32 lanes per row, chunks of
+/// query tokens), non-contiguous codes, padding codes that are never read.
+#[test]
+fn plaid_approx_cuda() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    let cpu = Device::Cpu;
+    for (n_c, lq, b, ld) in
+        [(300, 32, 67, 64), (50, 7, 33, 20), (1000, 128, 40, 100), (200, 64, 50, 40), (64, 33, 21, 5), (9, 1, 10, 3)]
+    {
+        for (lq, misaligned) in [(lq, false), (lq, true), (lq + 68, false)] {
+            // A view that starts one element into its buffer: rows are not 16-byte aligned.
+            let qcs = if misaligned {
+                randn(&[n_c * lq + 1], DType::F32, &cpu)?.narrow(0, 1, n_c * lq)?.reshape((n_c, lq))?
+            } else {
+                randn(&[n_c, lq], DType::F32, &cpu)?
+            };
+            let mut lens: Vec<u32> = (0..b as u32).map(|i| (i * 7919) % (ld as u32 + 1)).collect();
+            lens[0] = 0;
+            lens[1] = ld as u32;
+            let codes = Tensor::rand(0f32, n_c as f32, (b, ld), &cpu)?.to_dtype(DType::U32)?;
+            // I64 codes with -1 past each length (fast-plaid's padding): never read.
+            let padded: Vec<i64> = codes
+                .flatten_all()?
+                .to_vec1::<u32>()?
+                .iter()
+                .enumerate()
+                .map(|(k, &c)| if (k % ld) as u32 >= lens[k / ld] { -1 } else { c as i64 })
+                .collect();
+            let codes64 = Tensor::from_vec(padded, (b, ld), &cpu)?;
+            let lens = Tensor::new(lens, &cpu)?;
+            let what = format!("plaid approx C{n_c} lq{lq} b{b} ld{ld} misaligned={misaligned}");
+            let want = r::plaid_approx_score(&qcs, &codes, &lens)?;
+            for c in [&codes, &codes64] {
+                let out = ms::plaid_approx_score(&qcs.to_device(&dev)?, &c.to_device(&dev)?, &lens.to_device(&dev)?)?;
+                let out = out.to_device(&cpu)?;
+                assert_close(&format!("{what} {:?} vs reference", c.dtype()), &out, &want, 1e-4)?;
+                assert_close(
+                    &format!("{what} {:?} vs cpu op", c.dtype()),
+                    &out,
+                    &ms::plaid_approx_score(&qcs, c, &lens)?,
+                    1e-4,
+                )?;
+                assert_eq!(out.to_vec1::<f32>()?[0], 0.0, "{what}: an empty document scores exactly 0");
+            }
+            // Non-contiguous codes: a transposed view.
+            let ct = codes.t()?.contiguous()?.t()?;
+            let out = ms::plaid_approx_score(&qcs.to_device(&dev)?, &ct.to_device(&dev)?, &lens.to_device(&dev)?)?;
+            assert_close(&format!("{what} transposed codes"), &out.to_device(&cpu)?, &want, 1e-4)?;
+        }
+    }
+    // The benchmark shape (65 536 centroids, Lq 32, 100 000 documents of up to 64 codes) vs the CPU op.
+    let (n_c, lq, b, ld) = (65536, 32, 100_000, 64);
+    let qcs = randn(&[n_c, lq], DType::F32, &cpu)?;
+    let codes = Tensor::rand(0f32, n_c as f32, (b, ld), &cpu)?.to_dtype(DType::U32)?.to_dtype(DType::I64)?;
+    let lens = Tensor::rand(0f32, ld as f32 + 1.0, b, &cpu)?.to_dtype(DType::U32)?.clamp(0u32, ld as u32)?;
+    let out = ms::plaid_approx_score(&qcs.to_device(&dev)?, &codes.to_device(&dev)?, &lens.to_device(&dev)?)?;
+    assert_close(
+        "plaid approx bench shape",
+        &out.to_device(&cpu)?,
+        &ms::plaid_approx_score(&qcs, &codes, &lens)?,
+        1e-4,
+    )?;
+    // Empty batch.
+    let e = ms::plaid_approx_score(
+        &qcs.to_device(&dev)?,
+        &codes.narrow(0, 0, 0)?.to_device(&dev)?,
+        &lens.narrow(0, 0, 0)?.to_device(&dev)?,
+    )?;
+    assert_eq!(e.dims(), &[0]);
+    Ok(())
+}
+
+/// Out-of-range codes and lengths are an `Err` naming the argument (found on
+/// the device, never read out of bounds), the first one in document order as
+/// the CPU op reports it; the device stays usable.
+#[test]
+fn plaid_approx_cuda_errors() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    let qcs = randn(&[10, 32], DType::F32, &dev)?;
+    let lens = Tensor::new(&[3u32, 2, 3], &dev)?;
+    let err = |codes: Tensor, lens: &Tensor| -> String {
+        let e = ms::plaid_approx_score(&qcs, &codes, lens).unwrap_err().to_string();
+        let cpu = Device::Cpu;
+        let e_cpu = ms::plaid_approx_score(
+            &qcs.to_device(&cpu).unwrap(),
+            &codes.to_device(&cpu).unwrap(),
+            &lens.to_device(&cpu).unwrap(),
+        )
+        .unwrap_err()
+        .to_string();
+        assert_eq!(e, e_cpu, "CUDA and CPU report the same error");
+        e
+    };
+    let e = err(Tensor::new(&[[1u32, 2, 3], [4, 5, 6], [7, 10, 99]], &dev)?, &lens);
+    assert!(e.contains("codes[2, 1] = 10"), "{e}");
+    let e = err(Tensor::new(&[[1i64, 2, 3], [4, -5, 6], [7, 10, 99]], &dev)?, &lens);
+    assert!(e.contains("codes[1, 1] = -5"), "{e}");
+    // Past doc_lens[1] = 2: codes[1, 2] is padding and never read.
+    let ok = ms::plaid_approx_score(&qcs, &Tensor::new(&[[1i64, 2, 3], [4, 5, -1], [7, 8, 9]], &dev)?, &lens)?;
+    assert_eq!(ok.dims(), &[3]);
+    let e = err(Tensor::new(&[[1u32, 2, 3], [4, 5, 6], [7, 10, 99]], &dev)?, &Tensor::new(&[3u32, 4, 3], &dev)?);
+    assert!(e.contains("doc_lens[1] = 4"), "{e}");
+    let e = err(Tensor::new(&[[1u32, 2, 3], [4, 5, 6], [7, 8, 9]], &dev)?, &Tensor::new(&[3u32, 4, 3], &dev)?);
+    assert!(e.contains("doc_lens"), "{e}");
+    // Still usable.
+    let ok = ms::plaid_approx_score(&qcs, &Tensor::new(&[[1u32, 2, 3], [4, 5, 6], [7, 8, 9]], &dev)?, &lens)?;
+    assert_eq!(ok.dims(), &[3]);
+    Ok(())
+}
+
+/// `PlaidIndex` loaded on CUDA searches like on the CPU (synthetic indexes in
+/// both of fast-plaid's layouts, and the fast-plaid fixture when present).
+#[test]
+fn plaid_index_cuda() -> Result<()> {
+    use common::plaid_index::{fixture, write_index, Layout};
+    let Some(dev) = gpu() else { return Ok(()) };
+    let cpu = Device::Cpu;
+    let synth = [
+        write_index("gpu_shards", 2, &[9, 4], Layout::Shards)?,
+        write_index("gpu_merged", 4, &[5, 8], Layout::Merged)?,
+    ];
+    let mut dirs: Vec<std::path::PathBuf> = synth.iter().map(|s| s.dir.clone()).collect();
+    dirs.extend(["nb2", "nb4"].into_iter().filter_map(fixture).map(|d| d.join("index")));
+    for dir in dirs {
+        let (ic, ig) = (ms::PlaidIndex::load(&dir, &cpu)?, ms::PlaidIndex::load(&dir, &dev)?);
+        let q = randn(&[3, 16, ic.dim()], DType::F32, &cpu)?;
+        let subset: Vec<u32> = (0..ic.num_documents() as u32).step_by(2).collect();
+        for sub in [None, Some(subset.as_slice())] {
+            let (sc, idc) = ic.search(&q, 5, sub)?;
+            let (sg, idg) = ig.search(&q.to_device(&dev)?, 5, sub)?;
+            assert_close(&format!("{} search scores", dir.display()), &sg.to_device(&cpu)?, &sc, 1e-4)?;
+            assert_eq!(idg.to_device(&cpu)?.to_vec2::<u32>()?, idc.to_vec2::<u32>()?, "{} search ids", dir.display());
+        }
+        assert_close("embeddings", &ig.embeddings(1)?.to_device(&cpu)?, &ic.embeddings(1)?, 1e-6)?;
+    }
+    Ok(())
+}
+
+/// Random compressed documents: (codec, codes [Nd, Ld] U32 with garbage past
+/// each length, residual bytes [Nd, Ld, w], doc_lens [Nd] with 0 and Ld).
+fn residual_docs(
+    nd: usize,
+    ld: usize,
+    dim: usize,
+    nbits: usize,
+    order: ms::BitOrder,
+    seed: u64,
+) -> Result<(ms::ResidualCodec, Tensor, Tensor, Tensor)> {
+    let cpu = Device::Cpu;
+    let n_c = 97;
+    let bw: Vec<f32> = (0..1 << nbits).map(|k| (k as f32 - (1 << nbits) as f32 / 2.0) * 0.04).collect();
+    let codec = ms::ResidualCodec {
+        centroids: randn(&[n_c, dim], DType::F16, &cpu)?,
+        bucket_weights: Tensor::new(bw, &cpu)?,
+        nbits,
+        bit_order: order,
+    };
+    let mut x = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    let mut next = move || {
+        x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (x >> 33) as u32
+    };
+    let lens: Vec<u32> = (0..nd)
+        .map(|j| {
+            if j == 1 {
+                0
+            } else if j == 2 {
+                ld as u32
+            } else {
+                next() % (ld as u32 + 1)
+            }
+        })
+        .collect();
+    let codes: Vec<u32> = (0..nd * ld)
+        .map(|t| if (t % ld) < lens[t / ld] as usize { next() % n_c as u32 } else { 4_000_000_000 })
+        .collect();
+    let w = dim * nbits / 8;
+    let bytes: Vec<u8> = (0..nd * ld * w).map(|_| next() as u8).collect();
+    Ok((
+        codec,
+        Tensor::from_vec(codes, (nd, ld), &cpu)?,
+        Tensor::from_vec(bytes, (nd, ld, w), &cpu)?,
+        Tensor::from_vec(lens, nd, &cpu)?,
+    ))
+}
+
+fn codec_on(c: &ms::ResidualCodec, dev: &Device) -> Result<ms::ResidualCodec> {
+    Ok(ms::ResidualCodec {
+        centroids: c.centroids.to_device(dev)?,
+        bucket_weights: c.bucket_weights.to_device(dev)?,
+        nbits: c.nbits,
+        bit_order: c.bit_order,
+    })
+}
+
+/// Fused residual scoring on the GPU (padded and varlen, both bit orders,
+/// nbits 2/4/8, with and without normalize, U32 and I64 codes) against
+/// `reference`; the gradient path against the CPU op; bad codes.
+#[test]
+fn residual_cuda() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    let cpu = Device::Cpu;
+    for (dim, nq, lq, nd, ld) in [(128, 3, 32, 40, 150), (64, 2, 20, 33, 70), (96, 1, 32, 25, 300), (48, 4, 8, 9, 64)] {
+        for nbits in [2usize, 4, 8] {
+            for order in [ms::BitOrder::ColBert, ms::BitOrder::Lsb] {
+                let (c, codes, res, lens) = residual_docs(nd, ld, dim, nbits, order, (dim * nbits) as u64)?;
+                let cg = codec_on(&c, &dev)?;
+                for dt in [DType::BF16, DType::F16] {
+                    let q = randn(&[nq, lq, dim], dt, &cpu)?;
+                    for normalize in [false, true] {
+                        let what = format!("residual d{dim} nb{nbits} {order:?} {dt:?} norm={normalize}");
+                        let want = r::maxsim_residual(&q, &codes, &res, &lens, &c, normalize)?;
+                        let tol = if normalize { 3e-2 } else { gpu_tol(dt) };
+                        for codes_t in [codes.clone(), codes.to_dtype(DType::I64)?] {
+                            let out = ms::maxsim_residual(
+                                &q.to_device(&dev)?,
+                                &codes_t.to_device(&dev)?,
+                                &res.to_device(&dev)?,
+                                &lens.to_device(&dev)?,
+                                &cg,
+                                normalize,
+                            )?;
+                            assert_close(&what, &out.to_device(&cpu)?, &want, tol)?;
+                        }
+                    }
+                    // Varlen: the valid tokens packed, cu_d from the lengths (one empty doc).
+                    let lv: Vec<u32> = lens.to_vec1()?;
+                    let keep: Vec<u32> =
+                        (0..nd * ld).filter(|t| (t % ld) < lv[t / ld] as usize).map(|t| t as u32).collect();
+                    let keep = Tensor::new(keep, &cpu)?;
+                    let pcodes = codes.flatten_all()?.index_select(&keep, 0)?;
+                    let pres = res.reshape((nd * ld, dim * nbits / 8))?.index_select(&keep, 0)?;
+                    let mut cu = vec![0u32];
+                    for l in &lv {
+                        cu.push(cu.last().unwrap() + l);
+                    }
+                    let cu = Tensor::new(cu, &cpu)?;
+                    let want = r::maxsim_residual_varlen(&q, &pcodes, &pres, &cu, ld, &c, true)?;
+                    let out = ms::maxsim_residual_varlen(
+                        &q.to_device(&dev)?,
+                        &pcodes.to_device(&dev)?,
+                        &pres.to_device(&dev)?,
+                        &cu.to_device(&dev)?,
+                        ld,
+                        &cg,
+                        true,
+                    )?;
+                    assert_close(
+                        &format!("varlen d{dim} nb{nbits} {order:?} {dt:?}"),
+                        &out.to_device(&cpu)?,
+                        &want,
+                        3e-2,
+                    )?;
+                }
+            }
+        }
+    }
+    // Gradient to q (decompression kernel + dense op) against the CPU op.
+    let (c, codes, res, lens) = residual_docs(12, 80, 128, 4, ms::BitOrder::ColBert, 7)?;
+    let cg = codec_on(&c, &dev)?;
+    let q = randn(&[3, 16, 128], DType::F32, &cpu)?.to_dtype(DType::F16)?;
+    let grad_on = |d: &Device, c: &ms::ResidualCodec| -> Result<Tensor> {
+        let v = Var::from_tensor(&q.to_device(d)?)?;
+        let s = ms::maxsim_residual(
+            v.as_tensor(),
+            &codes.to_device(d)?,
+            &res.to_device(d)?,
+            &lens.to_device(d)?,
+            c,
+            false,
+        )?;
+        let g = s.sum_all()?.backward()?;
+        g.get(v.as_tensor()).expect("grad of q").to_device(&Device::Cpu)?.to_dtype(DType::F32)
+    };
+    let (gg, gc) = (grad_on(&dev, &cg)?, grad_on(&cpu, &c)?);
+    assert_close("residual grad q (cuda vs cpu op)", &gg, &gc, 1e-2)?;
+    // Out-of-range codes inside a document: an Err naming codes.
+    let bad = codes.to_dtype(DType::I64)?;
+    let bad = bad.slice_assign(&[0..1, 0..1], &Tensor::new(&[[-5i64]], &cpu)?)?;
+    let e = ms::maxsim_residual(
+        &q.to_device(&dev)?,
+        &bad.to_device(&dev)?,
+        &res.to_device(&dev)?,
+        &lens.ones_like()?.to_device(&dev)?,
+        &cg,
+        false,
+    )
+    .expect_err("negative code");
+    assert!(e.to_string().contains("codes"), "{e}");
+    Ok(())
+}
