@@ -1,6 +1,6 @@
 """Peers on the GPU, one JSON line per (case, impl), same shapes and dtype as examples/bench.rs.
 
-    python3 bench/peers.py [--case NAME]... [--impl lik|flash|pylate]... [--fresh N]
+    python3 bench/peers.py [--case NAME]... [--impl lik|flash|pylate]... [--fresh N] [--dtype f16] [--dim D]
     python3 bench/peers.py --train [--fresh N]     # fwd+bwd, backward=unified and lowmem
 
 Without --case every default case runs, each in a fresh process (the peers
@@ -93,6 +93,7 @@ def main():
     ap.add_argument("--case", action="append")
     ap.add_argument("--impl", action="append")
     ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--dim", type=int, help="override the embedding dim of every case")
     ap.add_argument("--fresh", type=int, default=2)
     ap.add_argument("--child", action="store_true")
     ap.add_argument("--train", action="store_true", help="fwd+bwd of late-interaction-kernels, each backward mode")
@@ -104,7 +105,7 @@ def main():
         for c in cases:
             for i in impls:
                 r = run_train(c, TRAIN_CASES[c], i[len("train_"):], a.dtype) if i.startswith("train_") \
-                    else run_one(c, CASES[c], i, a.dtype)
+                    else run_one(c, CASES[c][:4] + (a.dim or CASES[c][4],), i, a.dtype)
                 if r:
                     print(json.dumps(r), flush=True)
         return
@@ -112,8 +113,8 @@ def main():
         for i in impls:
             best = None
             for _ in range(a.fresh if i != "pylate" else 1):
-                out = subprocess.run([sys.executable, __file__, "--child", "--case", c, "--impl", i, "--dtype", a.dtype],
-                                     capture_output=True, text=True)
+                cmd = [sys.executable, __file__, "--child", "--case", c, "--impl", i, "--dtype", a.dtype]
+                out = subprocess.run(cmd + (["--dim", str(a.dim)] if a.dim else []), capture_output=True, text=True)
                 for line in out.stdout.splitlines():
                     if line.startswith("{"):
                         r = json.loads(line)

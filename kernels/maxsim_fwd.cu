@@ -87,19 +87,21 @@ __device__ __forceinline__ void load_rows(T* smem, const T* g, int row0, int n, 
     }
 }
 
-// Same tile, decompressed from PLAID codes and residuals (dim % 8 == 0):
-// each thread decompresses 16-byte chunks of rows (its column fixed), loading
-// every row's code, centroid chunk and packed bits before using any, then
-// optionally L2-normalizes each row across the lanes that hold it.
+// Same tile, decompressed from PLAID codes and residuals (dim % 8 == 0): the
+// tile's codes are already in shared memory (`scode`, prefetched by cp.async
+// steps earlier); each thread decompresses 16-byte chunks of rows (its column
+// fixed), loading every row's centroid chunk and packed bits before using
+// any, then optionally L2-normalizes each row across the lanes that hold it.
 template <typename C, int ROWS, typename T>
-__device__ __forceinline__ void load_residual_rows(T* smem, const MaxSimParams& p, const float* buckets, int row0, int n) {
+__device__ __forceinline__ void load_residual_rows(T* smem, const MaxSimParams& p, const float* buckets,
+                                                   const uint32_t* scode, int row0, int n) {
     constexpr int CHUNKS = C::DPAD / 8, RPP = C::NTHREADS / CHUNKS, IT = ROWS / RPP;
     static_assert(C::NTHREADS % CHUNKS == 0 && ROWS % RPP == 0 && 32 % CHUNKS == 0, "tile shape");
     const int ch = threadIdx.x % CHUNKS, col = ch * 8, r0 = threadIdx.x / CHUNKS;
     const bool col_ok = col < p.dim;
     uint32_t code[IT];
 #pragma unroll
-    for (int i = 0; i < IT; ++i) code[i] = col_ok && r0 + i * RPP < n ? __ldg(p.res_codes + row0 + r0 + i * RPP) : 0u;
+    for (int i = 0; i < IT; ++i) code[i] = scode[r0 + i * RPP];
     float v[IT][8];
 #pragma unroll
     for (int i = 0; i < IT; ++i) {
@@ -152,6 +154,8 @@ __device__ __forceinline__ void maxsim_fwd_mma(const MaxSimParams& p) {
     __shared__ int row_q[C::BQ], row_s[C::BQ]; // query of each tile row (-1: padding or masked), position
     __shared__ int q_lo[C::BQ], q_hi[C::BQ];   // tile rows of each query of the group
     __shared__ float buckets[RESIDUAL ? 256 : 1]; // residual bucket weights
+    __shared__ uint32_t scodes[RESIDUAL ? C::STAGES * C::BD : 1]; // residual codes, prefetched per stage
+    static_assert(!RESIDUAL || C::STAGES >= 3, "residual pipeline: codes 2+ steps ahead, decompression 1 ahead");
 
     const T* Q = static_cast<const T*>(p.q);
     const T* D = static_cast<const T*>(p.d);
@@ -206,10 +210,20 @@ __device__ __forceinline__ void maxsim_fwd_mma(const MaxSimParams& p) {
         };
         T* sq = sbuf;                 // [BQ, SROW] query staging (mma.sync only)
         T* sd0 = sbuf + C::Q_ELEMS;   // STAGES document tiles
+        // Dense documents: tiles copied by cp.async STAGES-1 steps ahead. Residual
+        // documents: codes copied STAGES-1 steps ahead (request_codes), the tile
+        // decompressed one step ahead (load_tile), synchronously.
+        auto request_codes = [&](int stage, int j, int k) {
+            const Range dr = d_rows(p, j);
+            const int start = dr.begin + k * C::BD, n = min(C::BD, dr.end - start);
+            for (int r = tid; r < C::BD; r += C::NTHREADS)
+                cp_async4(&scodes[stage * C::BD + r], r < n ? p.res_codes + start + r : p.res_codes, r < n ? 4 : 0);
+        };
         auto load_tile = [&](int stage, int j, int k) {
             const Range dr = d_rows(p, j);
             const int start = dr.begin + k * C::BD, n = min(C::BD, dr.end - start);
-            if (RESIDUAL) load_residual_rows<C, C::BD>(sd0 + stage * C::TILE_ELEMS, p, buckets, start, n);
+            if (RESIDUAL)
+                load_residual_rows<C, C::BD>(sd0 + stage * C::TILE_ELEMS, p, buckets, scodes + stage * C::BD, start, n);
             else load_rows<C, C::BD>(sd0 + stage * C::TILE_ELEMS, D, start, n, p.dim, p.vec_ok);
             // Column validity, read by the epilogue only for masked or partial tiles.
             if (p.d_valid || n < C::BD)
@@ -220,10 +234,15 @@ __device__ __forceinline__ void maxsim_fwd_mma(const MaxSimParams& p) {
         // Prologue: Q (group 0) and the first STAGES-1 document tiles in flight together.
         if (!C::HOPPER) load_rows<C, C::BQ>(sq, Q, r0, r1 - r0, p.dim, p.vec_ok);
         cp_async_commit();
-        int lj = first_nonempty(w.d_begin), lk = 0; // load cursor
+        int lj = first_nonempty(w.d_begin), lk = 0; // load cursor (residual: code requests)
+        int dj = lj, dk = 0;                         // residual: decompression cursor
 #pragma unroll
         for (int s = 0; s < C::STAGES - 1; ++s) {
-            if (lj < w.d_end) load_tile(s, lj, lk), advance(lj, lk);
+            if (lj < w.d_end) {
+                if (RESIDUAL) request_codes(s, lj, lk);
+                else load_tile(s, lj, lk);
+                advance(lj, lk);
+            }
             cp_async_commit(); // possibly empty: keeps the group count uniform
         }
         uint32_t a[C::MT][C::KSTEPS][4];
@@ -242,7 +261,13 @@ __device__ __forceinline__ void maxsim_fwd_mma(const MaxSimParams& p) {
                 }
             }
         }
-        cp_async_wait<C::STAGES - 1>();
+        if (RESIDUAL) {
+            cp_async_wait<0>();
+            __syncthreads();
+            if (dj < w.d_end) load_tile(0, dj, dk), advance(dj, dk);
+        } else {
+            cp_async_wait<C::STAGES - 1>();
+        }
         __syncthreads();
         if (!C::HOPPER) {
 #pragma unroll
@@ -272,18 +297,26 @@ __device__ __forceinline__ void maxsim_fwd_mma(const MaxSimParams& p) {
             const Range dr = d_rows(p, j);
             const int ntiles = (dr.end - dr.begin + C::BD - 1) / C::BD;
             const int n = min(C::BD, dr.end - dr.begin - k * C::BD);
-            cp_async_wait<C::STAGES - 2>(); // this step's tile has landed
+            // This step's tile has landed (residual: the next step's codes have).
+            if (RESIDUAL) cp_async_wait<C::STAGES - 3>();
+            else cp_async_wait<C::STAGES - 2>();
 #ifdef MAXSIM_HOPPER
             if (C::HOPPER) fence_proxy_async(); // ... and is visible to the tensor cores' reads
 #endif
             __syncthreads();                // ... for every thread; and the stage refilled below is free
-            // The next tile: cp.async copies run in the background; residual
-            // decompression is synchronous, so it runs while the wgmma does.
-            auto load_next = [&]() {
-                if (lj < w.d_end) load_tile((it + C::STAGES - 1) % C::STAGES, lj, lk), advance(lj, lk);
-                cp_async_commit();
+            // The copies STAGES-1 steps ahead run in the background.
+            if (lj < w.d_end) {
+                if (RESIDUAL) request_codes((it + C::STAGES - 1) % C::STAGES, lj, lk);
+                else load_tile((it + C::STAGES - 1) % C::STAGES, lj, lk);
+                advance(lj, lk);
+            }
+            cp_async_commit();
+            // Residual: the next step's tile, decompressed synchronously (on
+            // Hopper while this step's wgmma runs).
+            auto decompress_next = [&]() {
+                if (dj < w.d_end) load_tile((it + 1) % C::STAGES, dj, dk), advance(dj, dk);
             };
-            if (!RESIDUAL || !C::HOPPER) load_next();
+            if (RESIDUAL && !C::HOPPER) decompress_next();
 
             // S = Q_tile . D_tile^T on tensor cores.
             float acc[C::MT][C::NT][4];
@@ -299,7 +332,7 @@ __device__ __forceinline__ void maxsim_fwd_mma(const MaxSimParams& p) {
                     Wgmma<T, C::BD>::run(d, a[0][ks], wgmma_desc_sw128(sd_addr + (ks / 4) * C::BD * 128 + (ks % 4) * 32),
                                          ks > 0);
                 wgmma_commit();
-                if (RESIDUAL) load_next();
+                if (RESIDUAL) decompress_next();
                 wgmma_wait<0>();
                 fence_regs<C::NT * 4>(d);
             } else

@@ -97,14 +97,15 @@ fn tok_err(e: impl std::fmt::Display) -> candle_core::Error {
 
 impl ColBert {
     /// Loads a checkpoint directory (see the module docs for the layouts).
-    /// Embeddings come out in `dtype`. The encoder runs in F32 except for
-    /// BF16 on CUDA: candle's BERT builds its attention bias from `f32::MIN`,
-    /// -inf in F16, which turns attended positions into NaN (0 x -inf), and
-    /// its BF16 CPU path gave NaN here too (candle-transformers 0.11).
+    /// Embeddings come out in `dtype`; the encoder always runs in F32:
+    /// candle's BERT builds its attention bias from `f32::MIN`, which rounds
+    /// to -inf in F16 and BF16 and turns attended positions into NaN (0 x
+    /// -inf); NaN embeddings were seen on CPU and on CUDA (H200) in both
+    /// (candle-transformers 0.11).
     pub fn load(dir: impl AsRef<Path>, device: &Device, dtype: DType) -> Result<Self> {
         let dir = dir.as_ref();
         let out_dtype = dtype;
-        let dtype = if dtype == DType::BF16 && device.is_cuda() { dtype } else { DType::F32 };
+        let dtype = DType::F32;
         let config = read_json(&dir.join("config.json"))?;
         let weights = dir.join("model.safetensors");
         if !weights.exists() {

@@ -264,6 +264,7 @@ fn cuda_matches_cpu() -> anyhow::Result<()> {
                 let norms = want.sqr()?.sum(2)?.flatten_all()?.to_vec1::<f32>()?;
                 let min_cos = cos.iter().zip(&norms).filter(|(_, n)| **n > 0.5).map(|(c, _)| *c).fold(1f32, f32::min);
                 println!("{} {dt:?} {what}: max |cuda - cpu| {err:.2e}, min cosine {min_cos:.5}, max score diff {score_err:.2e}", dir.display());
+                assert!(err.is_finite() && score_err.is_finite(), "{dt:?} {what}: non-finite output on CUDA");
                 match dt {
                     DType::F32 => assert!(err < 1e-3 && score_err < 1e-2, "F32 {what}: {err} {score_err}"),
                     DType::F16 => assert!(err < 3e-2 && score_err < 0.2, "F16 {what}: {err} {score_err}"),
