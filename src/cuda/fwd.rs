@@ -173,8 +173,10 @@ pub(crate) fn dtype_tag(dt: DType) -> &'static str {
     }
 }
 
-/// What decides the best tile: layout, dtype, dim, query-length bucket,
-/// whether there are few or many query rows per document, and long documents.
+/// What decides the best tile: layout, dtype, dim, query-length bucket, how
+/// many query rows meet each document (x4 buckets: a rerank of one query
+/// and an in-batch grid of the same Lq want different tiles), how many
+/// documents there are (x4 buckets: grid size and waves), and long documents.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 struct TuneKey {
     device: usize,
@@ -182,9 +184,15 @@ struct TuneKey {
     dpad: usize,
     cross: bool,
     lq_bucket: usize,
-    many_rows: bool,
+    rows_per_doc_log4: u32,
+    docs_log4: u32,
     long_docs: bool,
     residual: bool,
+}
+
+/// Base-4 logarithm bucket (0 for 0 and 1).
+fn log4(x: usize) -> u32 {
+    (usize::BITS - x.max(1).leading_zeros() - 1) / 2
 }
 
 fn tune_cache() -> &'static Mutex<HashMap<TuneKey, TileConfig>> {
@@ -472,7 +480,8 @@ fn choose_config(
         dpad,
         cross: matches!(pb.pairs, Pairing::Cross { .. }),
         lq_bucket: lq.next_power_of_two().min(1024),
-        many_rows: rows_per_doc > 64,
+        rows_per_doc_log4: log4(rows_per_doc),
+        docs_log4: log4(pb.d.n()),
         long_docs: pb.d.max_len() > 512,
         residual,
     };
