@@ -4,18 +4,31 @@
 //   grad_Q[i,s] = sum_j g[i,j] * D[j, argmax[i,j,s]]
 //   grad_D[j,t] = sum over (i,s) with argmax[i,j,s] = t of g[i,j] * Q[i,s]
 //
-// Both kernels are destination-owned: every output row is reduced by the one
-// warp or block that owns it, in a fixed order, with f32 (f64 for f64)
-// accumulators in registers / shared memory, and written once in the input
-// dtype. No atomics, no full-size f32 buffer, bitwise deterministic.
+// Both are weighted gathers of rows. A warp owns one output row and walks
+// its items (pairs for grad_Q, winners for grad_D) 32 at a time: the lanes
+// resolve 32 items at once (one load per lane instead of a serial chain),
+// then G lanes cover a row with 16-byte loads, 32/G items per warp step and
+// U steps issued before any is used, so 8 rows are in flight per warp.
+//
+// LowMem: grad_Q by maxsim_bwd_q; grad_D by maxsim_bwd_dd, a block per
+// (document, chunk of rows) with the chunk's accumulators in shared memory
+// (see below). Destination-owned, fixed order, no atomics, no global scratch.
+// Unified: maxsim_bwd_u, a warp per query row reads Q[i,s] once, gathers
+// grad_Q as above and adds g * Q[i,s] into grad_D by f32 (f64) atomics,
+// vector reductions on sm_90; f16 / bf16 accumulate in an f32 buffer that
+// maxsim_bwd_cast narrows at the end.
 #include "common.cuh"
+
+#define BWD_FULL 0xffffffffu
 
 template <typename T> struct Store;
 template <> struct Store<__half> {
     static __device__ __forceinline__ __half from(float x) { return __float2half(x); }
+    static __device__ __forceinline__ uint32_t bits(float x) { return __half_as_ushort(__float2half(x)); }
 };
 template <> struct Store<__nv_bfloat16> {
     static __device__ __forceinline__ __nv_bfloat16 from(float x) { return __float2bfloat16(x); }
+    static __device__ __forceinline__ uint32_t bits(float x) { return __bfloat16_as_ushort(__float2bfloat16(x)); }
 };
 template <> struct Store<float> {
     static __device__ __forceinline__ float from(float x) { return x; }
@@ -29,20 +42,23 @@ struct BwdParams {
     const float* g;           // [P] gradient of the scores
     void* gq;                 // [Tq, dim] out
     void* gd;                 // [Td, dim] out
+    float* gd_acc;            // Unified f16/bf16: [Td, dim] f32 accumulator (null: atomics go to gd)
     const uint32_t* by_q_off; // list mode: pairs of each query, CSR (null in cross mode)
     const uint32_t* by_q;
     const uint32_t* by_d_off; // list mode: pairs of each document, CSR
     const uint32_t* by_d;
-    int32_t tq, tc;           // query rows; document rows per grad_D block
-    int32_t d_chunks;         // grad_D blocks per document
-    int32_t cols;             // grad_D columns per pass: dim rounded up to 32, at most BWD_COLS
+    int64_t n_cast;           // elements narrowed by maxsim_bwd_cast
+    int32_t tq;               // query rows
+    int32_t tc;               // LowMem grad_D: document rows per block
+    int32_t d_chunks;         // LowMem grad_D: blocks per document
+    int32_t list_off;         // LowMem grad_D: byte offset of the hit lists in shared memory
 };
 
-constexpr int BWD_WARPS = 4;
-constexpr int BWD_COLS = 256;                // columns per pass (8 per lane)
-// grad_D accumulators: BWD_WARPS x tc x cols in shared memory, 48 KB (tc =
-// 24 for dim 128 with f32 accumulation), so no opt-in is needed.
-constexpr int BWD_PER_LANE = BWD_COLS / 32;
+constexpr int BWD_WARPS = 8; // warps per block of the query-row kernels
+
+// ---------------------------------------------------------------------------
+// Problem helpers
+// ---------------------------------------------------------------------------
 
 // Query of packed row r: uniform arithmetic, or a binary search of cu_q.
 __device__ __forceinline__ int query_of_row(const MaxSimParams& p, int r) {
@@ -54,6 +70,12 @@ __device__ __forceinline__ int query_of_row(const MaxSimParams& p, int r) {
         else hi = mid;
     }
     return lo;
+}
+__device__ __forceinline__ int query_of_pair(const MaxSimParams& p, int pair) {
+    return p.pair_q ? (int)p.pair_q[pair] : pair / p.nd;
+}
+__device__ __forceinline__ int doc_of_pair(const MaxSimParams& p, int pair) {
+    return p.pair_d ? (int)p.pair_d[pair] : pair % p.nd;
 }
 
 // The k-th pair (ascending) of query i / of document j, and how many there are.
@@ -70,108 +92,503 @@ __device__ __forceinline__ int pair_of_d(const BwdParams& b, int j, int k) {
     return b.by_d_off ? (int)b.by_d[b.by_d_off[j] + k] : k * b.f.nd + j;
 }
 
-// grad_Q: one warp per query row, lanes across the embedding columns.
-template <typename T, typename Acc>
-__device__ void maxsim_bwd_dq(const BwdParams& b) {
-    const MaxSimParams& p = b.f;
-    const T* D = static_cast<const T*>(p.d);
-    T* GQ = static_cast<T*>(b.gq);
-    const int lane = threadIdx.x % 32;
-    const int r = blockIdx.x * BWD_WARPS + threadIdx.x / 32;
-    if (r >= b.tq) return;
-    const int i = query_of_row(p, r);
-    const int s = r - q_rows(p, i).begin;
-    const int np = n_pairs_of_q(b, i);
-    for (int k0 = 0; k0 < p.dim; k0 += BWD_COLS) {
-        Acc acc[BWD_PER_LANE];
+// ---------------------------------------------------------------------------
+// Row chunks: a lane holds C chunks of VEC consecutive columns of a row.
+// VEC * sizeof(T) == 16 (one 16-byte load) on the vector path, VEC == 1 on
+// the scalar path (dims that are not a multiple of 16 bytes, unaligned bases).
+// ---------------------------------------------------------------------------
+template <typename T> struct Bits;
+template <> struct Bits<__half> { using type = unsigned short; };
+template <> struct Bits<__nv_bfloat16> { using type = unsigned short; };
+template <> struct Bits<float> { using type = float; };
+template <> struct Bits<double> { using type = double; };
+
+template <typename T, int VEC> struct RawOf { using type = uint4; };
+template <typename T> struct RawOf<T, 1> { using type = typename Bits<T>::type; };
+
+template <typename T, int VEC>
+__device__ __forceinline__ typename RawOf<T, VEC>::type load_raw(const T* p) {
+    using R = typename RawOf<T, VEC>::type;
+    return __ldg(reinterpret_cast<const R*>(p));
+}
+
+// Element v of a raw chunk as Acc (v is a compile-time constant after unrolling).
+template <typename T, typename Acc> struct Unpack;
+template <> struct Unpack<__half, float> {
+    static __device__ __forceinline__ float one(unsigned short x, int) { return __half2float(__ushort_as_half(x)); }
+    static __device__ __forceinline__ float vec(const uint4& u, int v) {
+        const uint32_t word = (v >> 1) == 0 ? u.x : (v >> 1) == 1 ? u.y : (v >> 1) == 2 ? u.z : u.w;
+        return __half2float(__ushort_as_half((unsigned short)((v & 1) ? word >> 16 : word & 0xffffu)));
+    }
+};
+template <> struct Unpack<__nv_bfloat16, float> {
+    static __device__ __forceinline__ float one(unsigned short x, int) { return __uint_as_float((uint32_t)x << 16); }
+    static __device__ __forceinline__ float vec(const uint4& u, int v) {
+        const uint32_t word = (v >> 1) == 0 ? u.x : (v >> 1) == 1 ? u.y : (v >> 1) == 2 ? u.z : u.w;
+        return __uint_as_float((v & 1) ? word & 0xffff0000u : word << 16);
+    }
+};
+template <> struct Unpack<float, float> {
+    static __device__ __forceinline__ float one(float x, int) { return x; }
+    static __device__ __forceinline__ float vec(const uint4& u, int v) {
+        return __uint_as_float(v == 0 ? u.x : v == 1 ? u.y : v == 2 ? u.z : u.w);
+    }
+};
+template <> struct Unpack<double, double> {
+    static __device__ __forceinline__ double one(double x, int) { return x; }
+    static __device__ __forceinline__ double vec(const uint4& u, int v) {
+        return v == 0 ? __hiloint2double((int)u.y, (int)u.x) : __hiloint2double((int)u.w, (int)u.z);
+    }
+};
+
+template <typename T, typename Acc, int VEC>
+__device__ __forceinline__ Acc unpack(const typename RawOf<T, VEC>::type& r, int v) {
+    if constexpr (VEC == 1) return Unpack<T, Acc>::one(r, v);
+    else return Unpack<T, Acc>::vec(r, v);
+}
+
+// Stores VEC accumulators as one chunk of T.
+template <typename T, typename Acc, int VEC>
+__device__ __forceinline__ void store_chunk(T* p, const Acc (&a)[VEC]) {
+    if constexpr (VEC == 1) {
+        *p = Store<T>::from(a[0]);
+    } else if constexpr (sizeof(T) == 2) {
+        uint32_t w[4];
 #pragma unroll
-        for (int u = 0; u < BWD_PER_LANE; ++u) acc[u] = 0;
-        for (int k = 0; k < np; ++k) {
-            const int pair = pair_of_q(b, i, k);
-            const int t = p.argmax[(size_t)pair * p.max_lq + s];
-            if (t < 0) continue;
-            const int j = p.pair_d ? (int)p.pair_d[pair] : pair % p.nd;
-            const Acc gv = b.g[pair];
-            const T* row = D + (size_t)(d_rows(p, j).begin + t) * p.dim + k0;
-#pragma unroll
-            for (int u = 0; u < BWD_PER_LANE; ++u) {
-                const int col = lane + 32 * u;
-                if (k0 + col < p.dim) acc[u] += gv * (Acc)Elem<T>::to_float(row[col]);
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < BWD_PER_LANE; ++u) {
-            const int col = k0 + lane + 32 * u;
-            if (col < p.dim) GQ[(size_t)r * p.dim + col] = Store<T>::from(acc[u]);
-        }
+        for (int k = 0; k < 4; ++k) w[k] = Store<T>::bits(a[2 * k]) | (Store<T>::bits(a[2 * k + 1]) << 16);
+        *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
+    } else if constexpr (sizeof(T) == 4) {
+        *reinterpret_cast<float4*>(p) = make_float4(a[0], a[1], a[2], a[3]);
+    } else {
+        *reinterpret_cast<double2*>(p) = make_double2(a[0], a[1]);
     }
 }
 
-// grad_D: one block per (document, chunk of tc rows). Warp w scans its share
-// of the document's pairs 32 query tokens at a time; hits (winners inside the
-// chunk) are found by ballot and added, whole warp across the columns, into
-// the warp's own shared-memory accumulator; the warps' accumulators are then
-// summed in order. Fixed order everywhere: deterministic.
-template <typename T, typename Acc>
-__device__ void maxsim_bwd_dd(const BwdParams& b) {
-    extern __shared__ __align__(16) unsigned char smem_raw[];
-    Acc* acc = reinterpret_cast<Acc*>(smem_raw); // [BWD_WARPS][tc][cols]
-    const MaxSimParams& p = b.f;
-    const T* Q = static_cast<const T*>(p.q);
-    T* GD = static_cast<T*>(b.gd);
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int j = blockIdx.x / b.d_chunks;
-    const Range dr = d_rows(p, j);
-    const int t0 = (blockIdx.x % b.d_chunks) * b.tc;
-    const int rows = min(b.tc, dr.end - dr.begin - t0);
-    if (rows <= 0) return;
-    const int np = n_pairs_of_d(b, j);
-    const int C = b.cols;
-    Acc* mine = acc + (size_t)warp * b.tc * C;
-    for (int k0 = 0; k0 < p.dim; k0 += C) {
-        const int kn = min(C, p.dim - k0);
-        for (int e = threadIdx.x; e < BWD_WARPS * b.tc * C; e += blockDim.x) acc[e] = 0;
-        __syncthreads();
-        for (int k = warp; k < np; k += BWD_WARPS) {
-            const int pair = pair_of_d(b, j, k);
-            const int i = p.pair_q ? (int)p.pair_q[pair] : pair / p.nd;
-            const Range qr = q_rows(p, i);
-            const Acc gv = b.g[pair];
-            for (int s0 = 0; s0 < qr.end - qr.begin; s0 += 32) {
-                const int s = s0 + lane;
-                const int t = s < qr.end - qr.begin ? p.argmax[(size_t)pair * p.max_lq + s] : -1;
-                unsigned hits = __ballot_sync(0xffffffffu, t >= t0 && t < t0 + rows);
-                while (hits) {
-                    const int l = __ffs(hits) - 1;
-                    hits &= hits - 1;
-                    const int tt = __shfl_sync(0xffffffffu, t, l) - t0;
-                    const T* qrow = Q + (size_t)(qr.begin + s0 + l) * p.dim + k0;
-                    for (int col = lane; col < kn; col += 32)
-                        mine[tt * C + col] += gv * (Acc)Elem<T>::to_float(qrow[col]);
+// dst[0..VEC) += x atomically (Unified grad_D); dst 16-byte aligned when VEC % 4 == 0.
+template <int VEC>
+__device__ __forceinline__ void red_add(float* dst, const float (&x)[VEC]) {
+#if __CUDA_ARCH__ >= 900
+    constexpr bool V4 = VEC % 4 == 0;
+#else
+    constexpr bool V4 = false;
+#endif
+    if constexpr (V4) {
+#pragma unroll
+        for (int k = 0; k < VEC; k += 4)
+            asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(dst + k), "f"(x[k]), "f"(x[k + 1]),
+                         "f"(x[k + 2]), "f"(x[k + 3])
+                         : "memory");
+    } else {
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) atomicAdd(dst + k, x[k]);
+    }
+}
+template <int VEC>
+__device__ __forceinline__ void red_add(double* dst, const double (&x)[VEC]) {
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) atomicAdd(dst + k, x[k]);
+}
+
+// Lane layout of a row kernel: lane = h * G + c; h picks the item of a warp
+// step (R = 32 / G of them), c the chunks c, c + G, ..., c + (C-1) G of the
+// current column pass of COLS columns.
+template <typename T_, typename Acc_, int VEC_, int G_, int C_>
+struct Cfg {
+    using T = T_;
+    using Acc = Acc_;
+    using Raw = typename RawOf<T_, VEC_>::type;
+    static constexpr int VEC = VEC_, G = G_, C = C_;
+    static constexpr int R = 32 / G_;
+    // Items in flight per warp: 8 rows of 16-byte chunks (fewer chunks per item: more items).
+    static constexpr int U = VEC_ == 1 ? (C_ <= 2 ? 8 : 4) : (C_ == 1 ? 8 / R : 4);
+    static constexpr int COLS = G_ * C_ * VEC_;
+};
+
+// acc += sum over items k of w_k * X[row_k, pass columns], for the items in
+// batches of 32 at first, first + step, ... (< n). res(k, row, w) resolves
+// one item (leaves row < 0 when it contributes nothing); the lanes resolve
+// a batch together and compact the live items into s_row / s_w (this warp's
+// 32 slots). Fixed order for fixed inputs: each lane's sums and the final
+// cross-slot reduction depend on the item list only.
+// SCATTER (Unified): also gacc[row_k, pass columns] += w_k * qv atomically.
+template <class K, bool SCATTER, class Res>
+__device__ __forceinline__ void gather(const typename K::T* __restrict__ X, int dim, int col0, int first, int step,
+                                       int n, const Res& res, typename K::Acc (&acc)[K::C][K::VEC], int* s_row,
+                                       typename K::Acc* s_w, typename K::Acc* gacc,
+                                       const typename K::Acc (&qv)[K::C][K::VEC]) {
+    using Acc = typename K::Acc;
+    const int lane = threadIdx.x % 32;
+    const int h = lane / K::G, c = lane % K::G;
+    for (int b0 = first; b0 < n; b0 += step) {
+        int row = -1;
+        Acc w = 0;
+        if (b0 + lane < n) res(b0 + lane, row, w);
+        const unsigned live = __ballot_sync(BWD_FULL, row >= 0);
+        if (row >= 0) {
+            const int pos = __popc(live & ((1u << lane) - 1));
+            s_row[pos] = row;
+            s_w[pos] = w;
+        }
+        __syncwarp();
+        const int cnt = __popc(live);
+        for (int e0 = 0; e0 < cnt; e0 += K::R * K::U) {
+            typename K::Raw raw[K::U][K::C];
+            int rr[K::U];
+            Acc wv[K::U];
+#pragma unroll
+            for (int u = 0; u < K::U; ++u) {
+                const int e = e0 + u * K::R + h;
+                rr[u] = e < cnt ? s_row[e] : -1;
+                wv[u] = e < cnt ? s_w[e] : Acc(0);
+#pragma unroll
+                for (int q = 0; q < K::C; ++q) {
+                    const int col = col0 + (c + q * K::G) * K::VEC;
+                    if (rr[u] >= 0 && col < dim) raw[u][q] = load_raw<typename K::T, K::VEC>(X + (size_t)rr[u] * dim + col);
+                    else raw[u][q] = typename K::Raw{};
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < K::U; ++u) {
+                if (rr[u] < 0) continue;
+#pragma unroll
+                for (int q = 0; q < K::C; ++q) {
+                    const int col = col0 + (c + q * K::G) * K::VEC;
+                    if (col >= dim) continue;
+#pragma unroll
+                    for (int v = 0; v < K::VEC; ++v)
+                        acc[q][v] += wv[u] * unpack<typename K::T, Acc, K::VEC>(raw[u][q], v);
+                    if constexpr (SCATTER) {
+                        Acc x[K::VEC];
+#pragma unroll
+                        for (int v = 0; v < K::VEC; ++v) x[v] = wv[u] * qv[q][v];
+                        red_add<K::VEC>(gacc + (size_t)rr[u] * dim + col, x);
+                    }
                 }
             }
         }
-        __syncthreads();
-        for (int e = threadIdx.x; e < rows * C; e += blockDim.x) {
-            const int rr = e / C, col = e % C;
-            if (col >= kn) continue;
-            Acc v = 0;
-#pragma unroll
-            for (int w = 0; w < BWD_WARPS; ++w) v += acc[((size_t)w * b.tc + rr) * C + col];
-            GD[(size_t)(dr.begin + t0 + rr) * p.dim + k0 + col] = Store<T>::from(v);
-        }
-        __syncthreads();
+        __syncwarp(); // the slots are rewritten by the next batch
     }
 }
 
-#define MAXSIM_BWD(TNAME, T, ACC)                                                                              \
-    extern "C" __global__ void __launch_bounds__(32 * BWD_WARPS) maxsim_bwd_dq_##TNAME(const BwdParams b) {  \
-        maxsim_bwd_dq<T, ACC>(b);                                                                            \
-    }                                                                                                        \
-    extern "C" __global__ void __launch_bounds__(32 * BWD_WARPS) maxsim_bwd_dd_##TNAME(const BwdParams b) {  \
-        maxsim_bwd_dd<T, ACC>(b);                                                                            \
+// Sums the R item slots of a warp (fixed butterfly: every lane gets the same bits).
+template <class K>
+__device__ __forceinline__ void reduce_slots(typename K::Acc (&acc)[K::C][K::VEC]) {
+#pragma unroll
+    for (int o = K::G; o < 32; o <<= 1)
+#pragma unroll
+        for (int q = 0; q < K::C; ++q)
+#pragma unroll
+            for (int v = 0; v < K::VEC; ++v) acc[q][v] += __shfl_xor_sync(BWD_FULL, acc[q][v], o);
+}
+
+// Lanes of slot 0 write the pass's columns of an output row.
+template <class K>
+__device__ __forceinline__ void store_row(typename K::T* out, int dim, int col0,
+                                          const typename K::Acc (&acc)[K::C][K::VEC]) {
+    const int lane = threadIdx.x % 32;
+    if (lane >= K::G) return;
+#pragma unroll
+    for (int q = 0; q < K::C; ++q) {
+        const int col = col0 + (lane + q * K::G) * K::VEC;
+        if (col < dim) store_chunk<typename K::T, typename K::Acc, K::VEC>(out + col, acc[q]);
     }
-MAXSIM_BWD(f16, __half, float)
-MAXSIM_BWD(bf16, __nv_bfloat16, float)
-MAXSIM_BWD(f32, float, float)
-MAXSIM_BWD(f64, double, double)
+}
+
+template <class K>
+__device__ __forceinline__ void zero_acc(typename K::Acc (&acc)[K::C][K::VEC]) {
+#pragma unroll
+    for (int q = 0; q < K::C; ++q)
+#pragma unroll
+        for (int v = 0; v < K::VEC; ++v) acc[q][v] = 0;
+}
+
+// ---------------------------------------------------------------------------
+// grad_Q (LowMem) and the fused Unified kernel: one warp per query row r.
+// ---------------------------------------------------------------------------
+template <class K, bool UNIFIED>
+__device__ void bwd_qrow(const BwdParams& b) {
+    using T = typename K::T;
+    using Acc = typename K::Acc;
+    __shared__ int s_row[BWD_WARPS][32];
+    __shared__ Acc s_w[BWD_WARPS][32];
+    const MaxSimParams& p = b.f;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int r = blockIdx.x * BWD_WARPS + warp;
+    if (r >= b.tq) return; // warp-uniform; no block barrier below
+    const T* D = static_cast<const T*>(p.d);
+    const T* Q = static_cast<const T*>(p.q);
+    T* GQ = static_cast<T*>(b.gq);
+    Acc* gacc = UNIFIED ? (b.gd_acc ? reinterpret_cast<Acc*>(b.gd_acc) : static_cast<Acc*>(b.gd)) : nullptr;
+    const int i = query_of_row(p, r);
+    const int s = r - q_rows(p, i).begin;
+    const int np = n_pairs_of_q(b, i);
+    const auto res = [&](int k, int& row, Acc& w) {
+        const int pair = pair_of_q(b, i, k);
+        const int t = p.argmax[(size_t)pair * p.max_lq + s];
+        if (t < 0) return;
+        const Range dr = d_rows(p, doc_of_pair(p, pair));
+        if (t >= dr.end - dr.begin) return;
+        row = dr.begin + t;
+        w = (Acc)b.g[pair];
+    };
+    const int c = lane % K::G;
+    for (int col0 = 0; col0 < p.dim; col0 += K::COLS) {
+        Acc acc[K::C][K::VEC], qv[K::C][K::VEC];
+        zero_acc<K>(acc);
+        zero_acc<K>(qv);
+        if constexpr (UNIFIED) {
+#pragma unroll
+            for (int q = 0; q < K::C; ++q) {
+                const int col = col0 + (c + q * K::G) * K::VEC;
+                if (col >= p.dim) continue;
+                const typename K::Raw raw = load_raw<T, K::VEC>(Q + (size_t)r * p.dim + col);
+#pragma unroll
+                for (int v = 0; v < K::VEC; ++v) qv[q][v] = unpack<T, Acc, K::VEC>(raw, v);
+            }
+        }
+        gather<K, UNIFIED>(D, p.dim, col0, 0, 32, np, res, acc, s_row[warp], s_w[warp], gacc, qv);
+        reduce_slots<K>(acc);
+        store_row<K>(GQ + (size_t)r * p.dim, p.dim, col0, acc);
+    }
+}
+
+// ---------------------------------------------------------------------------
+// LowMem grad_D: one block per (document j, chunk of tc rows), accumulators
+// for the chunk in shared memory (row stride dim | 1: leaders writing
+// different rows hit different banks), no global scratch. Rounds of:
+//  fill:    warp w scans its contiguous share of the document's argmax
+//           entries ((pair, s) order) and appends the hits (winner in the
+//           chunk) to its own list, until the list is nearly full;
+//  process: every warp walks all lists in warp order, 32 hits at a time
+//           (one per lane), for its own column slice: lane loads g * Q[i,s]
+//           for the slice; lanes with the same row are summed by a fixed
+//           pointer-jumping tree (hot buckets) and the group's first lane
+//           adds the sum to the accumulator.
+// Each accumulator element is owned by one warp and updated in a fixed
+// order: bitwise deterministic, no atomics.
+// ---------------------------------------------------------------------------
+constexpr int DD_WARPS = 8;
+constexpr int DD_LIST = 512; // hits per warp list
+constexpr int DD_FILL = 8;   // 32-entry steps whose loads are issued together
+
+// Lane layout of the chunk kernel: a warp owns CW = NV * VEC columns of each
+// pass of PASS = DD_WARPS * CW columns; U batches of 32 hits are loaded together.
+template <typename T_, typename Acc_, int VEC_, int NV_>
+struct DCfg {
+    using T = T_;
+    using Acc = Acc_;
+    using Raw = typename RawOf<T_, VEC_>::type;
+    static constexpr int VEC = VEC_, NV = NV_, CW = VEC_ * NV_;
+    static constexpr int U = CW <= 16 ? 2 : 1;
+    static constexpr int PASS = DD_WARPS * CW;
+};
+
+// Entry x (in (pair, s) order) of document j: its argmax slot, or null past
+// the end of a packed query. The host checks that a document has fewer than
+// 2^31 entries.
+__device__ __forceinline__ const int32_t* doc_entry(const BwdParams& b, int j, int x) {
+    const MaxSimParams& p = b.f;
+    const int k = x / p.max_lq, s = x - k * p.max_lq;
+    const int pair = pair_of_d(b, j, k);
+    if (p.cu_q) {
+        const int i = query_of_pair(p, pair);
+        if (s >= (int)(p.cu_q[i + 1] - p.cu_q[i])) return nullptr;
+    }
+    return p.argmax + (size_t)pair * p.max_lq + s;
+}
+
+template <class K>
+__device__ void bwd_dchunk(const BwdParams& b) {
+    using T = typename K::T;
+    using Acc = typename K::Acc;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    __shared__ int s_len[DD_WARPS];
+    const MaxSimParams& p = b.f;
+    const int dim = p.dim, astride = p.dim | 1;
+    Acc* acc = reinterpret_cast<Acc*>(smem_raw);                     // [tc][astride]
+    uint2* lists = reinterpret_cast<uint2*>(smem_raw + b.list_off); // [DD_WARPS][DD_LIST]: (row in chunk, entry)
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const unsigned below = (1u << lane) - 1;
+    const int j = blockIdx.x / b.d_chunks;
+    const Range dr = d_rows(p, j);
+    const int ld = dr.end - dr.begin;
+    const int t0 = (blockIdx.x % b.d_chunks) * b.tc;
+    const int tn = min(b.tc, ld - t0);
+    if (tn <= 0) return; // block-uniform
+    const T* Q = static_cast<const T*>(p.q);
+    T* GD = static_cast<T*>(b.gd);
+    for (int e = threadIdx.x; e < tn * astride; e += blockDim.x) acc[e] = 0;
+    const int64_t n_entries = (int64_t)n_pairs_of_d(b, j) * p.max_lq;
+    int x = (int)(n_entries * warp / DD_WARPS);
+    const int x_end = (int)(n_entries * (warp + 1) / DD_WARPS);
+    uint2* mine = lists + warp * DD_LIST;
+    const int c0 = warp * K::CW;
+    bool more = true;
+    while (more) {
+        // Fill (the loop bounds are warp-uniform).
+        int n = 0;
+        while (x < x_end && n + 32 * DD_FILL <= DD_LIST) {
+            int tv[DD_FILL]; // all loads first, then the tests: DD_FILL loads in flight
+#pragma unroll
+            for (int u = 0; u < DD_FILL; ++u) {
+                const int xx = x + u * 32 + lane;
+                const int32_t* a = xx < x_end ? doc_entry(b, j, xx) : nullptr;
+                tv[u] = a ? *a : -1;
+            }
+#pragma unroll
+            for (int u = 0; u < DD_FILL; ++u) {
+                // t0 + tn <= ld: a winner in the chunk is a valid document row.
+                const int key = tv[u] >= t0 && tv[u] < t0 + tn ? tv[u] - t0 : -1;
+                const unsigned live = __ballot_sync(BWD_FULL, key >= 0);
+                if (key >= 0) mine[n + __popc(live & below)] = make_uint2(key, (uint32_t)(x + u * 32 + lane));
+                n += __popc(live);
+            }
+            x += 32 * DD_FILL;
+        }
+        if (lane == 0) s_len[warp] = n;
+        more = __syncthreads_or(x < x_end);
+        // Process: all lists in warp order, this warp's columns (none for narrow rows).
+        for (int w2 = 0; w2 < DD_WARPS && c0 < dim; ++w2) {
+            const int len = s_len[w2];
+            const uint2* list = lists + w2 * DD_LIST;
+            for (int b0 = 0; b0 < len; b0 += 32 * K::U) {
+                int tl[K::U], qrow[K::U];
+                Acc gw[K::U];
+#pragma unroll
+                for (int u = 0; u < K::U; ++u) {
+                    const int idx = b0 + u * 32 + lane;
+                    tl[u] = -1;
+                    qrow[u] = 0;
+                    gw[u] = 0;
+                    if (idx < len) {
+                        const uint2 h = list[idx];
+                        const int k = (int)(h.y / (uint32_t)p.max_lq), s = (int)(h.y % (uint32_t)p.max_lq);
+                        const int pair = pair_of_d(b, j, k);
+                        tl[u] = (int)h.x;
+                        qrow[u] = q_rows(p, query_of_pair(p, pair)).begin + s;
+                        gw[u] = (Acc)b.g[pair];
+                    }
+                }
+                // Lanes of one row form a group (invalid lanes are singletons), led by its first lane.
+                unsigned peers[K::U];
+                bool dup[K::U];
+#pragma unroll
+                for (int u = 0; u < K::U; ++u) {
+                    peers[u] = __match_any_sync(BWD_FULL, tl[u] >= 0 ? tl[u] : -1 - lane);
+                    dup[u] = __any_sync(BWD_FULL, __popc(peers[u]) > 1);
+                }
+                for (int cp = c0; cp < dim; cp += K::PASS) { // warp-uniform
+                    typename K::Raw raw[K::U][K::NV];
+#pragma unroll
+                    for (int u = 0; u < K::U; ++u)
+#pragma unroll
+                        for (int v = 0; v < K::NV; ++v) {
+                            const int col = cp + v * K::VEC;
+                            if (tl[u] >= 0 && col < dim) raw[u][v] = load_raw<T, K::VEC>(Q + (size_t)qrow[u] * dim + col);
+                            else raw[u][v] = typename K::Raw{};
+                        }
+#pragma unroll
+                    for (int u = 0; u < K::U; ++u) {
+                        Acc xv[K::CW];
+#pragma unroll
+                        for (int v = 0; v < K::NV; ++v)
+#pragma unroll
+                            for (int e = 0; e < K::VEC; ++e)
+                                xv[v * K::VEC + e] = gw[u] * unpack<T, Acc, K::VEC>(raw[u][v], e);
+                        if (dup[u]) {
+                            // Pointer jumping along each group (lane order): after 5 steps
+                            // the group's first lane holds the group's sum, in a fixed tree.
+                            const unsigned above = peers[u] & ~((2u << lane) - 1u);
+                            int nxt = above ? __ffs(above) - 1 : 32;
+#pragma unroll
+                            for (int step = 0; step < 5; ++step) {
+                                const int src = nxt & 31;
+#pragma unroll
+                                for (int e = 0; e < K::CW; ++e) {
+                                    const Acc o = __shfl_sync(BWD_FULL, xv[e], src);
+                                    if (nxt < 32) xv[e] += o;
+                                }
+                                const int n2 = __shfl_sync(BWD_FULL, nxt, src);
+                                nxt = nxt < 32 ? n2 : 32;
+                            }
+                        }
+                        if (tl[u] >= 0 && (peers[u] & below) == 0) {
+                            Acc* row = acc + (size_t)tl[u] * astride + cp;
+#pragma unroll
+                            for (int e = 0; e < K::CW; ++e)
+                                if (cp + e < dim) row[e] += xv[e];
+                        }
+                        __syncwarp(); // the next group may update the same rows from other lanes
+                    }
+                }
+            }
+        }
+        __syncthreads(); // lists are refilled
+    }
+    for (int e = threadIdx.x; e < tn * dim; e += blockDim.x) {
+        const int r = e / dim, col = e - r * dim;
+        GD[(size_t)(dr.begin + t0 + r) * dim + col] = Store<T>::from(acc[(size_t)r * astride + col]);
+    }
+}
+
+// Unified f16 / bf16: the f32 accumulator narrowed to the output dtype.
+template <typename T>
+__device__ void bwd_cast(const BwdParams& b) {
+    const float* src = b.gd_acc;
+    T* dst = static_cast<T*>(b.gd);
+    const int64_t n = b.n_cast, n4 = n / 4;
+    const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+    const int64_t tid = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    for (int64_t k = tid; k < n4; k += stride) {
+        const float4 v = reinterpret_cast<const float4*>(src)[k];
+        reinterpret_cast<uint2*>(dst)[k] = make_uint2(Store<T>::bits(v.x) | (Store<T>::bits(v.y) << 16),
+                                                      Store<T>::bits(v.z) | (Store<T>::bits(v.w) << 16));
+    }
+    for (int64_t k = 4 * n4 + tid; k < n; k += stride) dst[k] = Store<T>::from(src[k]);
+}
+
+// ---------------------------------------------------------------------------
+// Entry points. Query-row kernels maxsim_bwd_<q|u>_<dtype>_<variant>:
+// vG / v64 read 16-byte chunks (G lanes per row, v64 = 32 lanes x 2 chunks),
+// s2 / s8 single elements (32 lanes x 2 or 8 columns per pass). Chunk
+// kernels maxsim_bwd_dd_<dtype>_<variant>: wN = N 16-byte chunks per warp
+// and pass, cN = N single columns. The host picks from dim and alignment.
+// ---------------------------------------------------------------------------
+#define MAXSIM_BWD_QROW(TNAME, VNAME, T, ACC, VEC, G, C)                                                       \
+    extern "C" __global__ void __launch_bounds__(32 * BWD_WARPS) maxsim_bwd_q_##TNAME##_##VNAME(               \
+        const BwdParams b) {                                                                                   \
+        bwd_qrow<Cfg<T, ACC, VEC, G, C>, false>(b);                                                            \
+    }                                                                                                          \
+    extern "C" __global__ void __launch_bounds__(32 * BWD_WARPS) maxsim_bwd_u_##TNAME##_##VNAME(               \
+        const BwdParams b) {                                                                                   \
+        bwd_qrow<Cfg<T, ACC, VEC, G, C>, true>(b);                                                             \
+    }
+#define MAXSIM_BWD_DCHUNK(TNAME, VNAME, T, ACC, VEC, NV)                                                       \
+    extern "C" __global__ void __launch_bounds__(32 * DD_WARPS) maxsim_bwd_dd_##TNAME##_##VNAME(               \
+        const BwdParams b) {                                                                                   \
+        bwd_dchunk<DCfg<T, ACC, VEC, NV>>(b);                                                                  \
+    }
+
+#define MAXSIM_BWD_DTYPE(TNAME, T, ACC)                                  \
+    MAXSIM_BWD_QROW(TNAME, v8, T, ACC, (16 / sizeof(T)), 8, 1)           \
+    MAXSIM_BWD_QROW(TNAME, v16, T, ACC, (16 / sizeof(T)), 16, 1)         \
+    MAXSIM_BWD_QROW(TNAME, v32, T, ACC, (16 / sizeof(T)), 32, 1)         \
+    MAXSIM_BWD_QROW(TNAME, v64, T, ACC, (16 / sizeof(T)), 32, 2)         \
+    MAXSIM_BWD_QROW(TNAME, s2, T, ACC, 1, 32, 2)                         \
+    MAXSIM_BWD_QROW(TNAME, s8, T, ACC, 1, 32, 8)                         \
+    MAXSIM_BWD_DCHUNK(TNAME, w1, T, ACC, (16 / sizeof(T)), 1)            \
+    MAXSIM_BWD_DCHUNK(TNAME, w2, T, ACC, (16 / sizeof(T)), 2)            \
+    MAXSIM_BWD_DCHUNK(TNAME, w4, T, ACC, (16 / sizeof(T)), 4)            \
+    MAXSIM_BWD_DCHUNK(TNAME, c2, T, ACC, 1, 2)                           \
+    MAXSIM_BWD_DCHUNK(TNAME, c8, T, ACC, 1, 8)                           \
+    MAXSIM_BWD_DCHUNK(TNAME, c32, T, ACC, 1, 32)
+
+MAXSIM_BWD_DTYPE(f16, __half, float)
+MAXSIM_BWD_DTYPE(bf16, __nv_bfloat16, float)
+MAXSIM_BWD_DTYPE(f32, float, float)
+MAXSIM_BWD_DTYPE(f64, double, double)
+
+extern "C" __global__ void __launch_bounds__(256) maxsim_bwd_cast_f16(const BwdParams b) { bwd_cast<__half>(b); }
+extern "C" __global__ void __launch_bounds__(256) maxsim_bwd_cast_bf16(const BwdParams b) {
+    bwd_cast<__nv_bfloat16>(b);
+}

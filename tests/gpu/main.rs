@@ -518,6 +518,9 @@ fn plaid_approx_cuda_errors() -> Result<()> {
         )
         .unwrap_err()
         .to_string();
+        // The message, without the backtrace candle may append.
+        let first = |s: &str| s.lines().next().unwrap_or_default().to_string();
+        let (e, e_cpu) = (first(&e), first(&e_cpu));
         assert_eq!(e, e_cpu, "CUDA and CPU report the same error");
         e
     };
@@ -717,5 +720,249 @@ fn residual_cuda() -> Result<()> {
     )
     .expect_err("negative code");
     assert!(e.to_string().contains("codes"), "{e}");
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------
+// Backward modes (issue 4): Unified and LowMem each tested explicitly.
+// ---------------------------------------------------------------------------
+
+type ModeFn<'a> = dyn Fn(&Tensor, &Tensor, ms::Backward) -> Result<Tensor> + 'a;
+
+fn opts_for(backward: ms::Backward) -> ms::MaxSimOptions {
+    ms::MaxSimOptions { normalize: false, backward }
+}
+
+/// Raw bits of a gradient (F16 / BF16 / F32 widen exactly), for bitwise comparisons.
+fn grad_bits(t: &Tensor) -> Result<Vec<u32>> {
+    Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?.into_iter().map(f32::to_bits).collect())
+}
+
+/// Unified vs LowMem grad_D: f32 sums in another order can flip the last bit
+/// of an F16 / BF16 output element (2^-7 of it in BF16).
+fn mode_tol(dt: DType) -> f64 {
+    match dt {
+        DType::BF16 => 1e-2,
+        _ => 2e-3,
+    }
+}
+
+/// Both modes on the GPU against the CPU op, Unified against LowMem, LowMem
+/// bitwise identical over 3 runs. Returns the LowMem gradients.
+#[allow(clippy::too_many_arguments)]
+fn check_modes(
+    what: &str,
+    dev: &Device,
+    q: &Tensor,
+    d: &Tensor,
+    w: &Tensor,
+    dt: DType,
+    f: &ModeFn,
+) -> Result<(Tensor, Tensor)> {
+    let with = |m: ms::Backward| move |q: &Tensor, d: &Tensor| f(q, d, m);
+    let (cq, cd) = grads_on(&Device::Cpu, q, d, w, &with(ms::Backward::LowMem))?;
+    let (lq, ld) = grads_on(dev, q, d, w, &with(ms::Backward::LowMem))?;
+    let (uq, ud) = grads_on(dev, q, d, w, &with(ms::Backward::Unified))?;
+    for (m, gq, gd) in [("lowmem", &lq, &ld), ("unified", &uq, &ud)] {
+        assert_eq!(gq.dtype(), dt);
+        assert_eq!(gd.dtype(), dt);
+        assert_close(&format!("{what} {dt:?} {m} grad q"), gq, &cq, grad_tol(dt))?;
+        assert_close(&format!("{what} {dt:?} {m} grad d"), gd, &cd, grad_tol(dt))?;
+    }
+    assert_close(&format!("{what} {dt:?} unified vs lowmem grad q"), &uq, &lq, 1e-5)?;
+    assert_close(&format!("{what} {dt:?} unified vs lowmem grad d"), &ud, &ld, mode_tol(dt))?;
+    let (bq, bd) = (grad_bits(&lq)?, grad_bits(&ld)?);
+    for run in 0..2 {
+        let (rq, rd) = grads_on(dev, q, d, w, &with(ms::Backward::LowMem))?;
+        assert!(grad_bits(&rq)? == bq, "{what} {dt:?}: LowMem grad q differs in run {}", run + 2);
+        assert!(grad_bits(&rd)? == bd, "{what} {dt:?}: LowMem grad d differs in run {}", run + 2);
+    }
+    Ok((lq, ld))
+}
+
+/// Sum of |x| over the rows of `g` (`[rows, dim]` after flattening) where `keep` is 0.
+fn masked_mass(g: &Tensor, keep: &Tensor) -> Result<f32> {
+    let rows = keep.elem_count();
+    let g = g.to_dtype(DType::F32)?.reshape((rows, ()))?;
+    let off = keep.flatten_all()?.eq(0u8)?.to_dtype(DType::F32)?.unsqueeze(1)?;
+    g.abs()?.broadcast_mul(&off)?.sum_all()?.to_scalar::<f32>()
+}
+
+/// Dense in-batch with query and document masks (one document fully masked),
+/// dims 33 / 128 / 250 (scalar and 16-byte paths), every dtype.
+#[test]
+fn cuda_backward_modes_dense_masked() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    let cpu = Device::Cpu;
+    for dim in [33, 128, 250] {
+        for dt in DTYPES {
+            let (nq, lq, nd, ld) = (5, 19, 6, 70);
+            let q = grid(&[nq, lq, dim], dt)?;
+            let d = grid(&[nd, ld, dim], dt)?;
+            let qm = rand_mask(&[nq, lq], 0.2, &cpu)?;
+            let mut dmv: Vec<u8> = rand_mask(&[nd, ld], 0.2, &cpu)?.flatten_all()?.to_vec1()?;
+            dmv[2 * ld..3 * ld].fill(0);
+            let dm = Tensor::from_vec(dmv, (nd, ld), &cpu)?;
+            let (qmd, dmd) = (qm.to_device(&dev)?, dm.to_device(&dev)?);
+            let w = randn(&[nq, nd], DType::F32, &cpu)?;
+            let f = |q: &Tensor, d: &Tensor, m: ms::Backward| {
+                let (qm, dm) = if q.device().is_cuda() { (&qmd, &dmd) } else { (&qm, &dm) };
+                ms::maxsim_with(q, d, Some(qm), Some(dm), &opts_for(m))
+            };
+            let what = format!("dense masked d{dim}");
+            let (gq, gd) = check_modes(&what, &dev, &q, &d, &w, dt, &f)?;
+            assert_eq!(masked_mass(&gq, &qm)?, 0.0, "{what}: masked query rows get no gradient");
+            assert_eq!(masked_mass(&gd, &dm)?, 0.0, "{what}: masked doc rows get no gradient");
+            // Unified too.
+            let uf = |q: &Tensor, d: &Tensor| f(q, d, ms::Backward::Unified);
+            let (uq, ud) = grads_on(&dev, &q, &d, &w, &uf)?;
+            assert_eq!(masked_mass(&uq, &qm)?, 0.0, "{what}: unified, masked query rows");
+            assert_eq!(masked_mass(&ud, &dm)?, 0.0, "{what}: unified, masked doc rows");
+        }
+    }
+    Ok(())
+}
+
+/// List mode: KD (each query its own K documents) and pairs, both modes.
+#[test]
+fn cuda_backward_modes_kd_and_pairs() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    let cpu = Device::Cpu;
+    for dim in [33, 128, 250] {
+        for dt in DTYPES {
+            let q = grid(&[6, 21, dim], dt)?;
+            let dk = grid(&[6, 3, 45, dim], dt)?;
+            let w = randn(&[6, 3], DType::F32, &cpu)?;
+            check_modes(&format!("kd d{dim}"), &dev, &q, &dk, &w, dt, &|q, d, m| {
+                ms::maxsim_with(q, d, None, None, &opts_for(m))
+            })?;
+            let dp = grid(&[6, 80, dim], dt)?;
+            let dm = rand_mask(&[6, 80], 0.3, &cpu)?;
+            let dmd = dm.to_device(&dev)?;
+            let w = randn(&[6], DType::F32, &cpu)?;
+            check_modes(&format!("pairs d{dim}"), &dev, &q, &dp, &w, dt, &|q, d, m| {
+                let dm = if q.device().is_cuda() { &dmd } else { &dm };
+                ms::maxsim_pairs_with(q, d, None, Some(dm), &opts_for(m))
+            })?;
+        }
+    }
+    Ok(())
+}
+
+/// Hot buckets: in half of the documents token 7 wins for every query token
+/// (2048 winners on one row: the block-per-row path), the other documents
+/// are ordinary (the warp-per-row path), one document is fully masked.
+#[test]
+fn cuda_backward_modes_hot_bucket() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    let cpu = Device::Cpu;
+    for dim in [33, 128, 250] {
+        for dt in DTYPES {
+            let (nq, lq, nd, ld) = (64, 32, 6, 100);
+            // Grid values: exact similarities, so CPU and GPU pick the same winners.
+            let q = grid(&[nq, lq, dim], DType::F32)?.abs()?.to_dtype(dt)?;
+            let mut d = grid(&[nd, ld, dim], DType::F32)?;
+            let hot = Tensor::ones((nd / 2, 1, dim), DType::F32, &cpu)?.affine(5.0, 0.0)?;
+            d = d.slice_assign(&[0..nd / 2, 7..8, 0..dim], &hot)?.to_dtype(dt)?;
+            let mut dmv = vec![1u8; nd * ld];
+            dmv[(nd - 1) * ld..].fill(0);
+            let dm = Tensor::from_vec(dmv, (nd, ld), &cpu)?;
+            let dmd = dm.to_device(&dev)?;
+            let w = randn(&[nq, nd], DType::F32, &cpu)?;
+            let f = |q: &Tensor, d: &Tensor, m: ms::Backward| {
+                let dm = if q.device().is_cuda() { &dmd } else { &dm };
+                ms::maxsim_with(q, d, None, Some(dm), &opts_for(m))
+            };
+            let (_, gd) = check_modes(&format!("hot bucket d{dim}"), &dev, &q, &d, &w, dt, &f)?;
+            let per_token: Vec<f32> = gd.to_dtype(DType::F32)?.abs()?.sum(2)?.i(0..nd / 2)?.sum(0)?.to_vec1()?;
+            assert!(per_token[7] > 0.0, "d{dim} {dt:?}: token 7 wins");
+            assert!(per_token.iter().enumerate().all(|(t, &x)| t == 7 || x == 0.0), "d{dim} {dt:?}: only token 7");
+            assert_eq!(masked_mass(&gd, &dm)?, 0.0, "d{dim} {dt:?}: masked document");
+        }
+    }
+    Ok(())
+}
+
+/// Packed (varlen) in-batch with empty sequences. 256 x 256 with short
+/// queries resolves Auto to LowMem; a small batch resolves to Unified.
+#[test]
+fn cuda_backward_modes_varlen() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    let cpu = Device::Cpu;
+    for (nq, nd, mq, md, seed) in [(256, 256, 12, 30, 11), (7, 9, 40, 130, 12)] {
+        for (dim, dt) in [(33, DType::F32), (128, DType::BF16), (250, DType::F16)] {
+            let (cu_q, lq) = rand_offsets(nq, mq, seed);
+            let (cu_d, ld) = rand_offsets(nd, md, seed + 1);
+            let q = grid(&[*cu_q.last().unwrap() as usize, dim], dt)?;
+            let d = grid(&[*cu_d.last().unwrap() as usize, dim], dt)?;
+            let (cqc, cdc) = (Tensor::new(cu_q.clone(), &cpu)?, Tensor::new(cu_d.clone(), &cpu)?);
+            let (cqg, cdg) = (cqc.to_device(&dev)?, cdc.to_device(&dev)?);
+            let f = |q: &Tensor, d: &Tensor| {
+                let (cq, cd) = if q.device().is_cuda() { (&cqg, &cdg) } else { (&cqc, &cdc) };
+                ms::maxsim_varlen(q, cq, lq, d, cd, ld)
+            };
+            let w = randn(&[nq, nd], DType::F32, &cpu)?;
+            let what = format!("varlen {nq}x{nd} d{dim}");
+            check_grads(&what, &dev, &q, &d, &w, dt, &f)?;
+            let (gq, gd) = grads_on(&dev, &q, &d, &w, &f)?;
+            let (gq2, gd2) = grads_on(&dev, &q, &d, &w, &f)?;
+            if nq >= 256 {
+                assert!(grad_bits(&gq)? == grad_bits(&gq2)?, "{what}: LowMem grad q differs between runs");
+                assert!(grad_bits(&gd)? == grad_bits(&gd2)?, "{what}: LowMem grad d differs between runs");
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Every kernel variant: 16-byte paths with 8 / 16 / 32 lanes per row and
+/// 2 chunks per lane, scalar paths, several column passes, in both modes.
+#[test]
+fn cuda_backward_modes_dims() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    let cpu = Device::Cpu;
+    let f64_dims = [33, 128, 250];
+    for dim in [1, 8, 16, 24, 33, 64, 96, 128, 200, 250, 256, 300, 512, 768] {
+        let f64_too = f64_dims.contains(&dim).then_some(DType::F64);
+        for dt in DTYPES.into_iter().chain(f64_too) {
+            let q = grid(&[3, 9, dim], dt)?;
+            let d = grid(&[4, 23, dim], dt)?;
+            let w = randn(&[3, 4], DType::F32, &cpu)?;
+            check_modes(&format!("dims d{dim}"), &dev, &q, &d, &w, dt, &|q, d, m| {
+                ms::maxsim_with(q, d, None, None, &opts_for(m))
+            })?;
+        }
+    }
+    Ok(())
+}
+
+/// Documents longer than one shared-memory count chunk (2048 tokens), and a
+/// q whose device address is not 16-byte aligned (the scalar path at dim 128).
+#[test]
+fn cuda_backward_modes_long_docs_and_unaligned() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    let cpu = Device::Cpu;
+    for dt in DTYPES {
+        let q = grid(&[3, 16, 40], dt)?;
+        let d = grid(&[2, 5000, 40], dt)?;
+        let dm = rand_mask(&[2, 5000], 0.1, &cpu)?;
+        let dmd = dm.to_device(&dev)?;
+        let w = randn(&[3, 2], DType::F32, &cpu)?;
+        check_modes("long docs", &dev, &q, &d, &w, dt, &|q, d, m| {
+            let dm = if q.device().is_cuda() { &dmd } else { &dm };
+            ms::maxsim_with(q, d, None, Some(dm), &opts_for(m))
+        })?;
+        // q viewed one element into a fresh buffer: contiguous, 2-4 bytes off 16-byte alignment.
+        let q = grid(&[4, 10, 128], dt)?;
+        let d = grid(&[5, 30, 128], dt)?;
+        let w = randn(&[4, 5], DType::F32, &cpu)?;
+        check_modes("unaligned q", &dev, &q, &d, &w, dt, &|q, d, m| {
+            let pad = Tensor::zeros(1, q.dtype(), q.device())?;
+            let shifted =
+                Tensor::cat(&[&pad, &q.flatten_all()?], 0)?.narrow(0, 1, q.elem_count())?.reshape(q.shape())?;
+            assert!(shifted.is_contiguous());
+            ms::maxsim_with(&shifted, d, None, None, &opts_for(m))
+        })?;
+    }
     Ok(())
 }
