@@ -122,18 +122,26 @@ impl TileConfig {
     /// Dynamic shared memory (`TileConfig::SMEM_BYTES`): mma.sync stages Q and
     /// the document tiles in padded rows; Hopper tiles hold only the swizzled
     /// document stages, plus 1024 bytes of alignment slack; then the stages' masks.
-    fn smem(self, dpad: usize) -> u32 {
+    /// Residual kernels also stage each tile's packed residual bytes (at most
+    /// `dpad` per row, after the masks rounded up to 16 bytes).
+    fn smem(self, dpad: usize, residual: bool) -> u32 {
         let (bq, bd, _) = self.shape();
         let st = self.stages();
         let tiles = if self.hopper() { 1024 + st * bd * dpad * 2 } else { (bq + st * bd) * (dpad + 8) * 2 };
-        (tiles + st * bd) as u32
+        let res = if residual { (st * bd).next_multiple_of(16) - st * bd + st * bd * dpad } else { 0 };
+        (tiles + st * bd + res) as u32
     }
 }
 
 /// The kernel family a problem runs on.
 #[derive(Clone, Copy, Debug)]
 enum Path {
-    Mma { dpad: usize },
+    /// `dpad`: stored tile width (64, 128, 256); `width`: columns multiplied
+    /// (48, 64, 96, 128, 256), the kernel's `d<width>` suffix.
+    Mma {
+        dpad: usize,
+        width: usize,
+    },
     Simt,
 }
 
@@ -144,8 +152,13 @@ fn path_for(info: &DeviceInfo, dtype: DType, dim: usize) -> Path {
         65..=128 => 128,
         _ => 256,
     };
+    let width = match dim {
+        33..=48 => 48,
+        65..=96 => 96,
+        _ => dpad,
+    };
     if tc && !candidates(info, dpad, false).is_empty() {
-        Path::Mma { dpad }
+        Path::Mma { dpad, width }
     } else {
         Path::Simt
     }
@@ -160,7 +173,7 @@ fn candidates(info: &DeviceInfo, dpad: usize, residual: bool) -> Vec<TileConfig>
         .filter(|c| (*c == TileConfig::Wide) == (dpad > 128))
         .filter(|c| !residual || RESIDUAL_CONFIGS.contains(c))
         .filter(|c| !c.hopper() || info.cc == 90)
-        .filter(|c| c.smem(dpad) as usize <= info.smem_optin)
+        .filter(|c| c.smem(dpad, residual) as usize <= info.smem_optin)
         .collect()
 }
 
@@ -293,7 +306,11 @@ fn kernel_name(dtype: DType, path: Path, cfg: TileConfig, v: Variant) -> String 
         Variant::Residual => "res",
     };
     match path {
-        Path::Mma { dpad } => format!("maxsim_mma_{}_{}_d{dpad}_{suffix}", dtype_tag(dtype), cfg.name()),
+        // Residual kernels exist at the stored widths only.
+        Path::Mma { dpad, width } => {
+            let w = if v == Variant::Residual { dpad } else { width };
+            format!("maxsim_mma_{}_{}_d{w}_{suffix}", dtype_tag(dtype), cfg.name())
+        }
         Path::Simt => format!("maxsim_simt_{}_{suffix}", dtype_tag(dtype)),
     }
 }
@@ -308,9 +325,11 @@ fn run(dev: &CudaDevice, name: &str, plan: &Plan, block: u32, smem: u32) -> Resu
 
 fn simt_smem(dtype: DType, dim: usize) -> Result<u32> {
     let acc = if dtype == DType::F64 { 8 } else { 4 };
-    let rows = 16.min(48 * 1024 / (dim * acc).max(1));
+    // `SIMT_SMEM` in maxsim_fwd.cu: 47 KB of tile, the static buffer on top.
+    const SIMT_SMEM: usize = 47 * 1024;
+    let rows = 16.min(SIMT_SMEM / (dim * acc).max(1));
     if rows == 0 {
-        bail!("d: dim {dim} is too large for the CUDA fallback kernel (at most {})", 48 * 1024 / acc)
+        bail!("d: dim {dim} is too large for the CUDA fallback kernel (at most {})", SIMT_SMEM / acc)
     }
     Ok((rows * dim * acc) as u32)
 }
@@ -360,10 +379,13 @@ pub(crate) fn maxsim_fwd(
     fwd_launch(&s1.device, pb, s1.dtype(), src, v)
 }
 
-/// Whether the fused residual kernels cover this query dtype and dim on this device.
-pub(crate) fn residual_supported(dev: &CudaDevice, dtype: DType, dim: usize) -> Result<bool> {
+/// Whether the residual kernels cover this query dtype, dim and nbits on this
+/// device: 16-byte centroid chunks (dim % 8 == 0) and, for the fused
+/// kernels' 4-byte copies, whole words of packed bits per token.
+pub(crate) fn residual_supported(dev: &CudaDevice, dtype: DType, dim: usize, nbits: usize) -> Result<bool> {
     let info = device_info(dev)?;
-    Ok(dim.is_multiple_of(8) && matches!(path_for(&info, dtype, dim), Path::Mma { dpad } if dpad <= 128))
+    let words = (dim * nbits).is_multiple_of(32);
+    Ok(dim.is_multiple_of(8) && words && matches!(path_for(&info, dtype, dim), Path::Mma { dpad, .. } if dpad <= 128))
 }
 
 /// The launch shared by dense and residual documents: `src` carries the
@@ -430,11 +452,12 @@ pub(crate) fn fwd_launch(
                 let plan = Plan { params: base, grid: n_out as u32, _groups: None };
                 run(&dev, &kernel_name(dtype, Path::Simt, TileConfig::Large, variant), &plan, 128, smem)?;
             }
-            Path::Mma { dpad } => {
-                let cfg = choose_config(&dev, &info, pb, base, dtype, dpad, variant, argmax.as_mut())?;
+            Path::Mma { dpad, width } => {
+                let cfg = choose_config(&dev, &info, pb, base, dtype, (dpad, width), variant, argmax.as_mut())?;
                 let (bq, _, threads) = cfg.shape();
                 let plan = plan(&dev, &info, pb, base, bq)?;
-                run(&dev, &kernel_name(dtype, Path::Mma { dpad }, cfg, variant), &plan, threads, cfg.smem(dpad))?;
+                let smem = cfg.smem(dpad, variant == Variant::Residual);
+                run(&dev, &kernel_name(dtype, Path::Mma { dpad, width }, cfg, variant), &plan, threads, smem)?;
             }
         }
     }
@@ -457,7 +480,7 @@ fn choose_config(
     pb: &Problem,
     base: Params,
     dtype: DType,
-    dpad: usize,
+    (dpad, width): (usize, usize),
     variant: Variant,
     argmax: Option<&mut candle_core::cuda_backend::cudarc::driver::CudaSlice<i32>>,
 ) -> Result<TileConfig> {
@@ -477,7 +500,7 @@ fn choose_config(
     let key = TuneKey {
         device: info.cc as usize * 1000 + dev.cuda_stream().context().ordinal(),
         dtype,
-        dpad,
+        dpad: width,
         cross: matches!(pb.pairs, Pairing::Cross { .. }),
         lq_bucket: lq.next_power_of_two().min(1024),
         rows_per_doc_log4: log4(rows_per_doc),
@@ -496,11 +519,12 @@ fn choose_config(
         let (bq, _, threads) = cfg.shape();
         let plan = plan(dev, info, pb, Params { argmax: 0, ..base }, bq)?;
         let tuned = if residual { Variant::Residual } else { Variant::Nograd };
-        let name = kernel_name(dtype, Path::Mma { dpad }, cfg, tuned);
-        run(dev, &name, &plan, threads, cfg.smem(dpad))?; // warm-up (module load)
+        let name = kernel_name(dtype, Path::Mma { dpad, width }, cfg, tuned);
+        let smem = cfg.smem(dpad, residual);
+        run(dev, &name, &plan, threads, smem)?; // warm-up (module load)
         let start = stream.record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)).w()?;
         for _ in 0..3 {
-            run(dev, &name, &plan, threads, cfg.smem(dpad))?;
+            run(dev, &name, &plan, threads, smem)?;
         }
         let end = stream.record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)).w()?;
         let ms = start.elapsed_ms(&end).w()?;

@@ -156,7 +156,7 @@ impl ResidualCodec {
         check_device("residuals", residuals, codes.device())?;
         #[cfg(feature = "cuda")]
         if let candle_core::Device::Cuda(dev) = codes.device() {
-            if codes.dim(0)? > 0 && crate::cuda::residual_supported(dev, dtype, dim)? {
+            if codes.dim(0)? > 0 && crate::cuda::residual_supported(dev, dtype, dim, self.nbits)? {
                 let res = self.on_device(codes, residuals, None, dtype, normalize)?;
                 return crate::cuda::decompress_residual(&res, dtype, dim);
             }
@@ -292,7 +292,7 @@ fn residual_on_cuda(
 ) -> Result<Option<Tensor>> {
     let candle_core::Device::Cuda(dev) = q.device() else { return Ok(None) };
     let dim = problem.dim;
-    if !crate::cuda::residual_supported(dev, q.dtype(), dim)? {
+    if !crate::cuda::residual_supported(dev, q.dtype(), dim, codec.nbits)? {
         return Ok(None);
     }
     let t = codes.elem_count();

@@ -68,7 +68,7 @@ fn dense_check(
 fn dense_dims_dtypes() -> Result<()> {
     let Some(dev) = gpu() else { return Ok(()) };
     for dt in DTYPES {
-        for dim in [16, 33, 96, 128, 250] {
+        for dim in [16, 33, 48, 72, 96, 128, 250, 768] {
             dense_check(&dev, 5, 7, 32, 300, dim, dt, true, false)?;
         }
     }
