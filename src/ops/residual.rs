@@ -278,7 +278,7 @@ fn max_u32(x: &Tensor) -> Result<u32> {
 /// `q` needs no gradient (the dense documents never reach device memory), or
 /// by a decompression kernel feeding the dense op when it does. `None` where
 /// the fused kernels do not apply (F32 queries, dims not a multiple of 8 or
-/// over 128): those take the host path. `valid` masks padded token slots,
+/// over 128, dim·nbits not a multiple of 32): those take the host path. `valid` masks padded token slots,
 /// whose codes may hold anything. `q` is `[Tq, dim]`, not yet normalized.
 #[cfg(feature = "cuda")]
 fn residual_on_cuda(
