@@ -111,11 +111,8 @@ __device__ __forceinline__ int out_index(const MaxSimParams& p, const BlockWork&
 // Async copies (sm_80+) and tensor-core MMA
 // ---------------------------------------------------------------------------
 #if __CUDA_ARCH__ >= 800
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes) {
-    const uint32_t s = (uint32_t)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(src_bytes));
-}
-// Same, with the shared-memory address already converted.
+// 16 bytes global -> shared (zero-filled past src_bytes), L2 only; the
+// shared-memory address already converted.
 __device__ __forceinline__ void cp_async16_s(uint32_t smem, const void* gmem, int src_bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem), "l"(gmem), "r"(src_bytes));
 }
