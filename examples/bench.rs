@@ -5,9 +5,12 @@
 //!
 //!   cargo run --release --features cuda --example bench -- [--shape Nq,Nd,Lq,Ld,dim]... \
 //!       [--dtype bf16|f16|f32] [--iters N] [--no-reference] [--cpu] [--train] [--wall] [--residual] [--plaid-approx]
+//!       [--normalize]
 //!
 //! `--train` times fwd+bwd (sum of the scores, backward) for each `Backward`
-//! mode on colpali_train and colbert_train. `--plaid-approx` times
+//! mode on colpali_train and colbert_train; the peak memory of a step counts
+//! what it needs beyond Q, D and the gradients a training loop keeps (as the
+//! peers' script measures). `--normalize` scores L2-normalized Q and D. `--plaid-approx` times
 //! `plaid_approx_score` instead (issue 5's case: 65 536 centroids, Lq 32,
 //! 100 000 documents of 1..=64 codes, U32 and I64 codes).
 
@@ -31,16 +34,33 @@ type Op<'a> = dyn Fn() -> Result<Tensor> + 'a;
 const TRAIN_CASES: [(&str, [usize; 5]); 2] =
     [("colpali_train", [128, 128, 128, 1024, 128]), ("colbert_train", [256, 256, 32, 256, 128])];
 
-/// One training step through `score`: forward, sum of the scores, backward.
-fn train_step(
-    q: &Tensor,
-    d: &Tensor,
-    score: &dyn Fn(&Tensor, &Tensor) -> candle_core::Result<Tensor>,
-) -> Result<Tensor> {
-    let (qv, dv) = (candle_core::Var::from_tensor(q)?, candle_core::Var::from_tensor(d)?);
-    let s = score(qv.as_tensor(), dv.as_tensor())?;
-    let grads = s.sum_all()?.backward()?;
-    Ok(grads.get(dv.as_tensor()).unwrap().clone())
+type ScoreFn = dyn Fn(&Tensor, &Tensor) -> candle_core::Result<Tensor>;
+
+/// Training steps through `score` on fixed parameters Q and D: forward, sum
+/// of the scores, backward. As in the peers' script (a leaf tensor's `.grad`
+/// set to None at the start of each step), the previous step's gradients
+/// are held until the next step begins, so the peak memory of a step is what
+/// it needs beyond its inputs and the gradients a training loop keeps.
+struct Trainer {
+    q: candle_core::Var,
+    d: candle_core::Var,
+    prev: std::cell::RefCell<Option<candle_core::backprop::GradStore>>,
+    score: Box<ScoreFn>,
+}
+
+impl Trainer {
+    fn new(q: &Tensor, d: &Tensor, score: Box<ScoreFn>) -> Result<Self> {
+        let (q, d) = (candle_core::Var::from_tensor(q)?, candle_core::Var::from_tensor(d)?);
+        Ok(Self { q, d, prev: Default::default(), score })
+    }
+    fn step(&self) -> Result<Tensor> {
+        drop(self.prev.borrow_mut().take());
+        let s = (self.score)(self.q.as_tensor(), self.d.as_tensor())?;
+        let grads = s.sum_all()?.backward()?;
+        let gd = grads.get(self.d.as_tensor()).unwrap().clone();
+        *self.prev.borrow_mut() = Some(grads);
+        Ok(gd)
+    }
 }
 
 struct Args {
@@ -54,6 +74,7 @@ struct Args {
     train: bool,
     plaid_approx: bool,
     residual: bool,
+    normalize: bool,
 }
 
 fn parse() -> Result<Args> {
@@ -67,6 +88,7 @@ fn parse() -> Result<Args> {
         plaid_approx: false,
         wall: false,
         residual: false,
+        normalize: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(x) = it.next() {
@@ -91,6 +113,7 @@ fn parse() -> Result<Args> {
             "--no-reference" => a.reference = false,
             "--wall" => a.wall = true,
             "--residual" => a.residual = true,
+            "--normalize" => a.normalize = true,
             "--cpu" => a.cpu = true,
             "--train" => a.train = true,
             "--plaid-approx" => a.plaid_approx = true,
@@ -263,24 +286,26 @@ fn main() -> Result<()> {
             [("unified", Backward::Unified), ("lowmem", Backward::LowMem)]
                 .into_iter()
                 .map(|(name, backward)| {
-                    let opts = MaxSimOptions { normalize: false, backward };
-                    let (q, d) = (q.clone(), d.clone());
-                    let f: Box<Op> = Box::new(move || {
-                        train_step(&q, &d, &|q, d| candle_maxsim::maxsim_with(q, d, None, None, &opts))
-                    });
-                    (name, f)
+                    let opts = MaxSimOptions { normalize: args.normalize, backward };
+                    let t = Trainer::new(
+                        &q,
+                        &d,
+                        Box::new(move |q, d| candle_maxsim::maxsim_with(q, d, None, None, &opts)),
+                    )?;
+                    let f: Box<Op> = Box::new(move || t.step());
+                    Ok((name, f))
                 })
-                .collect()
+                .collect::<Result<_>>()?
         } else {
-            vec![("fused", Box::new(|| Ok(candle_maxsim::maxsim(&q, &d, None, None)?)))]
+            let opts = MaxSimOptions { normalize: args.normalize, ..Default::default() };
+            let (q, d) = (q.clone(), d.clone());
+            vec![("fused", Box::new(move || Ok(candle_maxsim::maxsim_with(&q, &d, None, None, &opts)?)))]
         };
         // The naive path materializes [Nq, Nd, Lq, Ld] in f32: skip it past 40 GB.
         if args.reference && (nq * nd * lq * ld * 4) as f64 <= 40e9 {
             impls.push(if args.train {
-                (
-                    "reference",
-                    Box::new(|| train_step(&q, &d, &|q, d| candle_maxsim::reference::maxsim(q, d, None, None))),
-                )
+                let t = Trainer::new(&q, &d, Box::new(|q, d| candle_maxsim::reference::maxsim(q, d, None, None)))?;
+                ("reference", Box::new(move || t.step()))
             } else {
                 ("reference", Box::new(|| Ok(candle_maxsim::reference::maxsim(&q, &d, None, None)?)))
             });

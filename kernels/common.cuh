@@ -10,18 +10,30 @@
 // ---------------------------------------------------------------------------
 // Element types
 // ---------------------------------------------------------------------------
+// to_float / from: to and from the accumulation type (f32; f64 for f64);
+// bits: the 16-bit pattern of a rounded value, for packed stores.
 template <typename T> struct Elem;
 template <> struct Elem<__half> {
+    using Acc = float;
     static __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+    static __device__ __forceinline__ __half from(float x) { return __float2half(x); }
+    static __device__ __forceinline__ uint32_t bits(float x) { return __half_as_ushort(__float2half(x)); }
 };
 template <> struct Elem<__nv_bfloat16> {
+    using Acc = float;
     static __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+    static __device__ __forceinline__ __nv_bfloat16 from(float x) { return __float2bfloat16(x); }
+    static __device__ __forceinline__ uint32_t bits(float x) { return __bfloat16_as_ushort(__float2bfloat16(x)); }
 };
 template <> struct Elem<float> {
+    using Acc = float;
     static __device__ __forceinline__ float to_float(float x) { return x; }
+    static __device__ __forceinline__ float from(float x) { return x; }
 };
 template <> struct Elem<double> {
+    using Acc = double;
     static __device__ __forceinline__ double to_float(double x) { return x; }
+    static __device__ __forceinline__ double from(double x) { return x; }
 };
 
 // ---------------------------------------------------------------------------
@@ -57,7 +69,17 @@ struct MaxSimParams {
     int32_t res_nbits;            // 2, 4 or 8
     int32_t res_colbert_order;    // 1: ColBERTv2 / fast-plaid bit order, 0: LSB-first
     int32_t res_normalize;        // L2-normalize each decompressed token
+    int32_t argmax_i16;           // `argmax` holds int16 (every document under 32768 rows: half the bytes)
 };
+
+// The saved argmax, int16 or int32 (MaxSimParams::argmax_i16).
+__device__ __forceinline__ void argmax_store(const MaxSimParams& p, size_t k, int v) {
+    if (p.argmax_i16) reinterpret_cast<int16_t*>(p.argmax)[k] = (int16_t)v;
+    else p.argmax[k] = v;
+}
+__device__ __forceinline__ int argmax_load(const MaxSimParams& p, size_t k) {
+    return p.argmax_i16 ? (int)reinterpret_cast<const int16_t*>(p.argmax)[k] : p.argmax[k];
+}
 
 struct Range { int32_t begin, end; };
 
@@ -108,7 +130,9 @@ __device__ __forceinline__ int out_index(const MaxSimParams& p, const BlockWork&
 }
 
 // ---------------------------------------------------------------------------
-// Async copies (sm_80+) and tensor-core MMA
+// Async copies and tensor-core MMA. sm_80+ copies with cp.async; on sm_75
+// (Turing: no cp.async) the same calls copy synchronously, so the kernels'
+// pipelines still run, only without overlap.
 // ---------------------------------------------------------------------------
 #if __CUDA_ARCH__ >= 800
 // 16 bytes global -> shared (zero-filled past src_bytes), L2 only; the
@@ -125,18 +149,42 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N> __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
+#elif __CUDA_ARCH__ >= 750
+// src_bytes is 0 (zero fill) or the full size at every call site.
+__device__ __forceinline__ void cp_async16_s(uint32_t smem, const void* gmem, int src_bytes) {
+    const uint4 v = src_bytes ? *reinterpret_cast<const uint4*>(gmem) : make_uint4(0, 0, 0, 0);
+    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(smem), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w));
+}
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem, int src_bytes) {
+    *reinterpret_cast<uint32_t*>(smem) = src_bytes ? *reinterpret_cast<const uint32_t*>(gmem) : 0u;
+}
+__device__ __forceinline__ void cp_async_commit() {}
+template <int N> __device__ __forceinline__ void cp_async_wait() {}
+#endif
 
+#if __CUDA_ARCH__ >= 750
 template <typename T> struct Mma;
 // D[16x8] += A[16x16] (row) * B[16x8] (col), f32 accumulators.
 template <> struct Mma<__half> {
     static __device__ __forceinline__ void run(float* c, const uint32_t* a, const uint32_t* b) {
+#if __CUDA_ARCH__ >= 800
         asm volatile(
             "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
             "{%0,%1,%2,%3};\n"
             : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
             : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#else
+        // Turing has m16n8k8 only: the k16 fragments are two k8 halves.
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+            asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, "
+                         "{%0,%1,%2,%3};\n"
+                         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                         : "r"(a[2 * h]), "r"(a[2 * h + 1]), "r"(b[h]));
+#endif
     }
 };
+#if __CUDA_ARCH__ >= 800
 template <> struct Mma<__nv_bfloat16> {
     static __device__ __forceinline__ void run(float* c, const uint32_t* a, const uint32_t* b) {
         asm volatile(
@@ -146,6 +194,7 @@ template <> struct Mma<__nv_bfloat16> {
             : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
     }
 };
+#endif
 
 // ldmatrix: four 8x8 b16 matrices from shared memory, one row address per lane.
 __device__ __forceinline__ void ldmatrix_x4(uint32_t* r, const void* smem) {
@@ -154,7 +203,66 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t* r, const void* smem) {
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(s));
 }
+
+// Tensor-core operands of one element type, as the mma.sync kernels use
+// them: K columns per MMA step, A registers per m16 x K fragment, the A
+// fragment read from a row-major shared-memory tile, and the two n8 MMAs fed
+// by one ldmatrix.x4 of B (rows = document tokens, K-major). ldmatrix reads
+// 16-byte row pieces, so the same B addressing serves 2- and 4-byte elements.
+template <typename T> struct Frag { // f16 / bf16: m16n8k16
+    static constexpr int K = 16, AREGS = 4;
+    static __device__ __forceinline__ void load_a(uint32_t* a, const T* s, int srow, int ra, int col0, int c) {
+        const T* p = s + ra * srow + col0 + 2 * c;
+        a[0] = *reinterpret_cast<const uint32_t*>(p);
+        a[1] = *reinterpret_cast<const uint32_t*>(p + 8 * srow);
+        a[2] = *reinterpret_cast<const uint32_t*>(p + 8);
+        a[3] = *reinterpret_cast<const uint32_t*>(p + 8 * srow + 8);
+    }
+    static __device__ __forceinline__ void mma2(float* c0, float* c1, const uint32_t* a, const uint32_t* b) {
+        Mma<T>::run(c0, a, b);
+        Mma<T>::run(c1, a, b + 2);
+    }
+};
+
+#if __CUDA_ARCH__ >= 800
+// F32 on tensor cores, split precision ("3xTF32"): x = hi + lo with both
+// parts TF32 (10-bit mantissa), and a.b ~ a_hi.b_hi + a_hi.b_lo + a_lo.b_hi.
+// The dropped a_lo.b_lo term is ~2^-22 of the product: F32-grade scores (and
+// argmax) at a third of the TF32 tensor-core rate, far above FMA units.
+__device__ __forceinline__ void split_tf32(float x, uint32_t& hi, uint32_t& lo) {
+    asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(hi) : "f"(x));
+    asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(lo) : "f"(x - __uint_as_float(hi)));
+}
+__device__ __forceinline__ void mma_tf32(float* c, const uint32_t* a, const uint32_t* b) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+template <> struct Frag<float> { // m16n8k8 tf32; A kept split: a[0..3] hi, a[4..7] lo
+    static constexpr int K = 8, AREGS = 8;
+    static __device__ __forceinline__ void load_a(uint32_t* a, const float* s, int srow, int ra, int col0, int c) {
+        const float* p = s + ra * srow + col0 + c;
+        const float x[4] = {p[0], p[8 * srow], p[4], p[8 * srow + 4]};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) split_tf32(x[i], a[i], a[4 + i]);
+    }
+    static __device__ __forceinline__ void mma2(float* c0, float* c1, const uint32_t* a, const uint32_t* b) {
+        uint32_t hi[4], lo[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) split_tf32(__uint_as_float(b[i]), hi[i], lo[i]);
+        float* c[2] = {c0, c1};
+#pragma unroll
+        for (int n = 0; n < 2; ++n) { // small terms first
+            mma_tf32(c[n], a + 4, hi + 2 * n);
+            mma_tf32(c[n], a, lo + 2 * n);
+            mma_tf32(c[n], a, hi + 2 * n);
+        }
+    }
+};
 #endif
+#endif // __CUDA_ARCH__ >= 750
 
 // ---------------------------------------------------------------------------
 // Hopper warpgroup MMA (sm_90a only): wgmma.mma_async with A in registers

@@ -21,22 +21,6 @@
 
 #define BWD_FULL 0xffffffffu
 
-template <typename T> struct Store;
-template <> struct Store<__half> {
-    static __device__ __forceinline__ __half from(float x) { return __float2half(x); }
-    static __device__ __forceinline__ uint32_t bits(float x) { return __half_as_ushort(__float2half(x)); }
-};
-template <> struct Store<__nv_bfloat16> {
-    static __device__ __forceinline__ __nv_bfloat16 from(float x) { return __float2bfloat16(x); }
-    static __device__ __forceinline__ uint32_t bits(float x) { return __bfloat16_as_ushort(__float2bfloat16(x)); }
-};
-template <> struct Store<float> {
-    static __device__ __forceinline__ float from(float x) { return x; }
-};
-template <> struct Store<double> {
-    static __device__ __forceinline__ double from(double x) { return x; }
-};
-
 struct BwdParams {
     MaxSimParams f;           // the forward's problem (f.argmax: the saved argmax)
     const float* g;           // [P] gradient of the scores
@@ -151,11 +135,11 @@ __device__ __forceinline__ Acc unpack(const typename RawOf<T, VEC>::type& r, int
 template <typename T, typename Acc, int VEC>
 __device__ __forceinline__ void store_chunk(T* p, const Acc (&a)[VEC]) {
     if constexpr (VEC == 1) {
-        *p = Store<T>::from(a[0]);
+        *p = Elem<T>::from(a[0]);
     } else if constexpr (sizeof(T) == 2) {
         uint32_t w[4];
 #pragma unroll
-        for (int k = 0; k < 4; ++k) w[k] = Store<T>::bits(a[2 * k]) | (Store<T>::bits(a[2 * k + 1]) << 16);
+        for (int k = 0; k < 4; ++k) w[k] = Elem<T>::bits(a[2 * k]) | (Elem<T>::bits(a[2 * k + 1]) << 16);
         *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
     } else if constexpr (sizeof(T) == 4) {
         *reinterpret_cast<float4*>(p) = make_float4(a[0], a[1], a[2], a[3]);
@@ -324,7 +308,7 @@ __device__ void bwd_qrow(const BwdParams& b) {
     const int np = n_pairs_of_q(b, i);
     const auto res = [&](int k, int& row, Acc& w) {
         const int pair = pair_of_q(b, i, k);
-        const int t = p.argmax[(size_t)pair * p.max_lq + s];
+        const int t = argmax_load(p, (size_t)pair * p.max_lq + s);
         if (t < 0) return;
         const Range dr = d_rows(p, doc_of_pair(p, pair));
         if (t >= dr.end - dr.begin) return;
@@ -383,18 +367,18 @@ struct DCfg {
     static constexpr int PASS = DD_WARPS * CW;
 };
 
-// Entry x (in (pair, s) order) of document j: its argmax slot, or null past
+// Entry x (in (pair, s) order) of document j: its argmax slot, or -1 past
 // the end of a packed query. The host checks that a document has fewer than
 // 2^31 entries.
-__device__ __forceinline__ const int32_t* doc_entry(const BwdParams& b, int j, int x) {
+__device__ __forceinline__ long long doc_entry(const BwdParams& b, int j, int x) {
     const MaxSimParams& p = b.f;
     const int k = x / p.max_lq, s = x - k * p.max_lq;
     const int pair = pair_of_d(b, j, k);
     if (p.cu_q) {
         const int i = query_of_pair(p, pair);
-        if (s >= (int)(p.cu_q[i + 1] - p.cu_q[i])) return nullptr;
+        if (s >= (int)(p.cu_q[i + 1] - p.cu_q[i])) return -1;
     }
-    return p.argmax + (size_t)pair * p.max_lq + s;
+    return (long long)pair * p.max_lq + s;
 }
 
 template <class K>
@@ -432,8 +416,8 @@ __device__ void bwd_dchunk(const BwdParams& b) {
 #pragma unroll
             for (int u = 0; u < DD_FILL; ++u) {
                 const int xx = x + u * 32 + lane;
-                const int32_t* a = xx < x_end ? doc_entry(b, j, xx) : nullptr;
-                tv[u] = a ? *a : -1;
+                const long long a = xx < x_end ? doc_entry(b, j, xx) : -1;
+                tv[u] = a >= 0 ? argmax_load(p, (size_t)a) : -1;
             }
 #pragma unroll
             for (int u = 0; u < DD_FILL; ++u) {
@@ -527,7 +511,7 @@ __device__ void bwd_dchunk(const BwdParams& b) {
     }
     for (int e = threadIdx.x; e < tn * dim; e += blockDim.x) {
         const int r = e / dim, col = e - r * dim;
-        GD[(size_t)(dr.begin + t0 + r) * dim + col] = Store<T>::from(acc[(size_t)r * astride + col]);
+        GD[(size_t)(dr.begin + t0 + r) * dim + col] = Elem<T>::from(acc[(size_t)r * astride + col]);
     }
 }
 
@@ -541,10 +525,10 @@ __device__ void bwd_cast(const BwdParams& b) {
     const int64_t tid = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     for (int64_t k = tid; k < n4; k += stride) {
         const float4 v = reinterpret_cast<const float4*>(src)[k];
-        reinterpret_cast<uint2*>(dst)[k] = make_uint2(Store<T>::bits(v.x) | (Store<T>::bits(v.y) << 16),
-                                                      Store<T>::bits(v.z) | (Store<T>::bits(v.w) << 16));
+        reinterpret_cast<uint2*>(dst)[k] = make_uint2(Elem<T>::bits(v.x) | (Elem<T>::bits(v.y) << 16),
+                                                      Elem<T>::bits(v.z) | (Elem<T>::bits(v.w) << 16));
     }
-    for (int64_t k = 4 * n4 + tid; k < n; k += stride) dst[k] = Store<T>::from(src[k]);
+    for (int64_t k = 4 * n4 + tid; k < n; k += stride) dst[k] = Elem<T>::from(src[k]);
 }
 
 // ---------------------------------------------------------------------------

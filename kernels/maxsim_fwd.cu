@@ -30,8 +30,8 @@ struct TileConfig {
     static constexpr int BD = WN * NT * 8;   // document rows per pipeline stage
     // Columns multiplied: DPAD, or less for dims 48 and 96 (their tiles are
     // stored 64 / 128 wide, the zero columns past KDIM are skipped).
-    static constexpr int KSTEPS = KDIM_ / 16;
-    static_assert(KDIM_ % 16 == 0 && KDIM_ <= DPAD_, "KDIM");
+    static constexpr int KSTEPS = KDIM_ / Frag<T>::K;
+    static_assert(KDIM_ % Frag<T>::K == 0 && KDIM_ <= DPAD_, "KDIM");
     static constexpr int STAGES = STAGES_;   // cp.async pipeline depth (tiles in flight + 1)
     static constexpr bool HOPPER = HOPPER_;  // wgmma (sm_90a) instead of mma.sync
     // Hopper tiles ask for two resident blocks per SM (registers capped at 128
@@ -39,7 +39,8 @@ struct TileConfig {
     static constexpr int MIN_BLOCKS = HOPPER ? 2 : 1;
     // Tile rows: padded by 16 B (conflict-free ldmatrix), or for wgmma
     // [DPAD / 64] panels of [BD, 64] elements, 128-byte swizzled.
-    static constexpr int SROW = DPAD + 8;
+    static constexpr int EPC = 16 / (int)sizeof(T); // elements per 16-byte chunk
+    static constexpr int SROW = DPAD + EPC;
     static constexpr int ROW_STEP = HOPPER ? 64 : SROW;
     static constexpr int TILE_ELEMS = HOPPER ? BD * DPAD : BD * SROW;
     // mma.sync stages Q in its own rows so that the first D tiles load while Q
@@ -50,14 +51,14 @@ struct TileConfig {
     // Element offset of 16-byte chunk `ch` of tile row `r`.
     static __device__ __forceinline__ int offset(int r, int ch) {
         if (HOPPER) return (ch / 8) * (BD * 64) + r * 64 + ((ch % 8) ^ (r % 8)) * 8;
-        return r * SROW + ch * 8;
+        return r * SROW + ch * EPC;
     }
     static_assert(NT % 2 == 0, "ldmatrix.x4 loads two n8 tiles");
-    static_assert(!HOPPER || (WN == 1 && MT == 1 && WM % 4 == 0 && (BD == 64 || BD == 128) && DPAD % 64 == 0),
+    static_assert(!HOPPER || (sizeof(T) == 2 && WN == 1 && MT == 1 && WM % 4 == 0 && (BD == 64 || BD == 128) && DPAD % 64 == 0),
                   "wgmma tiles: warpgroups along the query rows, the whole tile along N");
 };
 
-#if __CUDA_ARCH__ >= 800
+#if __CUDA_ARCH__ >= 750
 
 // Copies rows [row0, row0 + n) of a [*, dim] matrix into a smem tile laid out
 // by C::offset, zero-filling the padding columns and the rows past n. Async (cp.async,
@@ -65,13 +66,13 @@ struct TileConfig {
 // 16-byte aligned, plain loads otherwise.
 template <typename C, int ROWS, typename T>
 __device__ __forceinline__ void load_rows(T* smem, const T* g, int row0, int n, int dim, bool vec_ok) {
-    constexpr int CHUNKS = C::DPAD / 8;          // 16-byte chunks per row
+    constexpr int CHUNKS = C::DPAD / C::EPC;     // 16-byte chunks per row
     constexpr int RPP = C::NTHREADS / CHUNKS;    // rows per pass
     static_assert(C::NTHREADS % CHUNKS == 0 && ROWS % RPP == 0, "tile shape");
     static_assert(!C::HOPPER || RPP % 8 == 0, "each thread keeps its swizzle phase");
     if (vec_ok) {
         // Few instructions per copy: the pointer walks by a precomputed stride.
-        const int ch = threadIdx.x % CHUNKS, col = ch * 8, r0 = threadIdx.x / CHUNKS;
+        const int ch = threadIdx.x % CHUNKS, col = ch * C::EPC, r0 = threadIdx.x / CHUNKS;
         const bool col_ok = col < dim;
         const T* src = g + ((size_t)row0 + r0) * dim + col;
         const size_t step = (size_t)RPP * dim;
@@ -86,7 +87,7 @@ __device__ __forceinline__ void load_rows(T* smem, const T* g, int row0, int n, 
             const int r = k / C::DPAD, col = k % C::DPAD;
             T v = T(0.0f);
             if (r < n && col < dim) v = g[(size_t)(row0 + r) * dim + col];
-            smem[C::offset(r, col / 8) + col % 8] = v;
+            smem[C::offset(r, col / C::EPC) + col % C::EPC] = v;
         }
     }
 }
@@ -299,7 +300,7 @@ __device__ __forceinline__ void maxsim_fwd_mma(const MaxSimParams& p) {
             cp_async_commit(); // possibly empty: keeps the group count uniform
             if (RESIDUAL && cj < w.d_end) load_codes(cj, ck), advance(cj, ck);
         }
-        uint32_t a[C::MT][C::KSTEPS][4];
+        uint32_t a[C::MT][C::KSTEPS][Frag<T>::AREGS];
         if (C::HOPPER) {
             // A fragments straight from global memory, while the first tiles load.
 #pragma unroll
@@ -325,17 +326,10 @@ __device__ __forceinline__ void maxsim_fwd_mma(const MaxSimParams& p) {
         __syncthreads();
         if (!C::HOPPER) {
 #pragma unroll
-            for (int mt = 0; mt < C::MT; ++mt) {
-                const int ra = (wm * C::MT + mt) * 16 + g;
+            for (int mt = 0; mt < C::MT; ++mt)
 #pragma unroll
-                for (int ks = 0; ks < C::KSTEPS; ++ks) {
-                    const int col = ks * 16 + 2 * c;
-                    a[mt][ks][0] = *reinterpret_cast<const uint32_t*>(&sq[ra * C::SROW + col]);
-                    a[mt][ks][1] = *reinterpret_cast<const uint32_t*>(&sq[(ra + 8) * C::SROW + col]);
-                    a[mt][ks][2] = *reinterpret_cast<const uint32_t*>(&sq[ra * C::SROW + col + 8]);
-                    a[mt][ks][3] = *reinterpret_cast<const uint32_t*>(&sq[(ra + 8) * C::SROW + col + 8]);
-                }
-            }
+                for (int ks = 0; ks < C::KSTEPS; ++ks)
+                    Frag<T>::load_a(a[mt][ks], sq, C::SROW, (wm * C::MT + mt) * 16 + g, ks * Frag<T>::K, c);
         }
 
         float m[C::MT][2];
@@ -402,12 +396,9 @@ __device__ __forceinline__ void maxsim_fwd_mma(const MaxSimParams& p) {
                     uint32_t b[4];
                     const int mi = lane / 8;
                     const int row = wn * C::NT * 8 + nt * 8 + (mi / 2) * 8 + lane % 8;
-                    ldmatrix_x4(b, sd + row * C::SROW + ks * 16 + (mi % 2) * 8);
+                    ldmatrix_x4(b, sd + row * C::SROW + ks * Frag<T>::K + (mi % 2) * (Frag<T>::K / 2));
 #pragma unroll
-                    for (int mt = 0; mt < C::MT; ++mt) {
-                        Mma<T>::run(acc[mt][nt], a[mt][ks], b);
-                        Mma<T>::run(acc[mt][nt + 1], a[mt][ks], b + 2);
-                    }
+                    for (int mt = 0; mt < C::MT; ++mt) Frag<T>::mma2(acc[mt][nt], acc[mt][nt + 1], a[mt][ks], b);
                 }
             }
             }
@@ -486,7 +477,7 @@ __device__ __forceinline__ void maxsim_fwd_mma(const MaxSimParams& p) {
                     const int qa = row_q[r];
                     rowval[r] = (qa >= 0 && has) ? mv : 0.f;
                     if (ARGMAX && qa >= 0 && has)
-                        p.argmax[(size_t)out_index(p, w, qa, j) * p.max_lq + row_s[r]] = iv;
+                        argmax_store(p, (size_t)out_index(p, w, qa, j) * p.max_lq + row_s[r], iv);
                 }
                 __syncthreads();
                 for (int qi = warp; qi < nqg; qi += C::NWARPS) {
@@ -509,6 +500,9 @@ __device__ __forceinline__ void maxsim_fwd_mma(const MaxSimParams& p) {
 //   small: 4 warps along the documents, BQ = 32, BD = 128, 2 stages (few query rows: rerank, scan)
 //   narrow: BQ = 32, BD = 64, 4 stages: more document bytes in flight for bandwidth-bound reranking
 //   wide : dims 129..256, 16 rows per warp so the A fragments fit in registers
+//   compact: 2 x 2 warps, BQ = 64, BD = 64, 2 stages: within the 64 KB of Turing (sm_75, F16)
+//   flarge / fsmall: F32 (split TF32), 16 rows per warp (the split A fragments take 2x the
+//            registers); fsmall's 2 stages fit the 99 KB of sm_86 / sm_89
 #define MAXSIM_MMA_KERNEL(NAME, T, ARGMAX, RESIDUAL, ...)                                         \
     extern "C" __global__ void __launch_bounds__(TileConfig<T, __VA_ARGS__>::NTHREADS,           \
                                                  TileConfig<T, __VA_ARGS__>::MIN_BLOCKS)         \
@@ -532,8 +526,16 @@ __device__ __forceinline__ void maxsim_fwd_mma(const MaxSimParams& p) {
     MAXSIM_MMA_WIDTHS(maxsim_mma_##TNAME##_small, T, 1, 4, 2, 4, 2, false)          \
     MAXSIM_MMA_WIDTHS(maxsim_mma_##TNAME##_narrow, T, 1, 4, 2, 2, 4, false)         \
     MAXSIM_MMA_ENTRY(maxsim_mma_##TNAME##_wide_d256, T, 256, 4, 1, 1, 8, 3)
+#if __CUDA_ARCH__ >= 800
 MAXSIM_MMA_DTYPE(f16, __half)
 MAXSIM_MMA_DTYPE(bf16, __nv_bfloat16)
+MAXSIM_MMA_WIDTHS(maxsim_mma_f32_flarge, float, 4, 1, 1, 8, 3, false)
+MAXSIM_MMA_WIDTHS(maxsim_mma_f32_fsmall, float, 2, 2, 1, 4, 2, false)
+#else // sm_75 module: F16 (Turing has no BF16 / TF32 MMA)
+MAXSIM_MMA_WIDTHS(maxsim_mma_f16_compact, __half, 2, 2, 2, 4, 2, false)
+#endif
+
+#if __CUDA_ARCH__ >= 800
 // Residual scoring on the 64-row document tiles (a thread decompresses 8 rows per tile).
 #define MAXSIM_RES_DTYPE(TNAME, T)                                             \
     MAXSIM_RES_ENTRY(maxsim_mma_##TNAME##_large_d64, T, 64, 4, 1, 2, 8, 4)    \
@@ -542,6 +544,7 @@ MAXSIM_MMA_DTYPE(bf16, __nv_bfloat16)
     MAXSIM_RES_ENTRY(maxsim_mma_##TNAME##_narrow_d128, T, 128, 1, 4, 2, 2, 4)
 MAXSIM_RES_DTYPE(f16, __half)
 MAXSIM_RES_DTYPE(bf16, __nv_bfloat16)
+#endif
 
 #ifdef MAXSIM_HOPPER
 // Hopper tiles (sm_90a module only): warpgroups of 64 query rows, the whole document tile per wgmma.
@@ -562,7 +565,7 @@ MAXSIM_WGMMA_RES_DTYPE(f16, __half)
 MAXSIM_WGMMA_RES_DTYPE(bf16, __nv_bfloat16)
 #endif
 
-#endif // __CUDA_ARCH__ >= 800
+#endif // __CUDA_ARCH__ >= 750
 
 // ---------------------------------------------------------------------------
 // SIMT fallback: one block per pair, one thread per query row.
@@ -610,7 +613,7 @@ __device__ void maxsim_fwd_simt(const MaxSimParams& p) {
         }
         if (active && idx >= 0) {
             sum += m;
-            if (ARGMAX) p.argmax[(size_t)b * p.max_lq + s] = idx;
+            if (ARGMAX) argmax_store(p, (size_t)b * p.max_lq + s, idx);
         }
     }
     // Fixed-order block reduction (deterministic).

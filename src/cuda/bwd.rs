@@ -9,7 +9,7 @@
 //!   F32 / F64), narrowed to F16 / BF16 at the end.
 
 use super::fwd::{dtype_tag, layout_params, Params};
-use super::{bwd_func, device_info, launch, slice_ptr, storage_ptr, tensor_ptr};
+use super::{alloc_out, bwd_func, device_info, launch, slice_ptr, storage_ptr, tensor_ptr};
 use crate::layout::{Pairing, Problem};
 use crate::Backward;
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DeviceRepr};
@@ -59,21 +59,6 @@ fn csr(n: usize, keys: &[u32]) -> (Vec<u32>, Vec<u32>) {
         fill[k as usize] += 1;
     }
     (off, items)
-}
-
-/// An uninitialized buffer of `n` elements of `dtype` (the kernels write every element).
-fn alloc_out(dev: &CudaDevice, dtype: DType, n: usize) -> Result<CudaStorage> {
-    let n = n.max(1);
-    // SAFETY: the kernels write every element before anyone reads it.
-    Ok(unsafe {
-        match dtype {
-            DType::F16 => CudaStorage::wrap_cuda_slice(dev.alloc::<half::f16>(n)?, dev.clone()),
-            DType::BF16 => CudaStorage::wrap_cuda_slice(dev.alloc::<half::bf16>(n)?, dev.clone()),
-            DType::F32 => CudaStorage::wrap_cuda_slice(dev.alloc::<f32>(n)?, dev.clone()),
-            DType::F64 => CudaStorage::wrap_cuda_slice(dev.alloc::<f64>(n)?, dev.clone()),
-            dt => bail!("maxsim: unsupported dtype {dt:?} in the backward"),
-        }
-    })
 }
 
 /// A zeroed F32 / F64 buffer (Unified accumulates grad_D into it in place).
@@ -164,7 +149,7 @@ fn chunk_plan(dtype: DType, dim: usize, max_ld: usize, optin: usize) -> Result<(
     Ok((tc, chunks, list_off + lists))
 }
 
-/// `(grad_q, grad_d)` from the saved argmax `[n_pairs, max_lq]` I32.
+/// `(grad_q, grad_d)` from the saved argmax `[n_pairs, max_lq]` (I32 or I16).
 pub(crate) fn maxsim_bwd(
     pb: &Problem,
     mode: Backward,
@@ -178,8 +163,9 @@ pub(crate) fn maxsim_bwd(
         _ => bail!("maxsim: internal error, expected a CUDA device"),
     };
     let dtype = q.dtype();
-    let (tq, td) = (q.dim(0)?, d.dim(0)?);
     let (n_out, max_lq, dim) = (pb.n_out(), pb.q.max_len(), pb.dim);
+    // Operands of any rank, read as packed rows [rows, dim].
+    let (tq, td) = (q.elem_count() / dim.max(1), d.elem_count() / dim.max(1));
     if n_out == 0 || dim == 0 || tq == 0 || td == 0 || max_lq == 0 {
         // Nothing was scored: zero gradients.
         return Ok((q.zeros_like()?, d.zeros_like()?));
@@ -187,7 +173,11 @@ pub(crate) fn maxsim_bwd(
     if tq != pb.q.rows() || td != pb.d.rows() {
         bail!("maxsim: internal error, packed operands do not match the problem's rows")
     }
-    if argmax.dtype() != DType::I32 || argmax.elem_count() != n_out * max_lq || grad.elem_count() != n_out {
+    let argmax_i16 = argmax.dtype() == DType::I16;
+    if !matches!(argmax.dtype(), DType::I32 | DType::I16)
+        || argmax.elem_count() != n_out * max_lq
+        || grad.elem_count() != n_out
+    {
         bail!("maxsim: internal error, saved argmax / score gradient do not match the problem")
     }
     let too_big = || candle_core::Error::Msg("maxsim: backward too large for 32-bit indices; split the batch".into());
@@ -200,7 +190,7 @@ pub(crate) fn maxsim_bwd(
     let (qp, dp) = (tensor_ptr(q)?, tensor_ptr(d)?);
     let (q_al, d_al) = (qp.is_multiple_of(16), dp.is_multiple_of(16));
     let mut p = BwdParams {
-        f: Params { q: qp, d: dp, argmax: tensor_ptr(&argmax)?, ..layout_params(pb)? },
+        f: Params { q: qp, d: dp, argmax: tensor_ptr(&argmax)?, argmax_i16: argmax_i16 as i32, ..layout_params(pb)? },
         g: tensor_ptr(&g)?,
         tq: tq as i32,
         ..Default::default()

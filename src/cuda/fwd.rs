@@ -1,7 +1,7 @@
 //! Forward launch of kernels/maxsim_fwd.cu: tile-config choice (autotuned once
 //! per problem class and cached), query grouping, and the grid.
 
-use super::{device_info, fill_i32, fwd_func, launch, slice_ptr, storage_ptr, tensor_ptr, DeviceInfo};
+use super::{device_info, fill_words, fwd_func, launch, slice_ptr, storage_ptr, tensor_ptr, DeviceInfo};
 use crate::layout::{Pairing, Problem, Seqs};
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{sys, DeviceRepr};
@@ -43,6 +43,7 @@ pub(crate) struct Params {
     pub(crate) res_nbits: i32,
     pub(crate) res_colbert_order: i32,
     pub(crate) res_normalize: i32,
+    pub(crate) argmax_i16: i32,
 }
 // SAFETY: plain old data with the layout of the C struct.
 unsafe impl DeviceRepr for Params {}
@@ -64,12 +65,18 @@ pub enum TileConfig {
     HMid,
     /// Hopper: 1 warpgroup, 64 query rows x 64 doc rows, 4 stages deep.
     HSmall,
+    /// Turing (sm_75 module, F16): 64 query rows x 64 doc rows, 2 stages, within 64 KB.
+    Compact,
+    /// F32 as split TF32: 64 query rows x 64 doc rows, 16 rows per warp, 3 stages.
+    FLarge,
+    /// F32: 32 query rows x 64 doc rows, 2 stages (fits the 99 KB of sm_86 / sm_89).
+    FSmall,
 }
 
 /// The configurations instantiated with the residual (PLAID) document loader.
 const RESIDUAL_CONFIGS: [TileConfig; 3] = [TileConfig::Large, TileConfig::Narrow, TileConfig::HSmall];
 
-const ALL_CONFIGS: [TileConfig; 7] = [
+const ALL_CONFIGS: [TileConfig; 10] = [
     TileConfig::Large,
     TileConfig::Small,
     TileConfig::Narrow,
@@ -77,6 +84,9 @@ const ALL_CONFIGS: [TileConfig; 7] = [
     TileConfig::HLarge,
     TileConfig::HMid,
     TileConfig::HSmall,
+    TileConfig::Compact,
+    TileConfig::FLarge,
+    TileConfig::FSmall,
 ];
 
 impl TileConfig {
@@ -89,6 +99,9 @@ impl TileConfig {
             TileConfig::HLarge => "hlarge",
             TileConfig::HMid => "hmid",
             TileConfig::HSmall => "hsmall",
+            TileConfig::Compact => "compact",
+            TileConfig::FLarge => "flarge",
+            TileConfig::FSmall => "fsmall",
         }
     }
     fn parse(s: &str) -> Option<Self> {
@@ -107,6 +120,9 @@ impl TileConfig {
             TileConfig::HLarge => (128, 128, 256),
             TileConfig::HMid => (64, 128, 128),
             TileConfig::HSmall => (64, 64, 128),
+            TileConfig::Compact => (64, 64, 128),
+            TileConfig::FLarge => (64, 64, 128),
+            TileConfig::FSmall => (32, 64, 128),
         }
     }
     fn stages(self) -> usize {
@@ -117,17 +133,28 @@ impl TileConfig {
             TileConfig::Wide => 3,
             TileConfig::HLarge | TileConfig::HMid => 3,
             TileConfig::HSmall => 4,
+            TileConfig::Compact | TileConfig::FSmall => 2,
+            TileConfig::FLarge => 3,
+        }
+    }
+    /// The element types it is compiled for, and from which module (compute capability).
+    fn runs(self, dtype: DType, cc: i32) -> bool {
+        match self {
+            TileConfig::FLarge | TileConfig::FSmall => dtype == DType::F32 && cc >= 80,
+            TileConfig::Compact => dtype == DType::F16 && cc < 80,
+            c if c.hopper() => matches!(dtype, DType::F16 | DType::BF16) && cc == 90,
+            _ => matches!(dtype, DType::F16 | DType::BF16) && cc >= 80,
         }
     }
     /// Dynamic shared memory (`TileConfig::SMEM_BYTES`): mma.sync stages Q and
-    /// the document tiles in padded rows; Hopper tiles hold only the swizzled
+    /// the document tiles in rows padded by 16 bytes; Hopper tiles hold only the swizzled
     /// document stages, plus 1024 bytes of alignment slack; then the stages' masks.
     /// Residual kernels also stage each tile's packed residual bytes (at most
     /// `dpad` per row, after the masks rounded up to 16 bytes).
-    fn smem(self, dpad: usize, residual: bool) -> u32 {
+    fn smem(self, dpad: usize, elem: usize, residual: bool) -> u32 {
         let (bq, bd, _) = self.shape();
         let st = self.stages();
-        let tiles = if self.hopper() { 1024 + st * bd * dpad * 2 } else { (bq + st * bd) * (dpad + 8) * 2 };
+        let tiles = if self.hopper() { 1024 + st * bd * dpad * 2 } else { (bq + st * bd) * (dpad * elem + 16) };
         let res = if residual { (st * bd).next_multiple_of(16) - st * bd + st * bd * dpad } else { 0 };
         (tiles + st * bd + res) as u32
     }
@@ -146,7 +173,6 @@ enum Path {
 }
 
 fn path_for(info: &DeviceInfo, dtype: DType, dim: usize) -> Path {
-    let tc = matches!(dtype, DType::F16 | DType::BF16) && info.cc >= 80 && dim <= 256;
     let dpad = match dim {
         0..=64 => 64,
         65..=128 => 128,
@@ -157,23 +183,24 @@ fn path_for(info: &DeviceInfo, dtype: DType, dim: usize) -> Path {
         65..=96 => 96,
         _ => dpad,
     };
-    if tc && !candidates(info, dpad, false).is_empty() {
+    if dim <= 256 && !candidates(info, dtype, dpad, false).is_empty() {
         Path::Mma { dpad, width }
     } else {
         Path::Simt
     }
 }
 
-/// The tile configurations for this width whose shared memory fits the device
-/// (e.g. sm_86 / sm_89 allow less per block than sm_80 / sm_90); the Hopper
-/// tiles exist only in the sm_90a module, loaded on compute capability 9.0.
-fn candidates(info: &DeviceInfo, dpad: usize, residual: bool) -> Vec<TileConfig> {
+/// The tile configurations for this dtype and width that the device's module
+/// has and whose shared memory fits the device (e.g. sm_86 / sm_89 allow
+/// less per block than sm_80 / sm_90); the Hopper tiles exist only in the
+/// sm_90a module, loaded on compute capability 9.0. Empty: the SIMT kernel.
+fn candidates(info: &DeviceInfo, dtype: DType, dpad: usize, residual: bool) -> Vec<TileConfig> {
     ALL_CONFIGS
         .into_iter()
+        .filter(|c| c.runs(dtype, info.cc))
         .filter(|c| (*c == TileConfig::Wide) == (dpad > 128))
         .filter(|c| !residual || RESIDUAL_CONFIGS.contains(c))
-        .filter(|c| !c.hopper() || info.cc == 90)
-        .filter(|c| c.smem(dpad, residual) as usize <= info.smem_optin)
+        .filter(|c| c.smem(dpad, dtype.size_in_bytes(), residual) as usize <= info.smem_optin)
         .collect()
 }
 
@@ -200,7 +227,7 @@ struct TuneKey {
     rows_per_doc_log4: u32,
     docs_log4: u32,
     long_docs: bool,
-    residual: bool,
+    variant: Variant,
 }
 
 /// Base-4 logarithm bucket (0 for 0 and 1).
@@ -213,7 +240,7 @@ fn tune_cache() -> &'static Mutex<HashMap<TuneKey, TileConfig>> {
     CACHE.get_or_init(Default::default)
 }
 
-/// `CANDLE_MAXSIM_TILE=large|small|narrow|hlarge|hmid|hsmall` pins the tile configuration (reproducible runs);
+/// `CANDLE_MAXSIM_TILE=large|small|narrow|hlarge|hmid|hsmall|compact|flarge|fsmall` pins the tile configuration (reproducible runs);
 /// `CANDLE_MAXSIM_LOG=1` prints each autotuning decision.
 fn pinned_config() -> Option<TileConfig> {
     std::env::var("CANDLE_MAXSIM_TILE").ok().and_then(|s| TileConfig::parse(&s))
@@ -289,12 +316,15 @@ fn plan(dev: &CudaDevice, info: &DeviceInfo, pb: &Problem, base: Params, bq: usi
 }
 
 /// What the kernel computes besides the scores.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(crate) enum Variant {
     /// Dense documents, scores only.
     Nograd,
-    /// Dense documents, scores and the argmax for the backward.
+    /// Dense documents, scores and the argmax `[n_pairs, max_lq]` I32.
     Argmax,
+    /// Scores and the argmax for the backward: I16 when every document has
+    /// under 32768 rows (half the bytes of I32), else I32.
+    ArgmaxCompact,
     /// PLAID-compressed documents, scores only.
     Residual,
 }
@@ -302,7 +332,7 @@ pub(crate) enum Variant {
 fn kernel_name(dtype: DType, path: Path, cfg: TileConfig, v: Variant) -> String {
     let suffix = match v {
         Variant::Nograd => "nograd",
-        Variant::Argmax => "argmax",
+        Variant::Argmax | Variant::ArgmaxCompact => "argmax",
         Variant::Residual => "res",
     };
     match path {
@@ -362,20 +392,20 @@ pub(crate) fn layout_params(pb: &Problem) -> Result<Params> {
     Ok(p)
 }
 
-/// Forward on CUDA: scores `[n_pairs]` F32 and, when asked, the argmax `[n_pairs, max_lq]` I32.
+/// Forward on CUDA: scores `[n_pairs]` F32 and, for the argmax variants,
+/// the argmax `[n_pairs, max_lq]` (I32, or I16 for `ArgmaxCompact`).
 pub(crate) fn maxsim_fwd(
     pb: &Problem,
     s1: &CudaStorage,
     l1: &Layout,
     s2: &CudaStorage,
     l2: &Layout,
-    want_argmax: bool,
+    v: Variant,
 ) -> Result<(CudaStorage, Option<Tensor>)> {
     let (qp, dp) = (storage_ptr(s1, l1)?, storage_ptr(s2, l2)?);
-    let two_bytes = s1.dtype().size_in_bytes() == 2;
-    let vec_ok = pb.dim.is_multiple_of(8) && qp.is_multiple_of(16) && dp.is_multiple_of(16) && two_bytes;
+    let row_bytes = pb.dim * s1.dtype().size_in_bytes();
+    let vec_ok = row_bytes.is_multiple_of(16) && qp.is_multiple_of(16) && dp.is_multiple_of(16);
     let src = Params { q: qp, d: dp, vec_ok: vec_ok as i32, ..Default::default() };
-    let v = if want_argmax { Variant::Argmax } else { Variant::Nograd };
     fwd_launch(&s1.device, pb, s1.dtype(), src, v)
 }
 
@@ -385,7 +415,11 @@ pub(crate) fn maxsim_fwd(
 pub(crate) fn residual_supported(dev: &CudaDevice, dtype: DType, dim: usize, nbits: usize) -> Result<bool> {
     let info = device_info(dev)?;
     let words = (dim * nbits).is_multiple_of(32);
-    Ok(dim.is_multiple_of(8) && words && matches!(path_for(&info, dtype, dim), Path::Mma { dpad, .. } if dpad <= 128))
+    let fused = matches!(dtype, DType::F16 | DType::BF16) && info.cc >= 80;
+    Ok(fused
+        && dim.is_multiple_of(8)
+        && words
+        && matches!(path_for(&info, dtype, dim), Path::Mma { dpad, .. } if dpad <= 128))
 }
 
 /// The launch shared by dense and residual documents: `src` carries the
@@ -398,7 +432,8 @@ pub(crate) fn fwd_launch(
     variant: Variant,
 ) -> Result<(CudaStorage, Option<Tensor>)> {
     let dev = dev.clone();
-    let want_argmax = variant == Variant::Argmax;
+    let want_argmax = matches!(variant, Variant::Argmax | Variant::ArgmaxCompact);
+    let argmax_i16 = variant == Variant::ArgmaxCompact && pb.d.max_len() < 1 << 15;
     let info = device_info(&dev)?;
     let n_out = pb.n_out();
     let max_lq = pb.q.max_len();
@@ -412,13 +447,24 @@ pub(crate) fn fwd_launch(
     } else {
         dev.alloc_zeros::<f32>(n_out.max(1))?
     };
-    let mut argmax = if want_argmax {
-        let mut a = unsafe { dev.alloc::<i32>((n_out * max_lq).max(1)) }?;
-        fill_i32(&dev, &mut a, -1)?;
-        Some(a)
-    } else {
+    // Every slot starts at -1 (no winner); an I16 buffer is filled as 32-bit words.
+    let argmax = if !want_argmax {
         None
+    } else if argmax_i16 {
+        let words = (n_out * max_lq).div_ceil(2).max(1);
+        let a = unsafe { dev.alloc::<i16>(2 * words) }?;
+        fill_words(&dev, slice_ptr(&dev, &a), words, -1)?;
+        Some((CudaStorage::wrap_cuda_slice(a, dev.clone()), words))
+    } else {
+        let words = (n_out * max_lq).max(1);
+        let a = unsafe { dev.alloc::<i32>(words) }?;
+        fill_words(&dev, slice_ptr(&dev, &a), words, -1)?;
+        Some((CudaStorage::wrap_cuda_slice(a, dev.clone()), words))
     };
+    let argmax_at = argmax
+        .as_ref()
+        .map(|(a, words)| Ok::<_, candle_core::Error>((storage_ptr(a, &Layout::contiguous(1))?, *words)))
+        .transpose()?;
     if n_out > i32::MAX as usize {
         bail!("maxsim: {n_out} scores in one call exceed the kernels' 32-bit pair index; split the batch")
     }
@@ -439,7 +485,8 @@ pub(crate) fn fwd_launch(
             q_valid: q_valid.as_ref().map(tensor_ptr).transpose()?.unwrap_or(0),
             d_valid: d_valid.as_ref().map(tensor_ptr).transpose()?.unwrap_or(0),
             out: slice_ptr(&dev, &out),
-            argmax: argmax.as_ref().map(|a| slice_ptr(&dev, a)).unwrap_or(0),
+            argmax: argmax_at.map_or(0, |a| a.0),
+            argmax_i16: argmax_i16 as i32,
             ..layout_params(pb)?
         };
         match path_for(&info, dtype, pb.dim) {
@@ -453,21 +500,15 @@ pub(crate) fn fwd_launch(
                 run(&dev, &kernel_name(dtype, Path::Simt, TileConfig::Large, variant), &plan, 128, smem)?;
             }
             Path::Mma { dpad, width } => {
-                let cfg = choose_config(&dev, &info, pb, base, dtype, (dpad, width), variant, argmax.as_mut())?;
+                let cfg = choose_config(&dev, &info, pb, base, dtype, (dpad, width), variant, argmax_at)?;
                 let (bq, _, threads) = cfg.shape();
                 let plan = plan(&dev, &info, pb, base, bq)?;
-                let smem = cfg.smem(dpad, variant == Variant::Residual);
+                let smem = cfg.smem(dpad, dtype.size_in_bytes(), variant == Variant::Residual);
                 run(&dev, &kernel_name(dtype, Path::Mma { dpad, width }, cfg, variant), &plan, threads, smem)?;
             }
         }
     }
-    let argmax = match argmax {
-        Some(a) => {
-            let st = CudaStorage::wrap_cuda_slice(a, dev.clone());
-            Some(Tensor::from((Storage::Cuda(st), (n_out, max_lq))))
-        }
-        None => None,
-    };
+    let argmax = argmax.map(|(st, _)| Tensor::from((Storage::Cuda(st), (n_out, max_lq))));
     Ok((CudaStorage::wrap_cuda_slice(out, dev), argmax))
 }
 
@@ -482,10 +523,10 @@ fn choose_config(
     dtype: DType,
     (dpad, width): (usize, usize),
     variant: Variant,
-    argmax: Option<&mut candle_core::cuda_backend::cudarc::driver::CudaSlice<i32>>,
+    argmax: Option<(u64, usize)>,
 ) -> Result<TileConfig> {
     let residual = variant == Variant::Residual;
-    let fits = candidates(info, dpad, residual);
+    let fits = candidates(info, dtype, dpad, residual);
     if fits.len() == 1 {
         return Ok(fits[0]);
     }
@@ -506,21 +547,21 @@ fn choose_config(
         rows_per_doc_log4: log4(rows_per_doc),
         docs_log4: log4(pb.d.n()),
         long_docs: pb.d.max_len() > 512,
-        residual,
+        variant: if variant == Variant::ArgmaxCompact { Variant::Argmax } else { variant },
     };
     if let Some(c) = tune_cache().lock().unwrap().get(&key) {
         return Ok(*c);
     }
-    // Time each candidate on these inputs (the real launch rewrites the scores; the
-    // nograd kernels are timed, they decide the tile for both).
+    // Time each candidate on these inputs with the kernels of this variant (the
+    // argmax epilogue shifts the balance between tiles); the real launch
+    // rewrites the scores, and the argmax is reset below.
     let stream = dev.cuda_stream();
     let mut best = (f32::INFINITY, TileConfig::Large);
     for cfg in fits {
         let (bq, _, threads) = cfg.shape();
-        let plan = plan(dev, info, pb, Params { argmax: 0, ..base }, bq)?;
-        let tuned = if residual { Variant::Residual } else { Variant::Nograd };
-        let name = kernel_name(dtype, Path::Mma { dpad, width }, cfg, tuned);
-        let smem = cfg.smem(dpad, residual);
+        let plan = plan(dev, info, pb, base, bq)?;
+        let name = kernel_name(dtype, Path::Mma { dpad, width }, cfg, variant);
+        let smem = cfg.smem(dpad, dtype.size_in_bytes(), residual);
         run(dev, &name, &plan, threads, smem)?; // warm-up (module load)
         let start = stream.record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)).w()?;
         for _ in 0..3 {
@@ -532,8 +573,8 @@ fn choose_config(
             best = (ms, cfg);
         }
     }
-    if let Some(a) = argmax {
-        fill_i32(dev, a, -1)?;
+    if let Some((ptr, words)) = argmax {
+        fill_words(dev, ptr, words, -1)?;
     }
     if std::env::var_os("CANDLE_MAXSIM_LOG").is_some() {
         eprintln!("candle-maxsim: autotuned {key:?} -> {:?} ({:.4} ms for 3 runs)", best.1, best.0);
@@ -547,7 +588,7 @@ pub(crate) fn maxsim_argmax(pb: &Problem, q: &Tensor, d: &Tensor) -> Result<Tens
     let (qs, ql) = q.storage_and_layout();
     let (ds, dl) = d.storage_and_layout();
     match (&*qs, &*ds) {
-        (Storage::Cuda(a), Storage::Cuda(b)) => Ok(maxsim_fwd(pb, a, ql, b, dl, true)?.1.unwrap()),
+        (Storage::Cuda(a), Storage::Cuda(b)) => Ok(maxsim_fwd(pb, a, ql, b, dl, Variant::ArgmaxCompact)?.1.unwrap()),
         _ => bail!("maxsim: internal error, expected CUDA tensors"),
     }
 }

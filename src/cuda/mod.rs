@@ -3,12 +3,14 @@
 
 mod bwd;
 mod fwd;
+mod normalize;
 mod plaid;
 mod residual;
 
 pub(crate) use bwd::maxsim_bwd;
 pub(crate) use fwd::residual_supported;
-pub(crate) use fwd::{maxsim_argmax, maxsim_fwd};
+pub(crate) use fwd::{maxsim_argmax, maxsim_fwd, Variant};
+pub(crate) use normalize::{l2norm_bwd, l2norm_fwd};
 pub(crate) use plaid::plaid_approx;
 pub(crate) use residual::{decompress as decompress_residual, residual_scores, ResidualDev};
 
@@ -50,9 +52,22 @@ pub(crate) fn device_info(dev: &CudaDevice) -> Result<DeviceInfo> {
     let minor = ctx.attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR).w()?;
     let sm_count = ctx.attribute(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).w()?;
     let smem_optin = ctx.attribute(CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN).w()? as usize;
-    let info = DeviceInfo { cc: major * 10 + minor, sm_count, smem_optin };
+    let info = emulated_arch(DeviceInfo { cc: major * 10 + minor, sm_count, smem_optin });
     cache.insert(key, info);
     Ok(info)
+}
+
+/// `CANDLE_MAXSIM_ARCH=sm75|sm80` runs the kernels of an older GPU on this
+/// one: its PTX module (JIT-compiled for this device), its kernel choice, and
+/// its shared-memory limit per block (64 KB on Turing, 163 KB on A100). For
+/// testing the paths of GPUs one does not have; read once per process.
+fn emulated_arch(real: DeviceInfo) -> DeviceInfo {
+    let (cc, smem) = match std::env::var("CANDLE_MAXSIM_ARCH").as_deref() {
+        Ok("sm75") => (75, 64 * 1024),
+        Ok("sm80") => (80, 163 * 1024),
+        _ => return real,
+    };
+    DeviceInfo { cc: real.cc.min(cc), smem_optin: real.smem_optin.min(smem), ..real }
 }
 
 /// The PTX builds of one kernel file, oldest target first.
@@ -74,6 +89,8 @@ fn module_for(info: &DeviceInfo, m: &Modules) -> (&'static str, &'static str) {
 
 const FWD: Modules = Modules { sm75: ptx::MAXSIM_FWD_SM75, sm80: ptx::MAXSIM_FWD_SM80, sm90a: ptx::MAXSIM_FWD_SM90A };
 const BWD: Modules = Modules { sm75: ptx::MAXSIM_BWD_SM75, sm80: ptx::MAXSIM_BWD_SM80, sm90a: ptx::MAXSIM_BWD_SM90A };
+const NORMALIZE: Modules =
+    Modules { sm75: ptx::NORMALIZE_SM75, sm80: ptx::NORMALIZE_SM80, sm90a: ptx::NORMALIZE_SM90A };
 
 /// Loads `name` from the forward module for this device; raises the dynamic
 /// shared-memory limit when a launch needs more than the default 48 KB.
@@ -95,6 +112,21 @@ fn load_func(dev: &CudaDevice, name: &str, smem: u32, kind: &str, modules: &Modu
             .w()?;
     }
     Ok(func)
+}
+
+/// An uninitialized buffer of `n` elements of `dtype` (the kernels write every element).
+pub(crate) fn alloc_out(dev: &CudaDevice, dtype: DType, n: usize) -> Result<CudaStorage> {
+    let n = n.max(1);
+    // SAFETY: the kernels write every element before anyone reads it.
+    Ok(unsafe {
+        match dtype {
+            DType::F16 => CudaStorage::wrap_cuda_slice(dev.alloc::<half::f16>(n)?, dev.clone()),
+            DType::BF16 => CudaStorage::wrap_cuda_slice(dev.alloc::<half::bf16>(n)?, dev.clone()),
+            DType::F32 => CudaStorage::wrap_cuda_slice(dev.alloc::<f32>(n)?, dev.clone()),
+            DType::F64 => CudaStorage::wrap_cuda_slice(dev.alloc::<f64>(n)?, dev.clone()),
+            dt => bail!("maxsim: unsupported dtype {dt:?} for a float output"),
+        }
+    })
 }
 
 /// Raw device address of a contiguous CUDA tensor (its layout offset applied)
@@ -124,6 +156,7 @@ pub(crate) fn storage_ptr(cs: &CudaStorage, layout: &Layout) -> Result<u64> {
         DType::U32 => ptr!(u32),
         DType::I64 => ptr!(i64),
         DType::I32 => ptr!(i32),
+        DType::I16 => ptr!(i16),
         DType::F16 => ptr!(half::f16),
         DType::BF16 => ptr!(half::bf16),
         DType::F32 => ptr!(f32),
@@ -156,9 +189,8 @@ pub(crate) fn launch<P: DeviceRepr>(
     Ok(())
 }
 
-/// Fills an i32 buffer with `value` on the device's stream.
-pub(crate) fn fill_i32(dev: &CudaDevice, buf: &mut CudaSlice<i32>, value: i32) -> Result<()> {
-    let n = buf.len();
+/// Fills `n` 32-bit words at device address `ptr` with `value` on the device's stream.
+pub(crate) fn fill_words(dev: &CudaDevice, ptr: u64, n: usize, value: i32) -> Result<()> {
     if n == 0 {
         return Ok(());
     }
@@ -171,7 +203,7 @@ pub(crate) fn fill_i32(dev: &CudaDevice, buf: &mut CudaSlice<i32>, value: i32) -
     let stream = dev.cuda_stream();
     let mut b = stream.launch_builder(&func);
     let n = n as i64;
-    b.arg(buf);
+    b.arg(&ptr);
     b.arg(&n);
     b.arg(&value);
     // SAFETY: (int32_t*, long long, int32_t) as declared in maxsim_fwd.cu.

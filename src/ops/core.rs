@@ -1,5 +1,6 @@
 //! The one custom op every dense and packed entry point lowers to:
-//! packed Q `[Tq, dim]` and D `[Td, dim]` in, one F32 score per pair out,
+//! Q and D as packed rows (`[Tq, dim]`, `[Td, dim]`, or any contiguous tensor
+//! whose last axis is dim: the padded layouts pass theirs unreshaped), one F32 score per pair out,
 //! with a closed-form backward from the argmax saved by the forward.
 
 use crate::cpu::{self, HostProblem};
@@ -15,14 +16,18 @@ pub(crate) struct MaxSimOp {
     pub backward: Backward,
     /// Whether the forward should keep the argmax for the backward.
     pub save_argmax: bool,
-    /// `[n_pairs, max_lq]` I32 argmax kept by the forward (document-local
+    /// The argmax goes to the caller (always I32); for the backward alone
+    /// the CUDA forward may keep it as I16.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub public_argmax: bool,
+    /// `[n_pairs, max_lq]` I32 (CUDA: possibly I16) argmax kept by the forward (document-local
     /// token index, -1 = no winner). Only filled when a gradient is needed.
     pub saved: Mutex<Option<Tensor>>,
 }
 
 impl MaxSimOp {
     pub fn new(problem: Problem, backward: Backward) -> Self {
-        Self { problem, backward, save_argmax: false, saved: Mutex::new(None) }
+        Self { problem, backward, save_argmax: false, public_argmax: false, saved: Mutex::new(None) }
     }
 
     /// Runs the op on packed `q` / `d`, with autograd when either tracks a gradient.
@@ -38,7 +43,7 @@ impl MaxSimOp {
 
     /// Forward without autograd that also returns the argmax `[n_pairs, max_lq]` I32.
     pub fn run_with_argmax(self, q: &Tensor, d: &Tensor) -> Result<(Tensor, Tensor)> {
-        let op = MaxSimOp { save_argmax: true, ..self };
+        let op = MaxSimOp { save_argmax: true, public_argmax: true, ..self };
         let scores = q.contiguous()?.apply_op2_no_bwd(&d.contiguous()?, &op)?;
         let argmax = op.saved.lock().unwrap().take();
         match argmax {
@@ -132,7 +137,13 @@ impl CustomOp2 for MaxSimOp {
         s2: &candle_core::CudaStorage,
         l2: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let (scores, am) = crate::cuda::maxsim_fwd(&self.problem, s1, l1, s2, l2, self.save_argmax)?;
+        use crate::cuda::Variant;
+        let v = match (self.save_argmax, self.public_argmax) {
+            (false, _) => Variant::Nograd,
+            (true, true) => Variant::Argmax,
+            (true, false) => Variant::ArgmaxCompact,
+        };
+        let (scores, am) = crate::cuda::maxsim_fwd(&self.problem, s1, l1, s2, l2, v)?;
         if let Some(am) = am {
             *self.saved.lock().unwrap() = Some(am);
         }

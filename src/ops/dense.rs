@@ -103,8 +103,11 @@ impl Dense {
         Ok(Self {
             problem,
             backward: resolve_backward(opts.backward, kd, nq, nd_total, lq),
-            q: qn.reshape((nq * lq, dim))?,
-            d: dn.reshape((nd_total * ld, dim))?,
+            // Handed to the op as they are (it reads any contiguous operand as
+            // packed rows): a reshape here would cost a gradient-sized
+            // zeros + add per operand in candle's backward.
+            q: qn,
+            d: dn,
             out_shape,
         })
     }
@@ -148,7 +151,7 @@ pub fn maxsim_pairs_with(
         pairs: Pairing::list_from(idx.clone(), idx, q.device())?,
     };
     let backward = resolve_backward(opts.backward, false, b, b, lq);
-    MaxSimOp::new(problem, backward).apply(&q.reshape((b * lq, dim))?, &d.reshape((b * ld, dim))?)
+    MaxSimOp::new(problem, backward).apply(&q, &d)
 }
 
 /// dtype / device / dim agreement of q and d (ranks are checked by the caller).

@@ -3,6 +3,7 @@
 
 use candle_core::{DType, Device, Result, Tensor};
 
+pub mod normalize;
 pub mod plaid_index;
 
 /// max|out − ref| / max|ref| over all elements (both cast to F64).

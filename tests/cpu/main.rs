@@ -5,6 +5,7 @@ mod common;
 
 mod errors;
 mod grads;
+mod normalize;
 mod parity;
 mod plaid;
 mod props;

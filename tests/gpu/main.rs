@@ -952,6 +952,13 @@ fn cuda_backward_modes_long_docs_and_unaligned() -> Result<()> {
             let dm = if q.device().is_cuda() { &dmd } else { &dm };
             ms::maxsim_with(q, d, None, Some(dm), &opts_for(m))
         })?;
+        // Past 32767 rows per document the saved argmax stays I32 (I16 below).
+        let q = grid(&[2, 8, 16], dt)?;
+        let d = grid(&[2, 33000, 16], dt)?;
+        let w = randn(&[2, 2], DType::F32, &cpu)?;
+        check_modes("docs over 32767 rows", &dev, &q, &d, &w, dt, &|q, d, m| {
+            ms::maxsim_with(q, d, None, None, &opts_for(m))
+        })?;
         // q viewed one element into a fresh buffer: contiguous, 2-4 bytes off 16-byte alignment.
         let q = grid(&[4, 10, 128], dt)?;
         let d = grid(&[5, 30, 128], dt)?;
@@ -965,4 +972,18 @@ fn cuda_backward_modes_long_docs_and_unaligned() -> Result<()> {
         })?;
     }
     Ok(())
+}
+
+/// The normalization op on the GPU: forward and closed-form backward against
+/// plain candle ops in F64, dims within one and across several 32-lane passes, more
+/// rows than the grid has warps.
+#[test]
+fn l2_normalize_cuda() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    for (dt, tol) in [(DType::F32, 1e-6), (DType::F64, 1e-12), (DType::F16, 2e-3), (DType::BF16, 1e-2)] {
+        for (rows, dim) in [(37, 2), (37, 33), (5000, 128), (300, 768)] {
+            normalize::check(&dev, rows, dim, dt, tol)?;
+        }
+    }
+    normalize::zero_rows(&dev)
 }

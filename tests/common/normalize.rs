@@ -1,0 +1,44 @@
+//! `l2_normalize` (one op, closed-form backward) against the same function
+//! written as plain candle ops, whose autograd gives the Jacobian.
+
+use super::{assert_close, randn};
+use candle_core::{DType, Device, Result, Tensor, Var, D};
+use candle_maxsim as ms;
+
+/// x / max(|x|, 1e-12) over the last axis, in F64, as plain candle ops.
+pub fn naive(x: &Tensor) -> Result<Tensor> {
+    let x = x.to_dtype(DType::F64)?;
+    let n = x.sqr()?.sum_keepdim(D::Minus1)?.sqrt()?.maximum(1e-12)?;
+    x.broadcast_div(&n)
+}
+
+/// Forward and gradient (of sum(w * y)) on `dev` against the naive F64 version
+/// on the CPU, for inputs of dtype `dt` and shape `[rows, dim]` (3-D view).
+pub fn check(dev: &Device, rows: usize, dim: usize, dt: DType, tol: f64) -> Result<()> {
+    let cpu = Device::Cpu;
+    let x = randn(&[rows, 1, dim], dt, &cpu)?;
+    let w = randn(&[rows, 1, dim], DType::F64, &cpu)?;
+    let what = format!("l2_normalize {rows}x{dim} {dt:?} on {dev:?}");
+    let xv = Var::from_tensor(&x.to_device(dev)?)?;
+    let y = ms::l2_normalize(xv.as_tensor())?;
+    assert_eq!(y.dtype(), dt);
+    let g = y.to_dtype(DType::F64)?.mul(&w.to_device(dev)?)?.sum_all()?.backward()?;
+    let gx = g.get(xv.as_tensor()).expect("grad of x").to_device(&cpu)?;
+    assert_eq!(gx.dtype(), dt);
+    let xn = Var::from_tensor(&x.to_dtype(DType::F64)?)?;
+    let yn = naive(xn.as_tensor())?;
+    let gn = yn.mul(&w)?.sum_all()?.backward()?.get(xn.as_tensor()).expect("grad").clone();
+    assert_close(&format!("{what} forward"), &y.to_device(&cpu)?, &yn, tol)?;
+    assert_close(&format!("{what} grad"), &gx, &gn, tol)?;
+    Ok(())
+}
+
+/// Zero rows normalize to exactly 0 (the norm is floored at 1e-12).
+pub fn zero_rows(dev: &Device) -> Result<()> {
+    let x = Tensor::cat(&[randn(&[2, 8], DType::F32, dev)?, Tensor::zeros((1, 8), DType::F32, dev)?], 0)?;
+    let y: Vec<Vec<f32>> = ms::l2_normalize(&x)?.to_vec2()?;
+    assert!(y[2].iter().all(|&v| v == 0.0), "zero row: {:?}", y[2]);
+    let norm: f32 = y[0].iter().map(|v| v * v).sum::<f32>().sqrt();
+    assert!((norm - 1.0).abs() < 1e-6, "unit norm: {norm}");
+    Ok(())
+}
