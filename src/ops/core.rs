@@ -56,9 +56,11 @@ impl MaxSimOp {
         t.as_ref().map(|t| t.to_vec1::<u8>()).transpose()
     }
 
-    /// Argmax for the backward: the saved one, or recomputed on the CPU.
+    /// Argmax for the backward: the saved one, or recomputed on the operands' device.
     fn argmax(&self, q: &Tensor, d: &Tensor) -> Result<Tensor> {
-        if let Some(a) = self.saved.lock().unwrap().clone() {
+        // Taken, not cloned: freed when this backward is done, before candle
+        // accumulates the gradients; a second backward recomputes it.
+        if let Some(a) = self.saved.lock().unwrap().take() {
             return Ok(a);
         }
         #[cfg(feature = "cuda")]

@@ -66,3 +66,24 @@ pub fn rand_offsets(n: usize, max: usize, seed: u64) -> (Vec<u32>, usize) {
     }
     (cu, longest)
 }
+
+/// Two backward passes through one graph give bitwise the same gradients
+/// (the first consumes the saved argmax, the second recomputes it).
+pub fn second_backward_matches(dev: &Device, dt: DType) -> Result<()> {
+    use candle_core::Var;
+    let q = Var::from_tensor(&randn(&[3, 8, 64], dt, dev)?)?;
+    let d = Var::from_tensor(&randn(&[4, 20, 64], dt, dev)?)?;
+    // LowMem: bitwise deterministic (Unified's atomics may reorder the sums).
+    let opts = candle_maxsim::MaxSimOptions { backward: candle_maxsim::Backward::LowMem, ..Default::default() };
+    let loss = candle_maxsim::maxsim_with(q.as_tensor(), d.as_tensor(), None, None, &opts)?.sum_all()?;
+    let (g1, g2) = (loss.backward()?, loss.backward()?);
+    for v in [&q, &d] {
+        let bits = |g: &candle_core::backprop::GradStore| -> Result<Vec<f32>> {
+            g.get(v.as_tensor()).expect("gradient").to_dtype(DType::F32)?.flatten_all()?.to_vec1()
+        };
+        let (a, b) = (bits(&g1)?, bits(&g2)?);
+        assert!(a.iter().any(|&x| x != 0.0), "{dt:?}: all-zero gradient");
+        assert!(a == b, "{dt:?}: the second backward differs");
+    }
+    Ok(())
+}

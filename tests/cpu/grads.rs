@@ -251,3 +251,8 @@ fn residual_grad_to_q() -> Result<()> {
     };
     assert_close("residual grad q", &grad(true)?, &grad(false)?, 1e-4)
 }
+
+#[test]
+fn second_backward_recomputes_argmax() -> candle_core::Result<()> {
+    crate::common::second_backward_matches(&candle_core::Device::Cpu, candle_core::DType::F32)
+}

@@ -987,3 +987,14 @@ fn l2_normalize_cuda() -> Result<()> {
     }
     normalize::zero_rows(&dev)
 }
+
+/// The backward consumes the argmax the forward saved; a second backward
+/// through the same graph recomputes it on the device and agrees bitwise.
+#[test]
+fn second_backward_recomputes_argmax() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    for dt in DTYPES {
+        second_backward_matches(&dev, dt)?;
+    }
+    Ok(())
+}
