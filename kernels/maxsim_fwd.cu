@@ -147,16 +147,13 @@ __device__ __forceinline__ void residual_finish(T* tile, const uint8_t* sres, co
         const int r = r0 + i * R::RPP;
         const bool ok = col < p.dim && r < n;
         uint4* slot = reinterpret_cast<uint4*>(tile + C::offset(r, ch));
-        const uint4 c = *slot;
-        const T* ce = reinterpret_cast<const T*>(&c);
-        const uint8_t* rb = sres + r * w + ch * nb;
-        const uint64_t bits = nb == 2   ? *reinterpret_cast<const unsigned short*>(rb)
-                              : nb == 4 ? *reinterpret_cast<const unsigned int*>(rb)
-                                        : *reinterpret_cast<const unsigned long long*>(rb);
+        // Rows past n and columns past dim read zero-filled or neighbouring
+        // bytes (in bounds) and are zeroed by a select, not a branch.
         float v[8], ss = 0.f;
+        decode8<T>(*slot, chunk_bits<false>(sres + r * w + ch * nb, nb), nb, p.res_colbert_order, buckets, v);
 #pragma unroll
         for (int f = 0; f < 8; ++f) {
-            v[f] = ok ? Elem<T>::to_float(ce[f]) + buckets[bucket_of(bits, f, nb, p.res_colbert_order)] : 0.f;
+            v[f] = ok ? v[f] : 0.f;
             ss += v[f] * v[f];
         }
         if (p.res_normalize) {

@@ -4,17 +4,41 @@
 #pragma once
 #include "common.cuh"
 
-// Bucket index of feature f (0..7) of a chunk whose packed bits, nbits bytes,
-// are the little-endian word `bits`.
-__device__ __forceinline__ int bucket_of(uint64_t bits, int f, int nbits, bool colbert) {
-    const uint32_t mask = (1u << nbits) - 1;
-    if (!colbert) return (int)((bits >> (f * nbits)) & mask); // LSB-first: feature f at bit f * nbits
-    // ColBERTv2: np.packbits of LSB-first index bits: feature 0 in the top bits
-    // of each byte, each field bit-reversed.
-    const int per = 8 / nbits, field = f % per;
-    const uint32_t byte = (uint32_t)(bits >> (8 * (f / per))) & 0xffu;
-    const uint32_t raw = (byte >> (8 - nbits * (field + 1))) & mask;
-    return (int)(__brev(raw) >> (32 - nbits));
+// The packed bucket indices of one 8-feature chunk (nbits bytes, the
+// little-endian word `bits`) in LSB-first order: feature f at bits
+// [f * nbits, (f + 1) * nbits). ColBERTv2 / fast-plaid bytes are np.packbits
+// of LSB-first index bits (feature 0 in the top bits of each byte, each field
+// bit-reversed): reversing the bits of every byte gives LSB-first order. Once
+// per chunk, so that the per-feature work is a shift and a mask.
+__device__ __forceinline__ uint64_t lsb_first(uint64_t bits, bool colbert) {
+    if (!colbert) return bits;
+    const uint32_t lo = __byte_perm(__brev((uint32_t)bits), 0, 0x0123);
+    const uint32_t hi = __byte_perm(__brev((uint32_t)(bits >> 32)), 0, 0x0123);
+    return ((uint64_t)hi << 32) | lo;
+}
+
+// Centroid chunk (8 elements of T) plus the bucket weight of each feature, in f32.
+template <typename T>
+__device__ __forceinline__ void decode8(uint4 centroid, uint64_t bits, int nbits, bool colbert, const float* buckets,
+                                        float v[8]) {
+    const T* ce = reinterpret_cast<const T*>(&centroid);
+    const uint64_t b = lsb_first(bits, colbert);
+    if (nbits <= 4) { // 32-bit shifts
+        const uint32_t w = (uint32_t)b, mask = (1u << nbits) - 1;
+#pragma unroll
+        for (int f = 0; f < 8; ++f) v[f] = Elem<T>::to_float(ce[f]) + buckets[(w >> (f * nbits)) & mask];
+    } else {
+#pragma unroll
+        for (int f = 0; f < 8; ++f) v[f] = Elem<T>::to_float(ce[f]) + buckets[(uint32_t)(b >> (8 * f)) & 0xffu];
+    }
+}
+
+// The packed bits of one chunk: nbits bytes at `r` (aligned to their size).
+template <bool GLOBAL>
+__device__ __forceinline__ uint64_t chunk_bits(const uint8_t* r, int nbits) {
+    if (nbits == 2) return GLOBAL ? __ldg(reinterpret_cast<const unsigned short*>(r)) : *reinterpret_cast<const unsigned short*>(r);
+    if (nbits == 4) return GLOBAL ? __ldg(reinterpret_cast<const unsigned int*>(r)) : *reinterpret_cast<const unsigned int*>(r);
+    return GLOBAL ? __ldg(reinterpret_cast<const unsigned long long*>(r)) : *reinterpret_cast<const unsigned long long*>(r);
 }
 
 // Features [k0, k0 + 8) of compressed token `tok`, in f32 (dim % 8 == 0).
@@ -23,15 +47,8 @@ template <typename T>
 __device__ __forceinline__ void decompress8(const MaxSimParams& p, const float* buckets, uint32_t code, int tok, int k0,
                                             float v[8]) {
     const uint4 c = __ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(p.res_centroids) + (size_t)code * p.dim + k0));
-    const T* ce = reinterpret_cast<const T*>(&c);
     const uint8_t* r = p.res_residuals + (size_t)tok * (p.dim * p.res_nbits / 8) + k0 * p.res_nbits / 8;
-    uint64_t bits;
-    if (p.res_nbits == 2) bits = __ldg(reinterpret_cast<const unsigned short*>(r));
-    else if (p.res_nbits == 4) bits = __ldg(reinterpret_cast<const unsigned int*>(r));
-    else bits = __ldg(reinterpret_cast<const unsigned long long*>(r));
-#pragma unroll
-    for (int f = 0; f < 8; ++f)
-        v[f] = Elem<T>::to_float(ce[f]) + buckets[bucket_of(bits, f, p.res_nbits, p.res_colbert_order)];
+    decode8<T>(c, chunk_bits<true>(r, p.res_nbits), p.res_nbits, p.res_colbert_order, buckets, v);
 }
 
 // Sum over the `LANES` consecutive lanes holding one row (LANES divides 32).
