@@ -101,7 +101,8 @@ __device__ __forceinline__ void load_rows(T* smem, const T* g, int row0, int n, 
 //                     place, optionally L2-normalized across the row's lanes.
 template <typename C> struct ResidualTile {
     static constexpr int CHUNKS = C::DPAD / 8, RPP = C::NTHREADS / CHUNKS, IT = C::BD / RPP;
-    static constexpr int SRES = C::BD * C::DPAD; // residual bytes per stage (nbits <= 8)
+    // Residual bytes staged per tile: a row's reads stay within DPAD * nbits / 8.
+    static __device__ __forceinline__ int stage_bytes(int nbits) { return C::BD * C::DPAD * nbits / 8; }
     static_assert(C::NTHREADS % CHUNKS == 0 && C::BD % RPP == 0 && 32 % CHUNKS == 0, "tile shape");
 };
 
@@ -270,14 +271,16 @@ __device__ __forceinline__ void maxsim_fwd_mma(const MaxSimParams& p) {
             if constexpr (RESIDUAL) {
                 int start, n;
                 step_rows(j, k, start, n);
-                residual_finish<C>(sd0 + stage * C::TILE_ELEMS, sres + stage * ResidualTile<C>::SRES, p, buckets, n);
+                residual_finish<C>(sd0 + stage * C::TILE_ELEMS, sres + stage * ResidualTile<C>::stage_bytes(p.res_nbits), p,
+                                   buckets, n);
             }
         };
         auto load_tile = [&](int stage, int j, int k) {
             const Range dr = d_rows(p, j);
             const int start = dr.begin + k * C::BD, n = min(C::BD, dr.end - start);
             if constexpr (RESIDUAL)
-                residual_gather<C>(sd0 + stage * C::TILE_ELEMS, sres + stage * ResidualTile<C>::SRES, p, gcode, start, n);
+                residual_gather<C>(sd0 + stage * C::TILE_ELEMS, sres + stage * ResidualTile<C>::stage_bytes(p.res_nbits), p,
+                                   gcode, start, n);
             else load_rows<C, C::BD>(sd0 + stage * C::TILE_ELEMS, D, start, n, p.dim, p.vec_ok);
             // Column validity, read by the epilogue only for masked or partial tiles.
             if (p.d_valid || n < C::BD)
@@ -555,9 +558,10 @@ MAXSIM_RES_DTYPE(bf16, __nv_bfloat16)
     MAXSIM_MMA_WIDTHS(maxsim_mma_##TNAME##_hsmall, T, 4, 1, 1, 8, 4, true)
 MAXSIM_WGMMA_DTYPE(f16, __half)
 MAXSIM_WGMMA_DTYPE(bf16, __nv_bfloat16)
+// Residual hsmall: 3 stages, so that three blocks (12 warps) share an SM and hide the gathers' latency.
 #define MAXSIM_WGMMA_RES_DTYPE(TNAME, T)                                                 \
-    MAXSIM_RES_ENTRY(maxsim_mma_##TNAME##_hsmall_d64, T, 64, 4, 1, 1, 8, 4, true)       \
-    MAXSIM_RES_ENTRY(maxsim_mma_##TNAME##_hsmall_d128, T, 128, 4, 1, 1, 8, 4, true)
+    MAXSIM_RES_ENTRY(maxsim_mma_##TNAME##_hsmall_d64, T, 64, 4, 1, 1, 8, 3, true)       \
+    MAXSIM_RES_ENTRY(maxsim_mma_##TNAME##_hsmall_d128, T, 128, 4, 1, 1, 8, 3, true)
 MAXSIM_WGMMA_RES_DTYPE(f16, __half)
 MAXSIM_WGMMA_RES_DTYPE(bf16, __nv_bfloat16)
 #endif

@@ -125,8 +125,10 @@ impl TileConfig {
             TileConfig::FSmall => (32, 64, 128),
         }
     }
-    fn stages(self) -> usize {
+    /// Pipeline depth; the residual hsmall kernels run 3 stages (see maxsim_fwd.cu).
+    fn stages(self, residual: bool) -> usize {
         match self {
+            TileConfig::HSmall if residual => 3,
             TileConfig::Large => 4,
             TileConfig::Small => 2,
             TileConfig::Narrow => 4,
@@ -149,13 +151,14 @@ impl TileConfig {
     /// Dynamic shared memory (`TileConfig::SMEM_BYTES`): mma.sync stages Q and
     /// the document tiles in rows padded by 16 bytes; Hopper tiles hold only the swizzled
     /// document stages, plus 1024 bytes of alignment slack; then the stages' masks.
-    /// Residual kernels also stage each tile's packed residual bytes (at most
-    /// `dpad` per row, after the masks rounded up to 16 bytes).
-    fn smem(self, dpad: usize, elem: usize, residual: bool) -> u32 {
+    /// Residual kernels (`res_nbits` > 0) also stage each tile's packed
+    /// residual bytes (`dpad * res_nbits / 8` per row, after the masks rounded up to 16 bytes).
+    fn smem(self, dpad: usize, elem: usize, res_nbits: usize) -> u32 {
+        let residual = res_nbits > 0;
         let (bq, bd, _) = self.shape();
-        let st = self.stages();
+        let st = self.stages(residual);
         let tiles = if self.hopper() { 1024 + st * bd * dpad * 2 } else { (bq + st * bd) * (dpad * elem + 16) };
-        let res = if residual { (st * bd).next_multiple_of(16) - st * bd + st * bd * dpad } else { 0 };
+        let res = if residual { (st * bd).next_multiple_of(16) - st * bd + st * bd * dpad * res_nbits / 8 } else { 0 };
         (tiles + st * bd + res) as u32
     }
 }
@@ -183,7 +186,7 @@ fn path_for(info: &DeviceInfo, dtype: DType, dim: usize) -> Path {
         65..=96 => 96,
         _ => dpad,
     };
-    if dim <= 256 && !candidates(info, dtype, dpad, false).is_empty() {
+    if dim <= 256 && !candidates(info, dtype, dpad, 0).is_empty() {
         Path::Mma { dpad, width }
     } else {
         Path::Simt
@@ -194,13 +197,13 @@ fn path_for(info: &DeviceInfo, dtype: DType, dim: usize) -> Path {
 /// has and whose shared memory fits the device (e.g. sm_86 / sm_89 allow
 /// less per block than sm_80 / sm_90); the Hopper tiles exist only in the
 /// sm_90a module, loaded on compute capability 9.0. Empty: the SIMT kernel.
-fn candidates(info: &DeviceInfo, dtype: DType, dpad: usize, residual: bool) -> Vec<TileConfig> {
+fn candidates(info: &DeviceInfo, dtype: DType, dpad: usize, res_nbits: usize) -> Vec<TileConfig> {
     ALL_CONFIGS
         .into_iter()
         .filter(|c| c.runs(dtype, info.cc))
         .filter(|c| (*c == TileConfig::Wide) == (dpad > 128))
-        .filter(|c| !residual || RESIDUAL_CONFIGS.contains(c))
-        .filter(|c| c.smem(dpad, dtype.size_in_bytes(), residual) as usize <= info.smem_optin)
+        .filter(|c| res_nbits == 0 || RESIDUAL_CONFIGS.contains(c))
+        .filter(|c| c.smem(dpad, dtype.size_in_bytes(), res_nbits) as usize <= info.smem_optin)
         .collect()
 }
 
@@ -272,7 +275,8 @@ struct Plan {
     _groups: Option<candle_core::cuda_backend::cudarc::driver::CudaSlice<u32>>,
 }
 
-fn plan(dev: &CudaDevice, info: &DeviceInfo, pb: &Problem, base: Params, bq: usize) -> Result<Plan> {
+/// The launch of a problem for a tile of `bq` query rows, with `per_sm` blocks resident per SM.
+fn plan(dev: &CudaDevice, info: &DeviceInfo, pb: &Problem, base: Params, bq: usize, per_sm: usize) -> Result<Plan> {
     let mut p = base;
     match &pb.pairs {
         Pairing::List { pq, .. } => Ok(Plan { params: p, grid: pq.len() as u32, _groups: None }),
@@ -294,8 +298,8 @@ fn plan(dev: &CudaDevice, info: &DeviceInfo, pb: &Problem, base: Params, bq: usi
             };
             // Each block walks a chunk of documents (the pipeline runs on across
             // documents). Pick the chunking that minimises waves x work per block,
-            // counting one document of per-block setup; 2 blocks fit an SM.
-            let capacity = (info.sm_count as usize * 2).max(1);
+            // counting one document of per-block setup.
+            let capacity = (info.sm_count as usize * per_sm).max(1);
             let cost = |chunks: usize| {
                 let per = nd.div_ceil(chunks);
                 let blocks = n_groups * nd.div_ceil(per);
@@ -502,14 +506,35 @@ pub(crate) fn fwd_launch(
             Path::Mma { dpad, width } => {
                 let cfg = choose_config(&dev, &info, pb, base, dtype, (dpad, width), variant, argmax_at)?;
                 let (bq, _, threads) = cfg.shape();
-                let plan = plan(&dev, &info, pb, base, bq)?;
-                let smem = cfg.smem(dpad, dtype.size_in_bytes(), variant == Variant::Residual);
-                run(&dev, &kernel_name(dtype, Path::Mma { dpad, width }, cfg, variant), &plan, threads, smem)?;
+                let name = kernel_name(dtype, Path::Mma { dpad, width }, cfg, variant);
+                let smem = cfg.smem(dpad, dtype.size_in_bytes(), res_nbits(variant, &base));
+                let plan = plan(&dev, &info, pb, base, bq, per_sm(&dev, &name, variant, threads, smem)?)?;
+                run(&dev, &name, &plan, threads, smem)?;
             }
         }
     }
     let argmax = argmax.map(|(st, _)| Tensor::from((Storage::Cuda(st), (n_out, max_lq))));
     Ok((CudaStorage::wrap_cuda_slice(out, dev), argmax))
+}
+
+/// Bits per residual feature of a residual launch, 0 for dense documents.
+fn res_nbits(v: Variant, p: &Params) -> usize {
+    if v == Variant::Residual {
+        p.res_nbits as usize
+    } else {
+        0
+    }
+}
+
+/// Blocks of `name` resident per SM: the occupancy the driver reports for
+/// the residual kernels (their staging shrinks with nbits), 2 for the dense
+/// tiles (their configs are sized for it).
+fn per_sm(dev: &CudaDevice, name: &str, v: Variant, threads: u32, smem: u32) -> Result<usize> {
+    if v != Variant::Residual {
+        return Ok(2);
+    }
+    let f = fwd_func(dev, name, smem)?;
+    Ok((f.occupancy_max_active_blocks_per_multiprocessor(threads, smem as usize, None).w()? as usize).max(1))
 }
 
 /// The tile configuration for this problem: pinned by env, cached, or
@@ -525,8 +550,7 @@ fn choose_config(
     variant: Variant,
     argmax: Option<(u64, usize)>,
 ) -> Result<TileConfig> {
-    let residual = variant == Variant::Residual;
-    let fits = candidates(info, dtype, dpad, residual);
+    let fits = candidates(info, dtype, dpad, res_nbits(variant, &base));
     if fits.len() == 1 {
         return Ok(fits[0]);
     }
@@ -559,9 +583,9 @@ fn choose_config(
     let mut best = (f32::INFINITY, TileConfig::Large);
     for cfg in fits {
         let (bq, _, threads) = cfg.shape();
-        let plan = plan(dev, info, pb, base, bq)?;
         let name = kernel_name(dtype, Path::Mma { dpad, width }, cfg, variant);
-        let smem = cfg.smem(dpad, dtype.size_in_bytes(), residual);
+        let smem = cfg.smem(dpad, dtype.size_in_bytes(), res_nbits(variant, &base));
+        let plan = plan(dev, info, pb, base, bq, per_sm(dev, &name, variant, threads, smem)?)?;
         run(dev, &name, &plan, threads, smem)?; // warm-up (module load)
         let start = stream.record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)).w()?;
         for _ in 0..3 {
