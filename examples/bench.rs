@@ -5,14 +5,16 @@
 //!
 //!   cargo run --release --features cuda --example bench -- [--shape Nq,Nd,Lq,Ld,dim]... \
 //!       [--dtype bf16|f16|f32] [--iters N] [--no-reference] [--cpu] [--train] [--wall] [--residual] [--plaid-approx]
-//!       [--normalize]
+//!       [--normalize] [--hidden]
 //!
 //! `--train` times fwd+bwd (sum of the scores, backward) for each `Backward`
 //! mode on colpali_train and colbert_train; the peak memory of a step counts
 //! what it needs beyond Q, D and the gradients a training loop keeps (as the
 //! peers' script measures). `--normalize` scores L2-normalized Q and D. `--plaid-approx` times
 //! `plaid_approx_score` instead (issue 5's case: 65 536 centroids, Lq 32,
-//! 100 000 documents of 1..=64 codes, U32 and I64 codes).
+//! 100 000 documents of 1..=64 codes, U32 and I64 codes). `--hidden` times
+//! `maxsim_from_hidden` (dmodel 768 → dout 128, normalized) against linear +
+//! bias + `l2_normalize` + `maxsim` with this crate's ops, forward and fwd+bwd.
 
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor};
@@ -74,6 +76,7 @@ struct Args {
     train: bool,
     plaid_approx: bool,
     residual: bool,
+    hidden: bool,
     normalize: bool,
 }
 
@@ -88,6 +91,7 @@ fn parse() -> Result<Args> {
         plaid_approx: false,
         wall: false,
         residual: false,
+        hidden: false,
         normalize: false,
     };
     let mut it = std::env::args().skip(1);
@@ -117,6 +121,7 @@ fn parse() -> Result<Args> {
             "--cpu" => a.cpu = true,
             "--train" => a.train = true,
             "--plaid-approx" => a.plaid_approx = true,
+            "--hidden" => a.hidden = true,
             x => bail!("unknown argument {x}"),
         }
     }
@@ -267,6 +272,50 @@ fn residual_bench(dev: &Device, args: &Args) -> Result<()> {
     Ok(())
 }
 
+/// `--hidden`: issue 5's projection-head cases, the fused op against linear +
+/// bias + `l2_normalize` + `maxsim` (this crate's ops), forward and fwd+bwd.
+fn hidden_bench(dev: &Device, args: &Args) -> Result<()> {
+    let (dmodel, dout) = (768usize, 128usize);
+    let cases = [("hidden_rerank", [1usize, 1000, 32, 300]), ("hidden_inbatch", [128, 128, 32, 1024])];
+    for (name, [nq, nd, lq, ld]) in cases {
+        let q = candle_maxsim::l2_normalize(&Tensor::randn(0f32, 1., (nq, lq, dout), dev)?)?.to_dtype(args.dtype)?;
+        let h = Tensor::randn(0f32, 1., (nd, ld, dmodel), dev)?.to_dtype(args.dtype)?;
+        let w = (Tensor::randn(0f32, 1., (dout, dmodel), dev)? / (dmodel as f64).sqrt())?.to_dtype(args.dtype)?;
+        let b = (Tensor::randn(0f32, 1., dout, dev)? * 0.1)?.to_dtype(args.dtype)?;
+        let unfused = |q: &Tensor, h: &Tensor, w: &Tensor, b: &Tensor| -> candle_core::Result<Tensor> {
+            let p = h.reshape((nd * ld, dmodel))?.matmul(&w.t()?)?.broadcast_add(b)?;
+            let d = candle_maxsim::l2_normalize(&p.reshape((nd, ld, dout))?)?;
+            candle_maxsim::maxsim(q, &d, None, None)
+        };
+        let vars =
+            [&q, &h, &w, &b].map(candle_core::Var::from_tensor).into_iter().collect::<candle_core::Result<Vec<_>>>()?;
+        let train = |f: &dyn Fn(&Tensor, &Tensor, &Tensor, &Tensor) -> candle_core::Result<Tensor>| -> Result<Tensor> {
+            let s = f(vars[0].as_tensor(), vars[1].as_tensor(), vars[2].as_tensor(), vars[3].as_tensor())?;
+            let g = s.sum_all()?.backward()?;
+            Ok(g.get(vars[2].as_tensor()).unwrap().clone())
+        };
+        let fused = |q: &Tensor, h: &Tensor, w: &Tensor, b: &Tensor| {
+            candle_maxsim::maxsim_from_hidden(q, h, w, Some(b), None, true)
+        };
+        let impls: Vec<(&str, Box<Op>)> = vec![
+            ("fused", Box::new(|| Ok(fused(&q, &h, &w, &b)?))),
+            ("unfused", Box::new(|| Ok(unfused(&q, &h, &w, &b)?))),
+            ("fused_train", Box::new(|| train(&fused))),
+            ("unfused_train", Box::new(|| train(&unfused))),
+        ];
+        let flop = 2.0 * ((nq * nd * lq * ld * dout) + nd * ld * dmodel * dout) as f64;
+        for (imp, f) in &impls {
+            let (ms, peak) = time(dev, args.iters, args.wall, f.as_ref())?;
+            println!(
+                "{{\"case\":\"{name}\",\"impl\":\"{imp}\",\"shape\":[{nq},{nd},{lq},{ld},{dmodel},{dout}],\"median_ms\":{ms:.4},\"tflops\":{:.1},\"peak_mem_mb\":{}}}",
+                flop / (ms * 1e-3) / 1e12,
+                peak.map_or("null".to_string(), |p| format!("{:.1}", p as f64 / 1e6)),
+            );
+        }
+    }
+    Ok(())
+}
+
 fn main() -> Result<()> {
     let args = parse()?;
     let dev = if args.cpu { Device::Cpu } else { Device::cuda_if_available(0)? };
@@ -275,6 +324,9 @@ fn main() -> Result<()> {
     }
     if args.residual {
         return residual_bench(&dev, &args);
+    }
+    if args.hidden {
+        return hidden_bench(&dev, &args);
     }
     let dname = format!("{:?}", args.dtype).to_lowercase();
     for (name, [nq, nd, lq, ld, dim]) in &args.cases {

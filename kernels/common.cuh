@@ -320,6 +320,28 @@ template <typename T, int N> struct Wgmma;
                          : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(acc));              \
         }                                                                                                 \
     };
+// D[64 x N] (+)= A[64 x 16] * B[16 x N], both from 128-byte-swizzled K-major
+// shared-memory tiles (the fused projection head stages both through cp.async).
+template <typename T, int N> struct WgmmaSS;
+#define MAXSIM_WG_SS_TAIL_N64 "%32, %33, p, 1, 1, 0, 0;\n"
+#define MAXSIM_WG_SS_PRED_N64 "setp.ne.b32 p, %34, 0;\n"
+#define MAXSIM_WG_SS_TAIL_N128 "%64, %65, p, 1, 1, 0, 0;\n"
+#define MAXSIM_WG_SS_PRED_N128 "setp.ne.b32 p, %66, 0;\n"
+#define MAXSIM_WGMMA_SS(T, TS, N)                                                                          \
+    template <> struct WgmmaSS<T, N> {                                                                     \
+        static __device__ __forceinline__ void run(float* d, uint64_t desc_a, uint64_t desc_b, int acc) { \
+            asm volatile("{\n.reg .pred p;\n" MAXSIM_WG_SS_PRED_N##N                                       \
+                         "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TS "." TS " "                   \
+                         MAXSIM_WG_REGS_N##N ", " MAXSIM_WG_SS_TAIL_N##N "}\n"                            \
+                         : MAXSIM_WG_OPS_N##N                                                              \
+                         : "l"(desc_a), "l"(desc_b), "r"(acc));                                            \
+        }                                                                                                  \
+    };
+MAXSIM_WGMMA_SS(__half, "f16", 64)
+MAXSIM_WGMMA_SS(__half, "f16", 128)
+MAXSIM_WGMMA_SS(__nv_bfloat16, "bf16", 64)
+MAXSIM_WGMMA_SS(__nv_bfloat16, "bf16", 128)
+
 MAXSIM_WGMMA(__half, "f16", 64)
 MAXSIM_WGMMA(__half, "f16", 128)
 MAXSIM_WGMMA(__nv_bfloat16, "bf16", 64)

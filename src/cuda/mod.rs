@@ -3,6 +3,7 @@
 
 mod bwd;
 mod fwd;
+mod hidden;
 mod normalize;
 mod plaid;
 mod residual;
@@ -10,6 +11,7 @@ mod residual;
 pub(crate) use bwd::maxsim_bwd;
 pub(crate) use fwd::residual_supported;
 pub(crate) use fwd::{maxsim_argmax, maxsim_fwd, Variant};
+pub(crate) use hidden::from_hidden_fwd;
 pub(crate) use normalize::{l2norm_bwd, l2norm_fwd};
 pub(crate) use plaid::plaid_approx;
 pub(crate) use residual::{decompress as decompress_residual, residual_scores, ResidualDev};
@@ -89,6 +91,7 @@ fn module_for(info: &DeviceInfo, m: &Modules) -> (&'static str, &'static str) {
 
 const FWD: Modules = Modules { sm75: ptx::MAXSIM_FWD_SM75, sm80: ptx::MAXSIM_FWD_SM80, sm90a: ptx::MAXSIM_FWD_SM90A };
 const BWD: Modules = Modules { sm75: ptx::MAXSIM_BWD_SM75, sm80: ptx::MAXSIM_BWD_SM80, sm90a: ptx::MAXSIM_BWD_SM90A };
+const HIDDEN: Modules = Modules { sm75: ptx::HIDDEN_SM75, sm80: ptx::HIDDEN_SM80, sm90a: ptx::HIDDEN_SM90A };
 const NORMALIZE: Modules =
     Modules { sm75: ptx::NORMALIZE_SM75, sm80: ptx::NORMALIZE_SM80, sm90a: ptx::NORMALIZE_SM90A };
 

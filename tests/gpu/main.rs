@@ -998,3 +998,87 @@ fn second_backward_recomputes_argmax() -> Result<()> {
     }
     Ok(())
 }
+
+/// The fused projection head (Hopper) against `reference` in F32 on the same
+/// rounded inputs: partial 128-row chunks, dmodel not a multiple of 64, dout
+/// 48 / 96 / 128, masks with an all-masked document, no bias, and enough
+/// queries to need two query chunks per document.
+#[test]
+fn from_hidden_cuda() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    let cpu = Device::Cpu;
+    let cc90 = {
+        let (q, h, w) = (
+            randn(&[1, 2, 64], DType::BF16, &dev)?,
+            randn(&[1, 2, 64], DType::BF16, &dev)?,
+            randn(&[64, 64], DType::BF16, &dev)?,
+        );
+        ms::maxsim_from_hidden_fused(&q, &h, &w, None, None, false)?.is_some()
+    };
+    //        nq  nd  lq   ld  dmodel dout normalize mask  bias
+    let cases = [
+        (3, 5, 7, 300, 136, 128, true, true, true),
+        (2, 4, 32, 128, 768, 96, false, false, true),
+        (5, 3, 9, 70, 64, 48, true, true, false),
+        (600, 3, 32, 64, 64, 128, true, false, true),
+        (1, 9, 32, 257, 256, 64, false, true, true),
+    ];
+    for dt in [DType::BF16, DType::F16] {
+        for &(nq, nd, lq, ld, dmodel, dout, normalize, mask, bias) in &cases {
+            let q = randn(&[nq, lq, dout], dt, &cpu)?;
+            let h = randn(&[nd, ld, dmodel], dt, &cpu)?;
+            let w = (randn(&[dout, dmodel], dt, &cpu)? * (1.0 / (dmodel as f64).sqrt()))?;
+            let b = bias.then(|| randn(&[dout], dt, &cpu)).transpose()?;
+            let dm = if mask {
+                // Document 1 entirely masked: scores 0.
+                let m = rand_mask(&[nd, ld], 0.3, &cpu)?;
+                Some(Tensor::cat(&[&m.i(..1)?, &m.i(1..2)?.zeros_like()?, &m.i(2..)?], 0)?)
+            } else {
+                None
+            };
+            let g = |t: &Tensor| t.to_device(&dev);
+            let (qg, hg, wg) = (g(&q)?, g(&h)?, g(&w)?);
+            let bg = b.as_ref().map(g).transpose()?;
+            let dmg = dm.as_ref().map(g).transpose()?;
+            let what = format!("from_hidden {nq}x{nd} lq{lq} ld{ld} dmodel{dmodel} dout{dout} {dt:?} norm={normalize}");
+            let f32c = |t: &Tensor| t.to_dtype(DType::F32);
+            let want = r::maxsim_from_hidden(
+                &f32c(&q)?,
+                &f32c(&h)?,
+                &f32c(&w)?,
+                b.as_ref().map(f32c).transpose()?.as_ref(),
+                dm.as_ref(),
+                normalize,
+            )?;
+            let out = ms::maxsim_from_hidden(&qg, &hg, &wg, bg.as_ref(), dmg.as_ref(), normalize)?.to_device(&cpu)?;
+            assert_close(&what, &out, &want, gpu_tol(dt))?;
+            if mask {
+                let empty = out.i((.., 1))?.abs()?.sum_all()?.to_scalar::<f32>()?;
+                assert_eq!(empty, 0.0, "{what}: an all-masked document scores 0");
+            }
+            let fused = ms::maxsim_from_hidden_fused(&qg, &hg, &wg, bg.as_ref(), dmg.as_ref(), normalize)?;
+            assert_eq!(fused.is_some(), cc90, "{what}: the fused kernel runs exactly on compute capability 9.0");
+            if let Some(f) = fused {
+                assert_close(&format!("{what} fused"), &f.to_device(&cpu)?, &want, gpu_tol(dt))?;
+            }
+            // Training takes the composed path; its forward agrees.
+            let wv = Var::from_tensor(&wg)?;
+            let tr = ms::maxsim_from_hidden(&qg, &hg, wv.as_tensor(), bg.as_ref(), dmg.as_ref(), normalize)?;
+            assert_close(&format!("{what} composed"), &tr.to_device(&cpu)?, &want, gpu_tol(dt))?;
+        }
+    }
+    // Bad input is an Err naming the argument.
+    let (q, h, w) = (
+        randn(&[2, 4, 64], DType::BF16, &dev)?,
+        randn(&[3, 5, 64], DType::BF16, &dev)?,
+        randn(&[64, 64], DType::BF16, &dev)?,
+    );
+    let bad_mask = Tensor::ones((3, 6), DType::U8, &dev)?;
+    let e = ms::maxsim_from_hidden(&q, &h, &w, None, Some(&bad_mask), true).unwrap_err().to_string();
+    assert!(e.contains("d_mask"), "{e}");
+    let e = ms::maxsim_from_hidden_fused(&q, &h, &randn(&[64, 32], DType::BF16, &dev)?, None, None, true)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("w"), "{e}");
+    Ok(())
+}

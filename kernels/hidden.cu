@@ -1,0 +1,226 @@
+// Fused D-side projection head (sm_90a wgmma):
+//   score[i, j] = sum_s max_t <Q[i, s], normalize?(H[j, t] . W^T + b)>
+// without writing the projected documents anywhere but shared memory.
+//
+// A block owns one document (and a chunk of whole queries). For each chunk of
+// BD = 128 document rows it projects H[rows, dmodel] . W^T on tensor cores
+// (both operands staged per 64 columns of dmodel), adds the bias, normalizes
+// each row and stores the chunk as a swizzled wgmma B tile; then every query
+// tile of its chunk passes over that one projection (each document row is
+// projected once, not once per query block). The running max of each query
+// row over the document's chunks lives in shared memory; at the end the block
+// sums them per query and writes its column of scores.
+//
+// Both phases share one cp.async ring of stages, so the next chunk's hidden
+// states load while the last query tiles of this chunk are scored.
+#include "common.cuh"
+
+// Mirrors HiddenParams in src/cuda/hidden.rs.
+struct HiddenParams {
+    const void* q;          // [Nq * Lq, dout] query rows (already projected)
+    const void* h;          // [Nd * Ld, dmodel] document hidden states
+    const void* w;          // [dout, dmodel]
+    const float* bias;      // [dout], or null
+    const uint8_t* d_valid; // [Nd * Ld] row validity, or null
+    float* out;             // [Nq, Nd]
+    int32_t nq, lq, nd, ld, dmodel, dout;
+    int32_t normalize;
+    int32_t q_chunk; // query rows per block (whole queries); grid = Nd x ceil(Nq * Lq / q_chunk)
+};
+
+#ifdef MAXSIM_HOPPER
+
+template <typename T, int DPAD_> struct HiddenConfig {
+    static constexpr int DPAD = DPAD_; // dout padded: projection N, MaxSim K
+    static constexpr int BD = 128;     // document rows per chunk (64 per warpgroup in the projection)
+    static constexpr int BQ = 128;     // query rows per MaxSim step (64 per warpgroup)
+    static constexpr int KS = 64;      // dmodel columns per projection step: one 128-byte swizzled panel
+    static constexpr int STAGES = 4;
+    static constexpr int NTHREADS = 256;
+    static constexpr int PROJ_ELEMS = (BD + DPAD) * KS; // H slice, then W slice
+    static constexpr int STAGE_ELEMS = PROJ_ELEMS > BQ * DPAD ? PROJ_ELEMS : BQ * DPAD;
+    static constexpr int DCHUNK_ELEMS = BD * DPAD;
+    static_assert((STAGE_ELEMS * sizeof(T)) % 1024 == 0, "stages stay 1024-aligned for the swizzle");
+};
+
+// Element offset of 16-byte chunk `ch` of row `r` in a tile of ROWS rows
+// stored as [ROWS, 64] panels, 128-byte swizzled (see wgmma_desc_sw128).
+template <int ROWS> __device__ __forceinline__ int swz(int r, int ch) {
+    return (ch / 8) * (ROWS * 64) + r * 64 + ((ch % 8) ^ (r % 8)) * 8;
+}
+
+// cp.async of rows [row0, row0 + ROWS) x columns [col0, col0 + 8 * NCH) of a
+// row-major [*, stride] matrix into a swizzled tile; rows >= nrows and
+// columns >= ncols are zero-filled (ncols % 8 == 0).
+template <typename C, int ROWS, int NCH, typename T>
+__device__ __forceinline__ void load_tile(T* dst, const T* src, int stride, int row0, int nrows, int col0, int ncols) {
+    const uint32_t base = (uint32_t)__cvta_generic_to_shared(dst);
+    for (int e = threadIdx.x; e < ROWS * NCH; e += C::NTHREADS) {
+        const int r = e / NCH, ch = e % NCH, col = col0 + ch * 8;
+        const bool ok = r < nrows && col < ncols;
+        const T* g = ok ? src + (size_t)(row0 + r) * stride + col : src;
+        cp_async16_s(base + swz<ROWS>(r, ch) * (int)sizeof(T), g, ok ? 16 : 0);
+    }
+}
+
+__device__ __forceinline__ uint32_t pack2(float a, float b, __half) {
+    return (uint32_t)__half_as_ushort(__float2half(a)) | ((uint32_t)__half_as_ushort(__float2half(b)) << 16);
+}
+__device__ __forceinline__ uint32_t pack2(float a, float b, __nv_bfloat16) {
+    return (uint32_t)__bfloat16_as_ushort(__float2bfloat16(a)) | ((uint32_t)__bfloat16_as_ushort(__float2bfloat16(b)) << 16);
+}
+
+template <typename C, typename T>
+__device__ __forceinline__ void hidden_fwd(const HiddenParams& p) {
+    constexpr int BD = C::BD, BQ = C::BQ, KS = C::KS, DPAD = C::DPAD, STAGES = C::STAGES;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    unsigned char* base = reinterpret_cast<unsigned char*>(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
+    T* stages = reinterpret_cast<T*>(base);
+    T* dchunk = stages + STAGES * C::STAGE_ELEMS;                   // projected chunk, [BD, DPAD] swizzled
+    float* sbias = reinterpret_cast<float*>(dchunk + C::DCHUNK_ELEMS); // [DPAD]
+    float* runmax = sbias + DPAD;                                    // [q_chunk] running max per query row
+    uint8_t* colok = reinterpret_cast<uint8_t*>(runmax + p.q_chunk); // [BD] valid rows of the chunk
+
+    const T* Q = static_cast<const T*>(p.q);
+    const T* H = static_cast<const T*>(p.h);
+    const T* W = static_cast<const T*>(p.w);
+    const int j = blockIdx.x % p.nd, qc = blockIdx.x / p.nd;
+    const int qr0 = qc * p.q_chunk, qr1 = min(qr0 + p.q_chunk, p.nq * p.lq);
+    const int tid = threadIdx.x, wg = tid / 128, warp = (tid % 128) / 32, lane = tid % 32;
+    const int g = lane / 4, c = lane % 4;
+    const int psteps = (p.dmodel + KS - 1) / KS, qsteps = (qr1 - qr0 + BQ - 1) / BQ;
+    const int per_chunk = psteps + qsteps;
+    const int total = (p.ld + BD - 1) / BD * per_chunk;
+    const int drow0 = j * p.ld;
+    const int ksteps = (p.dout + 15) / 16;
+
+    for (int k = tid; k < DPAD; k += C::NTHREADS) sbias[k] = p.bias && k < p.dout ? p.bias[k] : 0.f;
+    for (int r = tid; r < qr1 - qr0; r += C::NTHREADS) runmax[r] = MAXSIM_NEG_INF;
+
+    // Step it: projection step s < psteps of chunk it / per_chunk (64 columns
+    // of H and W), or query tile s - psteps scored against that chunk.
+    auto load_step = [&](int it) {
+        T* st = stages + (it % STAGES) * C::STAGE_ELEMS;
+        const int ci = it / per_chunk, s = it % per_chunk;
+        if (s < psteps) {
+            const int r0 = ci * BD;
+            load_tile<C, BD, KS / 8>(st, H, p.dmodel, drow0 + r0, min(BD, p.ld - r0), s * KS, p.dmodel);
+            load_tile<C, DPAD, KS / 8>(st + BD * KS, W, p.dmodel, 0, p.dout, s * KS, p.dmodel);
+        } else {
+            const int q0 = qr0 + (s - psteps) * BQ;
+            load_tile<C, BQ, DPAD / 8>(st, Q, p.dout, q0, qr1 - q0, 0, p.dout);
+        }
+    };
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < total) load_step(s);
+        cp_async_commit();
+    }
+
+    float pacc[DPAD / 2]; // projection of this warpgroup's 64 chunk rows (m64 x DPAD)
+    for (int it = 0; it < total; ++it) {
+        cp_async_wait<STAGES - 2>();
+        fence_proxy_async(); // this thread's copies and chunk stores, visible to the tensor cores
+        __syncthreads();     // ... of every thread; the stage refilled below was read one step ago
+        if (it + STAGES - 1 < total) load_step(it + STAGES - 1);
+        cp_async_commit();
+        const T* st = stages + (it % STAGES) * C::STAGE_ELEMS;
+        const int ci = it / per_chunk, s = it % per_chunk;
+        const uint32_t st_addr = (uint32_t)__cvta_generic_to_shared(st);
+        if (s < psteps) {
+            // pacc (+)= H[64 rows of this warpgroup, 64 cols] . W[DPAD, 64 cols]^T
+            const uint32_t a_addr = st_addr + wg * 64 * 128, b_addr = st_addr + BD * KS * (int)sizeof(T);
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < KS / 16; ++kk)
+                WgmmaSS<T, DPAD>::run(pacc, wgmma_desc_sw128(a_addr + kk * 32), wgmma_desc_sw128(b_addr + kk * 32),
+                                      s > 0 || kk > 0);
+            wgmma_commit();
+            wgmma_wait<0>();
+            fence_regs<DPAD / 2>(pacc);
+            if (s == psteps - 1) {
+                // Bias, L2 norm of each row (its DPAD columns sit on one quad), rounded once into the chunk tile.
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int row = wg * 64 + warp * 16 + h * 8 + g;
+                    float ss = 0.f;
+#pragma unroll
+                    for (int k = 0; k < DPAD / 8; ++k)
+#pragma unroll
+                        for (int e = 0; e < 2; ++e) {
+                            const float v = pacc[4 * k + 2 * h + e] + sbias[8 * k + 2 * c + e];
+                            pacc[4 * k + 2 * h + e] = v;
+                            ss += v * v;
+                        }
+                    ss += __shfl_xor_sync(0xffffffffu, ss, 1);
+                    ss += __shfl_xor_sync(0xffffffffu, ss, 2);
+                    const float inv = p.normalize ? 1.f / fmaxf(sqrtf(ss), 1e-12f) : 1.f;
+#pragma unroll
+                    for (int k = 0; k < DPAD / 8; ++k)
+                        *reinterpret_cast<uint32_t*>(dchunk + swz<BD>(row, k) + 2 * c) =
+                            pack2(pacc[4 * k + 2 * h] * inv, pacc[4 * k + 2 * h + 1] * inv, T());
+                }
+                const int r0 = ci * BD;
+                for (int r = tid; r < BD; r += C::NTHREADS)
+                    colok[r] = r0 + r < p.ld && (!p.d_valid || p.d_valid[drow0 + r0 + r]);
+            }
+        } else {
+            // S = Q[64 query rows of this warpgroup] . chunk^T, max over the chunk's valid rows.
+            const uint32_t a_addr = st_addr + wg * 64 * 128;
+            const uint32_t b_addr = (uint32_t)__cvta_generic_to_shared(dchunk);
+            float acc[BD / 2];
+            wgmma_fence();
+#pragma unroll
+            for (int ks = 0; ks < DPAD / 16; ++ks)
+                if (ks < ksteps) // zero columns past dout are skipped
+                    WgmmaSS<T, BD>::run(acc, wgmma_desc_sw128(a_addr + (ks / 4) * BQ * 128 + (ks % 4) * 32),
+                                        wgmma_desc_sw128(b_addr + (ks / 4) * BD * 128 + (ks % 4) * 32), ks > 0);
+            wgmma_commit();
+            wgmma_wait<0>();
+            fence_regs<BD / 2>(acc);
+            const bool full = !p.d_valid && p.ld - ci * BD >= BD;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                float m = MAXSIM_NEG_INF;
+#pragma unroll
+                for (int k = 0; k < BD / 8; ++k)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const float v = acc[4 * k + 2 * h + e];
+                        m = (full || colok[8 * k + 2 * c + e]) ? fmaxf(m, v) : m;
+                    }
+                m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+                m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+                const int rl = (s - psteps) * BQ + wg * 64 + warp * 16 + h * 8 + g;
+                if (c == 0 && qr0 + rl < qr1) runmax[rl] = fmaxf(runmax[rl], m);
+            }
+        }
+    }
+    cp_async_wait<0>();
+    __syncthreads();
+    // Scores of the block's queries against document j: one warp per query;
+    // rows that met no valid document row add 0.
+    for (int qi = qr0 / p.lq + tid / 32; qi < qr1 / p.lq; qi += C::NTHREADS / 32) {
+        float sum = 0.f;
+        for (int r = lane; r < p.lq; r += 32) {
+            const float v = runmax[qi * p.lq - qr0 + r];
+            sum += v > MAXSIM_NEG_INF ? v : 0.f;
+        }
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+        if (lane == 0) p.out[(size_t)qi * p.nd + j] = sum;
+    }
+}
+
+// Entry points: maxsim_hidden_<dtype>_d<DPAD> (dout <= DPAD, dout % 8 == 0, dmodel % 8 == 0).
+#define MAXSIM_HIDDEN(TNAME, T, DPAD)                                                                          \
+    extern "C" __global__ void __launch_bounds__(HiddenConfig<T, DPAD>::NTHREADS, 1)                          \
+        maxsim_hidden_##TNAME##_d##DPAD(const HiddenParams p) {                                               \
+        hidden_fwd<HiddenConfig<T, DPAD>, T>(p);                                                               \
+    }
+MAXSIM_HIDDEN(f16, __half, 64)
+MAXSIM_HIDDEN(f16, __half, 128)
+MAXSIM_HIDDEN(bf16, __nv_bfloat16, 64)
+MAXSIM_HIDDEN(bf16, __nv_bfloat16, 128)
+
+#endif // MAXSIM_HOPPER

@@ -1,0 +1,115 @@
+//! Launch of kernels/hidden.cu: the fused projection head's forward
+//! (hidden states → linear → normalize → MaxSim), Hopper only.
+
+use super::{alloc_out, device_info, launch, load_func, storage_ptr, tensor_ptr, HIDDEN};
+use crate::cuda::fwd::dtype_tag;
+use candle_core::cuda_backend::cudarc::driver::DeviceRepr;
+use candle_core::{DType, Device, Layout, Result, Storage, Tensor};
+
+/// Mirror of `HiddenParams` in kernels/hidden.cu.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+struct HiddenParams {
+    q: u64,
+    h: u64,
+    w: u64,
+    bias: u64,
+    d_valid: u64,
+    out: u64,
+    nq: i32,
+    lq: i32,
+    nd: i32,
+    ld: i32,
+    dmodel: i32,
+    dout: i32,
+    normalize: i32,
+    q_chunk: i32,
+}
+// SAFETY: plain old data with the layout of the C struct.
+unsafe impl DeviceRepr for HiddenParams {}
+
+// HiddenConfig in kernels/hidden.cu.
+const BD: usize = 128;
+const BQ: usize = 128;
+const KS: usize = 64;
+const STAGES: usize = 4;
+const THREADS: u32 = 256;
+
+/// Dynamic shared memory of a block: stages, the projected chunk, bias,
+/// running maxima of `q_chunk` query rows, chunk row flags, 1024 B of alignment slack.
+fn smem_bytes(dpad: usize, q_chunk: usize) -> usize {
+    let stage = ((BD + dpad) * KS).max(BQ * dpad);
+    1024 + (STAGES * stage + BD * dpad) * 2 + dpad * 4 + q_chunk * 4 + BD
+}
+
+/// A contiguous copy of `t` whose data starts 16-byte aligned (cp.async).
+fn aligned(t: &Tensor) -> Result<Tensor> {
+    let t = t.contiguous()?;
+    Ok(if tensor_ptr(&t)?.is_multiple_of(16) { t } else { t.copy()? })
+}
+
+/// Fused `[Nq, Nd]` F32 scores, or `None` where the fused kernel does not
+/// apply (not compute capability 9.0, not F16/BF16, dout over 128 or not a
+/// multiple of 8, dmodel not a multiple of 8, empty or oversized shapes):
+/// the caller then composes linear, normalize and MaxSim. Arguments are
+/// validated by the caller.
+pub(crate) fn from_hidden_fwd(
+    q: &Tensor,
+    h: &Tensor,
+    w: &Tensor,
+    b: Option<&Tensor>,
+    d_mask: Option<&Tensor>,
+    normalize: bool,
+) -> Result<Option<Tensor>> {
+    let Device::Cuda(dev) = q.device() else { return Ok(None) };
+    let info = device_info(dev)?;
+    let (nq, lq, dout) = q.dims3()?;
+    let (nd, ld, dmodel) = h.dims3()?;
+    if info.cc != 90 || !matches!(q.dtype(), DType::F16 | DType::BF16) {
+        return Ok(None);
+    }
+    if dout % 8 != 0 || dout > 128 || dmodel % 8 != 0 || dmodel == 0 || nq * lq * nd == 0 {
+        return Ok(None);
+    }
+    if nd * ld >= i32::MAX as usize || nq * lq >= i32::MAX as usize || nd * nq >= i32::MAX as usize {
+        return Ok(None);
+    }
+    let dpad = if dout <= 64 { 64 } else { 128 };
+    // Whole queries per block, as many as the running maxima fit in shared
+    // memory, spread evenly over the query chunks.
+    let max_rows = info.smem_optin.saturating_sub(smem_bytes(dpad, 0)) / 4;
+    let max_queries = max_rows / lq;
+    if max_queries == 0 {
+        return Ok(None);
+    }
+    let chunks = nq.div_ceil(max_queries);
+    let q_chunk = nq.div_ceil(chunks) * lq;
+    let smem = smem_bytes(dpad, q_chunk);
+
+    let (q, h, w) = (aligned(q)?, aligned(h)?, aligned(w)?);
+    let bias = b.map(|b| b.to_dtype(DType::F32)?.contiguous()).transpose()?;
+    let valid = d_mask.map(|m| m.flatten_all()?.contiguous()).transpose()?;
+    let out = alloc_out(dev, DType::F32, nq * nd)?;
+    let params = HiddenParams {
+        q: tensor_ptr(&q)?,
+        h: tensor_ptr(&h)?,
+        w: tensor_ptr(&w)?,
+        bias: bias.as_ref().map(tensor_ptr).transpose()?.unwrap_or(0),
+        d_valid: valid.as_ref().map(tensor_ptr).transpose()?.unwrap_or(0),
+        out: storage_ptr(&out, &Layout::contiguous(nq * nd))?,
+        nq: nq as i32,
+        lq: lq as i32,
+        nd: nd as i32,
+        ld: ld as i32,
+        dmodel: dmodel as i32,
+        dout: dout as i32,
+        normalize: normalize as i32,
+        q_chunk: q_chunk as i32,
+    };
+    let name = format!("maxsim_hidden_{}_d{dpad}", dtype_tag(q.dtype()));
+    let func = load_func(dev, &name, smem as u32, "hidden", &HIDDEN)?;
+    launch(dev, &func, (nd * chunks) as u32, THREADS, smem as u32, &params)?;
+    // The operands (and the temporary copies) are freed in stream order, after the launch.
+    drop((q, h, w, bias, valid));
+    Ok(Some(Tensor::from((Storage::Cuda(out), (nq, nd)))))
+}
