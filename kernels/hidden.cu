@@ -35,7 +35,8 @@ template <typename T, int DPAD_> struct HiddenConfig {
     static constexpr int BD = 128;     // document rows per chunk (64 per warpgroup in the projection)
     static constexpr int BQ = 128;     // query rows per MaxSim step (64 per warpgroup)
     static constexpr int KS = 64;      // dmodel columns per projection step: one 128-byte swizzled panel
-    static constexpr int STAGES = 4;
+    static constexpr int STAGES = 5;
+    static constexpr int LOOK = STAGES - 2; // steps loaded ahead (MaxSim tiles are read one step late)
     static constexpr int NTHREADS = 256;
     static constexpr int PROJ_ELEMS = (BD + DPAD) * KS; // H slice, then W slice
     static constexpr int STAGE_ELEMS = PROJ_ELEMS > BQ * DPAD ? PROJ_ELEMS : BQ * DPAD;
@@ -70,6 +71,13 @@ __device__ __forceinline__ uint32_t pack2(float a, float b, __nv_bfloat16) {
     return (uint32_t)__bfloat16_as_ushort(__float2bfloat16(a)) | ((uint32_t)__bfloat16_as_ushort(__float2bfloat16(b)) << 16);
 }
 
+// Bulk prefetch of `bytes` (a multiple of 16) at byte offset `off` of `base` into L2.
+template <typename T> __device__ __forceinline__ void prefetch_l2(const T* base, size_t off, size_t bytes) {
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(reinterpret_cast<const char*>(base) + off),
+                 "r"((uint32_t)bytes)
+                 : "memory");
+}
+
 template <typename C, typename T>
 __device__ __forceinline__ void hidden_fwd(const HiddenParams& p) {
     constexpr int BD = C::BD, BQ = C::BQ, KS = C::KS, DPAD = C::DPAD, STAGES = C::STAGES;
@@ -79,7 +87,6 @@ __device__ __forceinline__ void hidden_fwd(const HiddenParams& p) {
     T* dchunk = stages + STAGES * C::STAGE_ELEMS;                   // projected chunk, [BD, DPAD] swizzled
     float* sbias = reinterpret_cast<float*>(dchunk + C::DCHUNK_ELEMS); // [DPAD]
     float* runmax = sbias + DPAD;                                    // [q_chunk] running max per query row
-    uint8_t* colok = reinterpret_cast<uint8_t*>(runmax + p.q_chunk); // [BD] valid rows of the chunk
 
     const T* Q = static_cast<const T*>(p.q);
     const T* H = static_cast<const T*>(p.h);
@@ -90,7 +97,7 @@ __device__ __forceinline__ void hidden_fwd(const HiddenParams& p) {
     const int g = lane / 4, c = lane % 4;
     const int psteps = (p.dmodel + KS - 1) / KS, qsteps = (qr1 - qr0 + BQ - 1) / BQ;
     const int per_chunk = psteps + qsteps;
-    const int total = (p.ld + BD - 1) / BD * per_chunk;
+    const int total = (p.ld + BD - 1) / BD * per_chunk; // steps
     const int drow0 = j * p.ld;
     const int ksteps = (p.dout + 15) / 16;
 
@@ -112,23 +119,77 @@ __device__ __forceinline__ void hidden_fwd(const HiddenParams& p) {
         }
     };
 #pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
+    for (int s = 0; s < C::LOOK; ++s) {
         if (s < total) load_step(s);
         cp_async_commit();
     }
 
-    float pacc[DPAD / 2]; // projection of this warpgroup's 64 chunk rows (m64 x DPAD)
-    for (int it = 0; it < total; ++it) {
-        cp_async_wait<STAGES - 2>();
+    // Each step: its tile landed and is visible to the tensor cores; the
+    // stage LOOK steps ahead is refilled (its last reader, step it - 2, has
+    // completed: projection steps wait for their wgmma, MaxSim steps one
+    // step later).
+    auto begin_step = [&](int it) {
+        cp_async_wait<C::LOOK - 1>();
         fence_proxy_async(); // this thread's copies and chunk stores, visible to the tensor cores
-        __syncthreads();     // ... of every thread; the stage refilled below was read one step ago
-        if (it + STAGES - 1 < total) load_step(it + STAGES - 1);
+        __syncthreads();     // ... of every thread
+        if (it + C::LOOK < total) load_step(it + C::LOOK);
         cp_async_commit();
-        const T* st = stages + (it % STAGES) * C::STAGE_ELEMS;
-        const int ci = it / per_chunk, s = it % per_chunk;
-        const uint32_t st_addr = (uint32_t)__cvta_generic_to_shared(st);
-        if (s < psteps) {
+        return (uint32_t)__cvta_generic_to_shared(stages + (it % STAGES) * C::STAGE_ELEMS);
+    };
+    // Row maxima of a finished S tile (MaxSim step qs) into the running
+    // maxima; bit 2k + e of `valid`: this thread's column 8k + 2c + e is a valid row.
+    auto reduce_tile = [&](float* acc, int qs, uint32_t valid) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            float m = MAXSIM_NEG_INF;
+#pragma unroll
+            for (int k = 0; k < BD / 8; ++k)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) m = (valid >> (2 * k + e)) & 1u ? fmaxf(m, acc[4 * k + 2 * h + e]) : m;
+            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+            const int rl = qs * BQ + wg * 64 + warp * 16 + h * 8 + g;
+            if (c == 0 && qr0 + rl < qr1) runmax[rl] = fmaxf(runmax[rl], m);
+        }
+    };
+    // MaxSim step qs: S = Q[64 query rows of this warpgroup] . chunk^T issued
+    // into `acc`; the previous step's tile (in `prev`) reduced while it runs.
+    const uint32_t chunk_addr = (uint32_t)__cvta_generic_to_shared(dchunk);
+    auto maxsim_step = [&](float* acc, float* prev, int it, int qs, uint32_t valid) {
+        const uint32_t a_addr = begin_step(it) + wg * 64 * 128;
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < DPAD / 16; ++ks)
+            if (ks < ksteps) // zero columns past dout are skipped
+                WgmmaSS<T, BD>::run(acc, wgmma_desc_sw128(a_addr + (ks / 4) * BQ * 128 + (ks % 4) * 32),
+                                    wgmma_desc_sw128(chunk_addr + (ks / 4) * BD * 128 + (ks % 4) * 32), ks > 0);
+        wgmma_commit();
+        if (qs > 0) {
+            wgmma_wait<1>();
+            fence_regs<BD / 2>(prev);
+            reduce_tile(prev, qs - 1, valid);
+        }
+    };
+
+    int it = 0;
+    const int nchunks = (p.ld + BD - 1) / BD;
+    for (int ci = 0; ci < nchunks; ++ci) {
+        const int r0 = ci * BD;
+        // The next chunk's hidden states (contiguous rows) stream into L2
+        // while this chunk is projected and scored.
+        if (tid < 16 && ci + 1 < nchunks) {
+            const size_t bytes = (size_t)min(BD, p.ld - r0 - BD) * p.dmodel * sizeof(T), piece = (bytes + 255) / 256 * 16;
+            const size_t off = tid * piece;
+            if (off < bytes) prefetch_l2(H + (size_t)(drow0 + r0 + BD) * p.dmodel, off, min(piece, bytes - off));
+        }
+        // Accumulators are zeroed where their lifetime starts: the wgmma asm
+        // reads them ("+f"), which would otherwise keep them live across phases.
+        float pacc[DPAD / 2]; // projection of this warpgroup's 64 chunk rows (m64 x DPAD)
+#pragma unroll
+        for (int k = 0; k < DPAD / 2; ++k) pacc[k] = 0.f;
+        for (int s = 0; s < psteps; ++s, ++it) {
             // pacc (+)= H[64 rows of this warpgroup, 64 cols] . W[DPAD, 64 cols]^T
+            const uint32_t st_addr = begin_step(it);
             const uint32_t a_addr = st_addr + wg * 64 * 128, b_addr = st_addr + BD * KS * (int)sizeof(T);
             wgmma_fence();
 #pragma unroll
@@ -138,63 +199,55 @@ __device__ __forceinline__ void hidden_fwd(const HiddenParams& p) {
             wgmma_commit();
             wgmma_wait<0>();
             fence_regs<DPAD / 2>(pacc);
-            if (s == psteps - 1) {
-                // Bias, L2 norm of each row (its DPAD columns sit on one quad), rounded once into the chunk tile.
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const int row = wg * 64 + warp * 16 + h * 8 + g;
-                    float ss = 0.f;
-#pragma unroll
-                    for (int k = 0; k < DPAD / 8; ++k)
-#pragma unroll
-                        for (int e = 0; e < 2; ++e) {
-                            const float v = pacc[4 * k + 2 * h + e] + sbias[8 * k + 2 * c + e];
-                            pacc[4 * k + 2 * h + e] = v;
-                            ss += v * v;
-                        }
-                    ss += __shfl_xor_sync(0xffffffffu, ss, 1);
-                    ss += __shfl_xor_sync(0xffffffffu, ss, 2);
-                    const float inv = p.normalize ? 1.f / fmaxf(sqrtf(ss), 1e-12f) : 1.f;
-#pragma unroll
-                    for (int k = 0; k < DPAD / 8; ++k)
-                        *reinterpret_cast<uint32_t*>(dchunk + swz<BD>(row, k) + 2 * c) =
-                            pack2(pacc[4 * k + 2 * h] * inv, pacc[4 * k + 2 * h + 1] * inv, T());
-                }
-                const int r0 = ci * BD;
-                for (int r = tid; r < BD; r += C::NTHREADS)
-                    colok[r] = r0 + r < p.ld && (!p.d_valid || p.d_valid[drow0 + r0 + r]);
-            }
-        } else {
-            // S = Q[64 query rows of this warpgroup] . chunk^T, max over the chunk's valid rows.
-            const uint32_t a_addr = st_addr + wg * 64 * 128;
-            const uint32_t b_addr = (uint32_t)__cvta_generic_to_shared(dchunk);
-            float acc[BD / 2];
-            wgmma_fence();
-#pragma unroll
-            for (int ks = 0; ks < DPAD / 16; ++ks)
-                if (ks < ksteps) // zero columns past dout are skipped
-                    WgmmaSS<T, BD>::run(acc, wgmma_desc_sw128(a_addr + (ks / 4) * BQ * 128 + (ks % 4) * 32),
-                                        wgmma_desc_sw128(b_addr + (ks / 4) * BD * 128 + (ks % 4) * 32), ks > 0);
-            wgmma_commit();
-            wgmma_wait<0>();
-            fence_regs<BD / 2>(acc);
-            const bool full = !p.d_valid && p.ld - ci * BD >= BD;
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                float m = MAXSIM_NEG_INF;
-#pragma unroll
-                for (int k = 0; k < BD / 8; ++k)
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const float v = acc[4 * k + 2 * h + e];
-                        m = (full || colok[8 * k + 2 * c + e]) ? fmaxf(m, v) : m;
-                    }
-                m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
-                m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
-                const int rl = (s - psteps) * BQ + wg * 64 + warp * 16 + h * 8 + g;
-                if (c == 0 && qr0 + rl < qr1) runmax[rl] = fmaxf(runmax[rl], m);
-            }
         }
+        // Bias, L2 norm of each row (its DPAD columns sit on one quad), rounded
+        // once into the chunk tile. The previous chunk's MaxSim steps are done.
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int row = wg * 64 + warp * 16 + h * 8 + g;
+            float ss = 0.f;
+#pragma unroll
+            for (int k = 0; k < DPAD / 8; ++k)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const float v = pacc[4 * k + 2 * h + e] + sbias[8 * k + 2 * c + e];
+                    pacc[4 * k + 2 * h + e] = v;
+                    ss += v * v;
+                }
+            ss += __shfl_xor_sync(0xffffffffu, ss, 1);
+            ss += __shfl_xor_sync(0xffffffffu, ss, 2);
+            const float inv = p.normalize ? 1.f / fmaxf(sqrtf(ss), 1e-12f) : 1.f;
+#pragma unroll
+            for (int k = 0; k < DPAD / 8; ++k)
+                *reinterpret_cast<uint32_t*>(dchunk + swz<BD>(row, k) + 2 * c) =
+                    pack2(pacc[4 * k + 2 * h] * inv, pacc[4 * k + 2 * h + 1] * inv, T());
+        }
+        static_assert(BD / 8 * 2 == 32, "one bit per column of this thread");
+        uint32_t valid = 0;
+#pragma unroll
+        for (int k = 0; k < BD / 8; ++k)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int t = r0 + 8 * k + 2 * c + e;
+                const bool ok = t < p.ld && (!p.d_valid || p.d_valid[drow0 + t]);
+                valid |= (uint32_t)ok << (2 * k + e);
+            }
+
+        // MaxSim steps in pairs, so that both accumulators stay in registers.
+        float acc0[BD / 2], acc1[BD / 2];
+#pragma unroll
+        for (int k = 0; k < BD / 2; ++k) acc0[k] = acc1[k] = 0.f;
+        int qs = 0;
+        for (; qs + 1 < qsteps; qs += 2, it += 2) {
+            maxsim_step(acc0, acc1, it, qs, valid);
+            maxsim_step(acc1, acc0, it + 1, qs + 1, valid);
+        }
+        if (qs < qsteps) maxsim_step(acc0, acc1, it++, qs++, valid);
+        wgmma_wait<0>();
+        fence_regs<BD / 2>(acc0);
+        fence_regs<BD / 2>(acc1);
+        if ((qsteps - 1) % 2) reduce_tile(acc1, qsteps - 1, valid);
+        else reduce_tile(acc0, qsteps - 1, valid);
     }
     cp_async_wait<0>();
     __syncthreads();

@@ -32,7 +32,7 @@ unsafe impl DeviceRepr for HiddenParams {}
 const BD: usize = 128;
 const BQ: usize = 128;
 const KS: usize = 64;
-const STAGES: usize = 4;
+const STAGES: usize = 5;
 const THREADS: u32 = 256;
 
 /// Dynamic shared memory of a block: stages, the projected chunk, bias,
