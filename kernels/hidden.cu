@@ -88,6 +88,11 @@ __device__ __forceinline__ void hidden_fwd(const HiddenParams& p) {
     float* sbias = reinterpret_cast<float*>(dchunk + C::DCHUNK_ELEMS); // [DPAD]
     float* runmax = sbias + DPAD;                                    // [q_chunk] running max per query row
 
+    {   // The host sizes this layout (src/cuda/hidden.rs); a mismatch must fail loudly, not corrupt memory.
+        uint32_t dyn;
+        asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
+        if ((unsigned char*)(runmax + p.q_chunk) > smem_raw + dyn) __trap();
+    }
     const T* Q = static_cast<const T*>(p.q);
     const T* H = static_cast<const T*>(p.h);
     const T* W = static_cast<const T*>(p.w);
