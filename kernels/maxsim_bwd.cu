@@ -18,6 +18,7 @@
 // vector reductions on sm_90; f16 / bf16 accumulate in an f32 buffer that
 // maxsim_bwd_cast narrows at the end.
 #include "common.cuh"
+#include <type_traits>
 
 #define BWD_FULL 0xffffffffu
 
@@ -338,34 +339,46 @@ __device__ void bwd_qrow(const BwdParams& b) {
 
 // ---------------------------------------------------------------------------
 // LowMem grad_D: one block per (document j, chunk of tc rows), accumulators
-// for the chunk in shared memory (row stride dim | 1: leaders writing
-// different rows hit different banks), no global scratch. Rounds of:
+// for the chunk in shared memory ([tc][dim]), no global scratch. Rounds of:
 //  fill:    warp w scans its contiguous share of the document's argmax
 //           entries ((pair, s) order) and appends the hits (winner in the
 //           chunk) to its own list, until the list is nearly full;
-//  process: every warp walks all lists in warp order, 32 hits at a time
-//           (one per lane), for its own column slice: lane loads g * Q[i,s]
-//           for the slice; lanes with the same row are summed by a fixed
-//           pointer-jumping tree (hot buckets) and the group's first lane
-//           adds the sum to the accumulator.
-// Each accumulator element is owned by one warp and updated in a fixed
+//  process: every warp walks all lists in warp order and applies the hits
+//           on the rows it owns (row % DD_WARPS), one hit at a time across
+//           the row's columns (Q chunks of 8 hits loaded together).
+// Each accumulator row is owned by one warp and updated in list order: bitwise
+// deterministic, no atomics, and hot rows (many winners on one token) cost
+// no more than cold ones.
 // order: bitwise deterministic, no atomics.
 // ---------------------------------------------------------------------------
 constexpr int DD_WARPS = 8;
 constexpr int DD_LIST = 512; // hits per warp list
 constexpr int DD_FILL = 8;   // 32-entry steps whose loads are issued together
 
-// Lane layout of the chunk kernel: a warp owns CW = NV * VEC columns of each
-// pass of PASS = DD_WARPS * CW columns; U batches of 32 hits are loaded together.
-template <typename T_, typename Acc_, int VEC_, int NV_>
+// Lane layout of the chunk kernel: a warp updates whole rows, lane l the
+// columns l * VEC + 32 * VEC * k (VEC elements = 8 bytes on the vector path,
+// 1 on the scalar path); U hits have their Q chunks loaded together.
+template <typename T_, typename Acc_, int VEC_>
 struct DCfg {
     using T = T_;
     using Acc = Acc_;
-    using Raw = typename RawOf<T_, VEC_>::type;
-    static constexpr int VEC = VEC_, NV = NV_, CW = VEC_ * NV_;
-    static constexpr int U = CW <= 16 ? 2 : 1;
-    static constexpr int PASS = DD_WARPS * CW;
+    static constexpr int VEC = VEC_, U = 8;
+    // VEC accumulators of a row as one shared-memory access (conflict-free across the warp).
+    struct alignas(sizeof(Acc_) * VEC_) Pack { Acc_ v[VEC_]; };
+    struct alignas(sizeof(T_) * VEC_) Chunk { T_ v[VEC_]; };
 };
+
+// One chunk of VEC elements of Q through the read-only path.
+template <class K>
+__device__ __forceinline__ typename K::Chunk load_chunk(const typename K::T* p) {
+    using R = typename std::conditional<sizeof(typename K::Chunk) == 8, uint2,
+                                        typename std::conditional<sizeof(typename K::Chunk) == 4, uint32_t,
+                                                                  unsigned short>::type>::type;
+    const R r = __ldg(reinterpret_cast<const R*>(p));
+    typename K::Chunk c;
+    memcpy(&c, &r, sizeof(c));
+    return c;
+}
 
 // Entry x (in (pair, s) order) of document j: its argmax slot, or -1 past
 // the end of a packed query. The host checks that a document has fewer than
@@ -388,8 +401,8 @@ __device__ void bwd_dchunk(const BwdParams& b) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     __shared__ int s_len[DD_WARPS];
     const MaxSimParams& p = b.f;
-    const int dim = p.dim, astride = p.dim | 1;
-    Acc* acc = reinterpret_cast<Acc*>(smem_raw);                     // [tc][astride]
+    const int dim = p.dim, astride = p.dim;
+    Acc* acc = reinterpret_cast<Acc*>(smem_raw);                     // [tc][dim]
     uint2* lists = reinterpret_cast<uint2*>(smem_raw + b.list_off); // [DD_WARPS][DD_LIST]: (row in chunk, entry)
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const unsigned below = (1u << lane) - 1;
@@ -406,7 +419,6 @@ __device__ void bwd_dchunk(const BwdParams& b) {
     int x = (int)(n_entries * warp / DD_WARPS);
     const int x_end = (int)(n_entries * (warp + 1) / DD_WARPS);
     uint2* mine = lists + warp * DD_LIST;
-    const int c0 = warp * K::CW;
     bool more = true;
     while (more) {
         // Fill (the loop bounds are warp-uniform).
@@ -431,78 +443,53 @@ __device__ void bwd_dchunk(const BwdParams& b) {
         }
         if (lane == 0) s_len[warp] = n;
         more = __syncthreads_or(x < x_end);
-        // Process: all lists in warp order, this warp's columns (none for narrow rows).
-        for (int w2 = 0; w2 < DD_WARPS && c0 < dim; ++w2) {
+        // Process: all lists in warp order; warp w applies the hits on its
+        // rows (row % DD_WARPS == w), one hit at a time across its columns,
+        // so each accumulator row is updated by one warp in list order.
+        for (int w2 = 0; w2 < DD_WARPS; ++w2) {
             const int len = s_len[w2];
             const uint2* list = lists + w2 * DD_LIST;
-            for (int b0 = 0; b0 < len; b0 += 32 * K::U) {
-                int tl[K::U], qrow[K::U];
-                Acc gw[K::U];
-#pragma unroll
-                for (int u = 0; u < K::U; ++u) {
-                    const int idx = b0 + u * 32 + lane;
-                    tl[u] = -1;
-                    qrow[u] = 0;
-                    gw[u] = 0;
-                    if (idx < len) {
-                        const uint2 h = list[idx];
+            for (int b0 = 0; b0 < len; b0 += 32) {
+                int tl = -1, qrow = 0;
+                Acc gw = 0;
+                if (b0 + lane < len) {
+                    const uint2 h = list[b0 + lane];
+                    if ((int)h.x % DD_WARPS == warp) {
                         const int k = (int)(h.y / (uint32_t)p.max_lq), s = (int)(h.y % (uint32_t)p.max_lq);
                         const int pair = pair_of_d(b, j, k);
-                        tl[u] = (int)h.x;
-                        qrow[u] = q_rows(p, query_of_pair(p, pair)).begin + s;
-                        gw[u] = (Acc)b.g[pair];
+                        tl = (int)h.x;
+                        qrow = q_rows(p, query_of_pair(p, pair)).begin + s;
+                        gw = (Acc)b.g[pair];
                     }
                 }
-                // Lanes of one row form a group (invalid lanes are singletons), led by its first lane.
-                unsigned peers[K::U];
-                bool dup[K::U];
-#pragma unroll
-                for (int u = 0; u < K::U; ++u) {
-                    peers[u] = __match_any_sync(BWD_FULL, tl[u] >= 0 ? tl[u] : -1 - lane);
-                    dup[u] = __any_sync(BWD_FULL, __popc(peers[u]) > 1);
-                }
-                for (int cp = c0; cp < dim; cp += K::PASS) { // warp-uniform
-                    typename K::Raw raw[K::U][K::NV];
-#pragma unroll
-                    for (int u = 0; u < K::U; ++u)
-#pragma unroll
-                        for (int v = 0; v < K::NV; ++v) {
-                            const int col = cp + v * K::VEC;
-                            if (tl[u] >= 0 && col < dim) raw[u][v] = load_raw<T, K::VEC>(Q + (size_t)qrow[u] * dim + col);
-                            else raw[u][v] = typename K::Raw{};
-                        }
+                unsigned mask = __ballot_sync(BWD_FULL, tl >= 0);
+                while (mask) { // warp-uniform: the next U owned hits, in list order
+                    int rt[K::U], rq[K::U];
+                    Acc rw[K::U];
 #pragma unroll
                     for (int u = 0; u < K::U; ++u) {
-                        Acc xv[K::CW];
+                        const int src = mask ? __ffs(mask) - 1 : 0;
+                        const int t = __shfl_sync(BWD_FULL, tl, src);
+                        rt[u] = mask ? t : -1;
+                        rq[u] = __shfl_sync(BWD_FULL, qrow, src);
+                        rw[u] = __shfl_sync(BWD_FULL, gw, src);
+                        mask &= mask - 1;
+                    }
+                    for (int col = lane * K::VEC; col < dim; col += 32 * K::VEC) {
+                        typename K::Chunk x[K::U];
 #pragma unroll
-                        for (int v = 0; v < K::NV; ++v)
-#pragma unroll
-                            for (int e = 0; e < K::VEC; ++e)
-                                xv[v * K::VEC + e] = gw[u] * unpack<T, Acc, K::VEC>(raw[u][v], e);
-                        if (dup[u]) {
-                            // Pointer jumping along each group (lane order): after 5 steps
-                            // the group's first lane holds the group's sum, in a fixed tree.
-                            const unsigned above = peers[u] & ~((2u << lane) - 1u);
-                            int nxt = above ? __ffs(above) - 1 : 32;
-#pragma unroll
-                            for (int step = 0; step < 5; ++step) {
-                                const int src = nxt & 31;
-#pragma unroll
-                                for (int e = 0; e < K::CW; ++e) {
-                                    const Acc o = __shfl_sync(BWD_FULL, xv[e], src);
-                                    if (nxt < 32) xv[e] += o;
-                                }
-                                const int n2 = __shfl_sync(BWD_FULL, nxt, src);
-                                nxt = nxt < 32 ? n2 : 32;
-                            }
+                        for (int u = 0; u < K::U; ++u) {
+                            if (rt[u] >= 0) x[u] = load_chunk<K>(Q + (size_t)rq[u] * dim + col);
                         }
-                        if (tl[u] >= 0 && (peers[u] & below) == 0) {
-                            Acc* row = acc + (size_t)tl[u] * astride + cp;
 #pragma unroll
-                            for (int e = 0; e < K::CW; ++e)
-                                if (cp + e < dim) row[e] += xv[e];
+                        for (int u = 0; u < K::U; ++u) {
+                            if (rt[u] < 0) continue;
+                            auto* a = reinterpret_cast<typename K::Pack*>(acc + (size_t)rt[u] * astride + col);
+                            typename K::Pack v = *a;
+#pragma unroll
+                            for (int e = 0; e < K::VEC; ++e) v.v[e] += rw[u] * Elem<T>::to_float(x[u].v[e]);
+                            *a = v;
                         }
-                        __syncwarp(); // the next group may update the same rows from other lanes
                     }
                 }
             }
@@ -535,8 +522,9 @@ __device__ void bwd_cast(const BwdParams& b) {
 // Entry points. Query-row kernels maxsim_bwd_<q|u>_<dtype>_<variant>:
 // vG / v64 read 16-byte chunks (G lanes per row, v64 = 32 lanes x 2 chunks),
 // s2 / s8 single elements (32 lanes x 2 or 8 columns per pass). Chunk
-// kernels maxsim_bwd_dd_<dtype>_<variant>: wN = N 16-byte chunks per warp
-// and pass, cN = N single columns. The host picks from dim and alignment.
+// kernels maxsim_bwd_dd_<dtype>_<variant>: v = 8-byte chunks of Q per lane
+// (dim a multiple of 8 bytes' elements, Q 8-byte aligned), s = single
+// elements. The host picks from dim and alignment.
 // ---------------------------------------------------------------------------
 #define MAXSIM_BWD_QROW(TNAME, VNAME, T, ACC, VEC, G, C)                                                       \
     extern "C" __global__ void __launch_bounds__(32 * BWD_WARPS) maxsim_bwd_q_##TNAME##_##VNAME(               \
@@ -547,10 +535,10 @@ __device__ void bwd_cast(const BwdParams& b) {
         const BwdParams b) {                                                                                   \
         bwd_qrow<Cfg<T, ACC, VEC, G, C>, true>(b);                                                             \
     }
-#define MAXSIM_BWD_DCHUNK(TNAME, VNAME, T, ACC, VEC, NV)                                                       \
-    extern "C" __global__ void __launch_bounds__(32 * DD_WARPS) maxsim_bwd_dd_##TNAME##_##VNAME(               \
+#define MAXSIM_BWD_DCHUNK(TNAME, VNAME, T, ACC, VEC)                                                           \
+    extern "C" __global__ void __launch_bounds__(32 * DD_WARPS, 2) maxsim_bwd_dd_##TNAME##_##VNAME(               \
         const BwdParams b) {                                                                                   \
-        bwd_dchunk<DCfg<T, ACC, VEC, NV>>(b);                                                                  \
+        bwd_dchunk<DCfg<T, ACC, VEC>>(b);                                                                      \
     }
 
 #define MAXSIM_BWD_DTYPE(TNAME, T, ACC)                                  \
@@ -560,12 +548,8 @@ __device__ void bwd_cast(const BwdParams& b) {
     MAXSIM_BWD_QROW(TNAME, v64, T, ACC, (16 / sizeof(T)), 32, 2)         \
     MAXSIM_BWD_QROW(TNAME, s2, T, ACC, 1, 32, 2)                         \
     MAXSIM_BWD_QROW(TNAME, s8, T, ACC, 1, 32, 8)                         \
-    MAXSIM_BWD_DCHUNK(TNAME, w1, T, ACC, (16 / sizeof(T)), 1)            \
-    MAXSIM_BWD_DCHUNK(TNAME, w2, T, ACC, (16 / sizeof(T)), 2)            \
-    MAXSIM_BWD_DCHUNK(TNAME, w4, T, ACC, (16 / sizeof(T)), 4)            \
-    MAXSIM_BWD_DCHUNK(TNAME, c2, T, ACC, 1, 2)                           \
-    MAXSIM_BWD_DCHUNK(TNAME, c8, T, ACC, 1, 8)                           \
-    MAXSIM_BWD_DCHUNK(TNAME, c32, T, ACC, 1, 32)
+    MAXSIM_BWD_DCHUNK(TNAME, v, T, ACC, (8 / sizeof(T)))                 \
+    MAXSIM_BWD_DCHUNK(TNAME, s, T, ACC, 1)
 
 MAXSIM_BWD_DTYPE(f16, __half, float)
 MAXSIM_BWD_DTYPE(bf16, __nv_bfloat16, float)

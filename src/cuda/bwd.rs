@@ -91,22 +91,14 @@ fn row_variant(dtype: DType, dim: usize, aligned: bool) -> &'static str {
     }
 }
 
-/// grad_D chunk kernel variant (`maxsim_bwd_dd`): each of the 8 warps owns
-/// `wN` = N 16-byte chunks or `cN` = N single columns of a pass.
-fn chunk_variant(dtype: DType, dim: usize, aligned: bool) -> &'static str {
-    let vec = 16 / dtype.size_in_bytes();
-    if aligned && dim.is_multiple_of(vec) {
-        match dim.div_ceil(DD_WARPS * vec) {
-            0..=1 => "w1",
-            2 => "w2",
-            _ => "w4",
-        }
+/// grad_D chunk kernel variant (`maxsim_bwd_dd`): `v` loads Q in 8-byte
+/// chunks (dim a multiple of the chunk, Q 8-byte aligned), `s` element by element.
+fn chunk_variant(dtype: DType, dim: usize, q_ptr: u64) -> &'static str {
+    let vec = (8 / dtype.size_in_bytes()).max(1);
+    if q_ptr.is_multiple_of(8) && dim.is_multiple_of(vec) {
+        "v"
     } else {
-        match dim.div_ceil(DD_WARPS) {
-            0..=2 => "c2",
-            3..=8 => "c8",
-            _ => "c32",
-        }
+        "s"
     }
 }
 
@@ -127,11 +119,11 @@ fn resolve_mode(mode: Backward, pb: &Problem) -> Backward {
 }
 
 /// Rows per block of the grad_D chunk kernel and its dynamic shared memory:
-/// `[tc][dim | 1]` accumulators, then the warps' hit lists. Sized for two
+/// `[tc][dim]` accumulators, then the warps' hit lists. Sized for two
 /// blocks per SM where the device allows it; one block with all of the
 /// opt-in memory for wide rows.
 fn chunk_plan(dtype: DType, dim: usize, max_ld: usize, optin: usize) -> Result<(usize, usize, usize)> {
-    let row = (dim | 1) * if dtype == DType::F64 { 8 } else { 4 };
+    let row = dim * if dtype == DType::F64 { 8 } else { 4 };
     let lists = DD_WARPS * DD_LIST * 8;
     // Static shared memory and the per-block reservation come on top.
     let cap = optin.saturating_sub(1024);
@@ -243,7 +235,7 @@ pub(crate) fn maxsim_bwd(
             return Err(too_big());
         }
         (p.tc, p.d_chunks, p.list_off) = (tc as i32, chunks as i32, (smem - DD_WARPS * DD_LIST * 8) as i32);
-        let var = chunk_variant(dtype, dim, q_al);
+        let var = chunk_variant(dtype, dim, qp);
         let f = bwd_func(&dev, &format!("maxsim_bwd_dd_{tag}_{var}"), smem as u32)?;
         launch(&dev, &f, blocks as u32, (32 * DD_WARPS) as u32, smem as u32, &p)?;
         gd
