@@ -131,8 +131,8 @@ __device__ __forceinline__ void hidden_fwd(const HiddenParams& p) {
 
     // Each step: its tile landed and is visible to the tensor cores; the
     // stage LOOK steps ahead is refilled (its last reader, step it - 2, has
-    // completed: projection steps wait for their wgmma, MaxSim steps one
-    // step later).
+    // completed: every step waits for the wgmma group before its own, and
+    // each phase drains its groups at its end).
     auto begin_step = [&](int it) {
         cp_async_wait<C::LOOK - 1>();
         fence_proxy_async(); // this thread's copies and chunk stores, visible to the tensor cores
@@ -181,12 +181,13 @@ __device__ __forceinline__ void hidden_fwd(const HiddenParams& p) {
     for (int ci = 0; ci < nchunks; ++ci) {
         const int r0 = ci * BD;
         // The next chunk's hidden states (contiguous rows) stream into L2
-        // while this chunk is projected and scored.
-        if (tid < 16 && ci + 1 < nchunks) {
-            const size_t bytes = (size_t)min(BD, p.ld - r0 - BD) * p.dmodel * sizeof(T), piece = (bytes + 255) / 256 * 16;
-            const size_t off = tid * piece;
-            if (off < bytes) prefetch_l2(H + (size_t)(drow0 + r0 + BD) * p.dmodel, off, min(piece, bytes - off));
-        }
+        // while this chunk is projected and scored (the first chunk's too, at the start).
+        for (int pc = ci == 0 ? 0 : ci + 1; pc <= ci + 1 && pc < nchunks; ++pc)
+            if (tid < 16) {
+                const size_t bytes = (size_t)min(BD, p.ld - pc * BD) * p.dmodel * sizeof(T);
+                const size_t piece = (bytes + 255) / 256 * 16, off = tid * piece;
+                if (off < bytes) prefetch_l2(H + (size_t)(drow0 + pc * BD) * p.dmodel, off, min(piece, bytes - off));
+            }
         // Accumulators are zeroed where their lifetime starts: the wgmma asm
         // reads them ("+f"), which would otherwise keep them live across phases.
         float pacc[DPAD / 2]; // projection of this warpgroup's 64 chunk rows (m64 x DPAD)
@@ -202,9 +203,12 @@ __device__ __forceinline__ void hidden_fwd(const HiddenParams& p) {
                 WgmmaSS<T, DPAD>::run(pacc, wgmma_desc_sw128(a_addr + kk * 32), wgmma_desc_sw128(b_addr + kk * 32),
                                       s > 0 || kk > 0);
             wgmma_commit();
-            wgmma_wait<0>();
-            fence_regs<DPAD / 2>(pacc);
+            // The next step's wgmmas queue behind these (same accumulators, in
+            // order): only the group before is waited for, whose stage is refilled next.
+            wgmma_wait<1>();
         }
+        wgmma_wait<0>();
+        fence_regs<DPAD / 2>(pacc);
         // Bias, L2 norm of each row (its DPAD columns sit on one quad), rounded
         // once into the chunk tile. The previous chunk's MaxSim steps are done.
 #pragma unroll
