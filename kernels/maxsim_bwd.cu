@@ -362,7 +362,7 @@ template <typename T_, typename Acc_, int VEC_>
 struct DCfg {
     using T = T_;
     using Acc = Acc_;
-    static constexpr int VEC = VEC_, U = 8, WIN = 8;
+    static constexpr int VEC = VEC_, U = 8;
     // VEC accumulators of a row as one shared-memory access (conflict-free across the warp).
     struct alignas(sizeof(Acc_) * VEC_) Pack { Acc_ v[VEC_]; };
     struct alignas(sizeof(T_) * VEC_) Chunk { T_ v[VEC_]; };
@@ -445,40 +445,36 @@ __device__ void bwd_dchunk(const BwdParams& b) {
         more = __syncthreads_or(x < x_end);
         // Process: all lists in warp order; warp w applies the hits on its
         // rows (row % DD_WARPS == w), one hit at a time across its columns,
-        // so each accumulator row is updated by one warp in list order. The
-        // owned hits of a window of 32 * K::WIN entries are gathered U at a
-        // time, so each batch of Q loads is full (a warp owns ~1/8 of them).
+        // so each accumulator row is updated by one warp in list order.
         for (int w2 = 0; w2 < DD_WARPS; ++w2) {
             const int len = s_len[w2];
             const uint2* list = lists + w2 * DD_LIST;
-            for (int b0 = 0; b0 < len; b0 += 32 * K::WIN) {
-                uint32_t own = 0; // bit r: entry b0 + 32 r + lane is on a row of this warp
-#pragma unroll
-                for (int r = 0; r < K::WIN; ++r) {
-                    const int idx = b0 + 32 * r + lane;
-                    if (idx < len && (int)list[idx].x % DD_WARPS == warp) own |= 1u << r;
+            for (int b0 = 0; b0 < len; b0 += 32) {
+                int tl = -1, qrow = 0;
+                Acc gw = 0;
+                if (b0 + lane < len) {
+                    const uint2 h = list[b0 + lane];
+                    if ((int)h.x % DD_WARPS == warp) {
+                        const int k = (int)(h.y / (uint32_t)p.max_lq), s = (int)(h.y % (uint32_t)p.max_lq);
+                        const int pair = pair_of_d(b, j, k);
+                        tl = (int)h.x;
+                        qrow = q_rows(p, query_of_pair(p, pair)).begin + s;
+                        gw = (Acc)b.g[pair];
+                    }
                 }
-                int r = 0;
-                unsigned mask = __ballot_sync(BWD_FULL, own & 1u);
-                while (true) { // warp-uniform: the next U owned hits, in list order
+                unsigned mask = __ballot_sync(BWD_FULL, tl >= 0);
+                while (mask) { // warp-uniform: the next U owned hits, in list order
                     int rt[K::U], rq[K::U];
                     Acc rw[K::U];
 #pragma unroll
                     for (int u = 0; u < K::U; ++u) {
-                        while (mask == 0 && r + 1 < K::WIN) mask = __ballot_sync(BWD_FULL, (own >> ++r) & 1u);
-                        rt[u] = -1, rq[u] = 0, rw[u] = 0;
-                        if (mask) {
-                            // Every lane resolves the same entry (broadcast reads).
-                            const uint2 h = list[b0 + 32 * r + __ffs(mask) - 1];
-                            mask &= mask - 1;
-                            const int k = (int)(h.y / (uint32_t)p.max_lq), s = (int)(h.y % (uint32_t)p.max_lq);
-                            const int pair = pair_of_d(b, j, k);
-                            rt[u] = (int)h.x;
-                            rq[u] = q_rows(p, query_of_pair(p, pair)).begin + s;
-                            rw[u] = (Acc)b.g[pair];
-                        }
+                        const int src = mask ? __ffs(mask) - 1 : 0;
+                        const int t = __shfl_sync(BWD_FULL, tl, src);
+                        rt[u] = mask ? t : -1;
+                        rq[u] = __shfl_sync(BWD_FULL, qrow, src);
+                        rw[u] = __shfl_sync(BWD_FULL, gw, src);
+                        mask &= mask - 1;
                     }
-                    if (rt[0] < 0) break;
                     for (int col = lane * K::VEC; col < dim; col += 32 * K::VEC) {
                         typename K::Chunk x[K::U];
 #pragma unroll
