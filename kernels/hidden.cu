@@ -52,15 +52,22 @@ template <int ROWS> __device__ __forceinline__ int swz(int r, int ch) {
 
 // cp.async of rows [row0, row0 + ROWS) x columns [col0, col0 + 8 * NCH) of a
 // row-major [*, stride] matrix into a swizzled tile; rows >= nrows and
-// columns >= ncols are zero-filled (ncols % 8 == 0).
+// columns >= ncols are zero-filled (ncols % 8 == 0). A thread always copies
+// the same chunk of rows RPP apart (RPP % 8 == 0: the same swizzle phase),
+// so each copy is two adds past the first.
 template <typename C, int ROWS, int NCH, typename T>
 __device__ __forceinline__ void load_tile(T* dst, const T* src, int stride, int row0, int nrows, int col0, int ncols) {
-    const uint32_t base = (uint32_t)__cvta_generic_to_shared(dst);
-    for (int e = threadIdx.x; e < ROWS * NCH; e += C::NTHREADS) {
-        const int r = e / NCH, ch = e % NCH, col = col0 + ch * 8;
-        const bool ok = r < nrows && col < ncols;
-        const T* g = ok ? src + (size_t)(row0 + r) * stride + col : src;
-        cp_async16_s(base + swz<ROWS>(r, ch) * (int)sizeof(T), g, ok ? 16 : 0);
+    constexpr int RPP = C::NTHREADS / NCH;
+    static_assert(C::NTHREADS % NCH == 0 && ROWS % RPP == 0 && RPP % 8 == 0, "tile shape");
+    const int ch = threadIdx.x % NCH, r = threadIdx.x / NCH, col = col0 + ch * 8;
+    const bool col_ok = col < ncols;
+    const uint32_t d = (uint32_t)__cvta_generic_to_shared(dst + swz<ROWS>(r, ch));
+    const T* g = src + (size_t)(row0 + r) * stride + col;
+    const size_t step = (size_t)RPP * stride;
+#pragma unroll
+    for (int i = 0; i < ROWS / RPP; ++i, g += step) {
+        const bool ok = col_ok && r + i * RPP < nrows;
+        cp_async16_s(d + i * RPP * 64 * (int)sizeof(T), ok ? g : src, ok ? 16 : 0);
     }
 }
 
@@ -142,15 +149,27 @@ __device__ __forceinline__ void hidden_fwd(const HiddenParams& p) {
         return (uint32_t)__cvta_generic_to_shared(stages + (it % STAGES) * C::STAGE_ELEMS);
     };
     // Row maxima of a finished S tile (MaxSim step qs) into the running
-    // maxima; bit 2k + e of `valid`: this thread's column 8k + 2c + e is a valid row.
-    auto reduce_tile = [&](float* acc, int qs, uint32_t valid) {
+    // maxima; bit 2k + e of `valid`: this thread's column 8k + 2c + e is a
+    // valid row (`full`: all are, in every thread). Four independent max
+    // chains: with two warps per scheduler, a single chain's latency shows.
+    auto reduce_tile = [&](const float* acc, int qs, uint32_t valid, bool full) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            float m = MAXSIM_NEG_INF;
+            float m4[4] = {MAXSIM_NEG_INF, MAXSIM_NEG_INF, MAXSIM_NEG_INF, MAXSIM_NEG_INF};
+            if (full) {
 #pragma unroll
-            for (int k = 0; k < BD / 8; ++k)
+                for (int k = 0; k < BD / 8; ++k)
 #pragma unroll
-                for (int e = 0; e < 2; ++e) m = (valid >> (2 * k + e)) & 1u ? fmaxf(m, acc[4 * k + 2 * h + e]) : m;
+                    for (int e = 0; e < 2; ++e) m4[(2 * k + e) % 4] = fmaxf(m4[(2 * k + e) % 4], acc[4 * k + 2 * h + e]);
+            } else {
+#pragma unroll
+                for (int k = 0; k < BD / 8; ++k)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e)
+                        m4[(2 * k + e) % 4] = (valid >> (2 * k + e)) & 1u ? fmaxf(m4[(2 * k + e) % 4], acc[4 * k + 2 * h + e])
+                                                                          : m4[(2 * k + e) % 4];
+            }
+            float m = fmaxf(fmaxf(m4[0], m4[1]), fmaxf(m4[2], m4[3]));
             m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
             m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
             const int rl = qs * BQ + wg * 64 + warp * 16 + h * 8 + g;
@@ -160,7 +179,7 @@ __device__ __forceinline__ void hidden_fwd(const HiddenParams& p) {
     // MaxSim step qs: S = Q[64 query rows of this warpgroup] . chunk^T issued
     // into `acc`; the previous step's tile (in `prev`) reduced while it runs.
     const uint32_t chunk_addr = (uint32_t)__cvta_generic_to_shared(dchunk);
-    auto maxsim_step = [&](float* acc, float* prev, int it, int qs, uint32_t valid) {
+    auto maxsim_step = [&](float* acc, float* prev, int it, int qs, uint32_t valid, bool full) {
         const uint32_t a_addr = begin_step(it) + wg * 64 * 128;
         wgmma_fence();
 #pragma unroll
@@ -172,7 +191,7 @@ __device__ __forceinline__ void hidden_fwd(const HiddenParams& p) {
         if (qs > 0) {
             wgmma_wait<1>();
             fence_regs<BD / 2>(prev);
-            reduce_tile(prev, qs - 1, valid);
+            reduce_tile(prev, qs - 1, valid, full);
         }
     };
 
@@ -241,6 +260,7 @@ __device__ __forceinline__ void hidden_fwd(const HiddenParams& p) {
                 const bool ok = t < p.ld && (!p.d_valid || p.d_valid[drow0 + t]);
                 valid |= (uint32_t)ok << (2 * k + e);
             }
+        const bool full = __all_sync(0xffffffffu, valid == 0xffffffffu) != 0; // block-uniform in practice
 
         // MaxSim steps in pairs, so that both accumulators stay in registers.
         float acc0[BD / 2], acc1[BD / 2];
@@ -248,15 +268,15 @@ __device__ __forceinline__ void hidden_fwd(const HiddenParams& p) {
         for (int k = 0; k < BD / 2; ++k) acc0[k] = acc1[k] = 0.f;
         int qs = 0;
         for (; qs + 1 < qsteps; qs += 2, it += 2) {
-            maxsim_step(acc0, acc1, it, qs, valid);
-            maxsim_step(acc1, acc0, it + 1, qs + 1, valid);
+            maxsim_step(acc0, acc1, it, qs, valid, full);
+            maxsim_step(acc1, acc0, it + 1, qs + 1, valid, full);
         }
-        if (qs < qsteps) maxsim_step(acc0, acc1, it++, qs++, valid);
+        if (qs < qsteps) maxsim_step(acc0, acc1, it++, qs++, valid, full);
         wgmma_wait<0>();
         fence_regs<BD / 2>(acc0);
         fence_regs<BD / 2>(acc1);
-        if ((qsteps - 1) % 2) reduce_tile(acc1, qsteps - 1, valid);
-        else reduce_tile(acc0, qsteps - 1, valid);
+        if ((qsteps - 1) % 2) reduce_tile(acc1, qsteps - 1, valid, full);
+        else reduce_tile(acc0, qsteps - 1, valid, full);
     }
     cp_async_wait<0>();
     __syncthreads();
