@@ -40,7 +40,7 @@ pub(crate) mod cuda;
 pub use layers::{MaxSim, MaxSimPairwise, EMPTY_DOC_SCORE};
 pub use ops::dense::{maxsim, maxsim_pairs, maxsim_pairs_with, maxsim_with, maxsim_with_argmax};
 pub use ops::hidden::maxsim_from_hidden;
-#[cfg(feature = "cuda")]
+#[doc(hidden)]
 pub use ops::hidden::maxsim_from_hidden_fused;
 pub use ops::l2_normalize;
 pub use ops::residual::{

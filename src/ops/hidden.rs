@@ -48,7 +48,6 @@ pub fn maxsim_from_hidden(
 /// it does not apply (see there). For tests and benchmarks that must know
 /// which path ran.
 #[doc(hidden)]
-#[cfg(feature = "cuda")]
 pub fn maxsim_from_hidden_fused(
     q: &Tensor,
     h_d: &Tensor,
@@ -58,7 +57,13 @@ pub fn maxsim_from_hidden_fused(
     normalize: bool,
 ) -> Result<Option<Tensor>> {
     check(q, h_d, w, b, d_mask)?;
-    crate::cuda::from_hidden_fwd(q, h_d, w, b, d_mask, normalize)
+    #[cfg(feature = "cuda")]
+    return crate::cuda::from_hidden_fwd(q, h_d, w, b, d_mask, normalize);
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = normalize;
+        Ok(None)
+    }
 }
 
 /// Validates the arguments; returns `(Nd, Ld, dmodel, dout)`.
