@@ -8,7 +8,8 @@
 //!       [--normalize] [--hidden]
 //!
 //! `--train` times fwd+bwd (sum of the scores, backward) for each `Backward`
-//! mode on colpali_train and colbert_train; the peak memory of a step counts
+//! mode on colpali_train and colbert_train, and LowMem through
+//! `maxsim_value_and_grads` (`lowmem_grads`, outside candle's autograd); the peak memory of a step counts
 //! what it needs beyond Q, D and the gradients a training loop keeps (as the
 //! peers' script measures). `--normalize` scores L2-normalized Q and D. `--plaid-approx` times
 //! `plaid_approx_score` instead (issue 5's case: 65 536 centroids, Lq 32,
@@ -347,6 +348,23 @@ fn main() -> Result<()> {
                     let f: Box<Op> = Box::new(move || t.step());
                     Ok((name, f))
                 })
+                .chain((!args.normalize).then(|| {
+                    // The same LowMem kernels outside candle's autograd
+                    // (`maxsim_value_and_grads`): the gradients are allocated
+                    // once; the previous step's are kept until the next begins.
+                    let (q, d) = (q.clone(), d.clone());
+                    let prev = std::cell::RefCell::new(None::<(Tensor, Tensor)>);
+                    let f: Box<Op> = Box::new(move || {
+                        drop(prev.borrow_mut().take());
+                        let (_, gq, gd) =
+                            candle_maxsim::maxsim_value_and_grads(&q, &d, None, None, Backward::LowMem, |s| {
+                                s.ones_like()
+                            })?;
+                        *prev.borrow_mut() = Some((gq, gd.clone()));
+                        Ok(gd)
+                    });
+                    Ok(("lowmem_grads", f))
+                }))
                 .collect::<Result<_>>()?
         } else {
             let opts = MaxSimOptions { normalize: args.normalize, ..Default::default() };

@@ -38,7 +38,9 @@ pub mod reference;
 pub(crate) mod cuda;
 
 pub use layers::{MaxSim, MaxSimPairwise, EMPTY_DOC_SCORE};
-pub use ops::dense::{maxsim, maxsim_pairs, maxsim_pairs_with, maxsim_with, maxsim_with_argmax};
+pub use ops::dense::{
+    maxsim, maxsim_pairs, maxsim_pairs_with, maxsim_value_and_grads, maxsim_with, maxsim_with_argmax,
+};
 pub use ops::hidden::maxsim_from_hidden;
 #[doc(hidden)]
 pub use ops::hidden::maxsim_from_hidden_fused;

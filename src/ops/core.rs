@@ -154,11 +154,19 @@ impl CustomOp2 for MaxSimOp {
     }
 
     fn bwd(&self, q: &Tensor, d: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let (gq, gd) = self.grads(q, d, grad)?;
+        Ok((Some(gq), Some(gd)))
+    }
+}
+
+impl MaxSimOp {
+    /// `(grad_q, grad_d)` of `Σ grad ⊙ scores` (`grad` `[n_pairs]`), from the
+    /// saved argmax (or a recomputed one); `q`, `d` contiguous, as the forward saw them.
+    pub fn grads(&self, q: &Tensor, d: &Tensor, grad: &Tensor) -> Result<(Tensor, Tensor)> {
         let argmax = self.argmax(q, d)?;
         #[cfg(feature = "cuda")]
         if q.device().is_cuda() {
-            let (gq, gd) = crate::cuda::maxsim_bwd(&self.problem, self.backward, q, d, &argmax, grad)?;
-            return Ok((Some(gq), Some(gd)));
+            return crate::cuda::maxsim_bwd(&self.problem, self.backward, q, d, &argmax, grad);
         }
         let qv = Self::host_flags(&self.problem.q_valid)?;
         let dv = Self::host_flags(&self.problem.d_valid)?;
@@ -185,6 +193,6 @@ impl CustomOp2 for MaxSimOp {
                 )
             }
         };
-        Ok((Some(gq), Some(gd)))
+        Ok((gq, gd))
     }
 }

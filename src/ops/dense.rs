@@ -42,6 +42,39 @@ pub fn maxsim_with_argmax(
     Ok((scores.reshape((a, b))?, argmax.reshape((a, b, lq))?))
 }
 
+/// Scores and the gradients of a loss of them, outside candle's autograd:
+/// `dloss` maps the scores (`[Nq, Nd]` F32, or `[Nq, K]` for the KD layout)
+/// to dLoss/dscores of the same shape (it may run candle autograd on that
+/// small tensor, e.g. a cross-entropy). Returns `(scores, grad_q, grad_d)`;
+/// each gradient is allocated once, in the inputs' dtype, by the `backward`
+/// mode's kernels.
+///
+/// For training loops bound by memory: candle 0.11's `backward` files every
+/// gradient as `zeros_like` + `add`, so three D-sized buffers exist while
+/// grad_D is filed; here there is one (plus the argmax, freed on return).
+/// The gradients are those of `maxsim` (no `normalize`: apply
+/// [`crate::l2_normalize`] to the inputs' producers instead).
+pub fn maxsim_value_and_grads(
+    q: &Tensor,
+    d: &Tensor,
+    q_mask: Option<&Tensor>,
+    d_mask: Option<&Tensor>,
+    backward: Backward,
+    dloss: impl FnOnce(&Tensor) -> Result<Tensor>,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let dense = Dense::new(q, d, q_mask, d_mask, &MaxSimOptions { normalize: false, backward })?;
+    let (qc, dc) = (dense.q.contiguous()?, dense.d.contiguous()?);
+    let op = MaxSimOp { save_argmax: true, ..MaxSimOp::new(dense.problem, dense.backward) };
+    let scores = qc.apply_op2_no_bwd(&dc, &op)?.reshape(dense.out_shape)?;
+    let g = dloss(&scores)?;
+    if g.dims() != scores.dims() {
+        bail!("dloss: returned shape {:?}, expected the scores' {:?}", g.dims(), scores.dims())
+    }
+    let g = g.to_device(q.device())?.flatten_all()?;
+    let (gq, gd) = op.grads(&qc, &dc, &g)?;
+    Ok((scores, gq, gd))
+}
+
 /// A dense call lowered to packed rows.
 struct Dense {
     problem: Problem,

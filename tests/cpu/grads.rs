@@ -256,3 +256,11 @@ fn residual_grad_to_q() -> Result<()> {
 fn second_backward_recomputes_argmax() -> candle_core::Result<()> {
     crate::common::second_backward_matches(&candle_core::Device::Cpu, candle_core::DType::F32)
 }
+
+#[test]
+fn value_and_grads_without_autograd() -> candle_core::Result<()> {
+    for dt in [candle_core::DType::F32, candle_core::DType::F64] {
+        crate::common::value_and_grads_match_autograd(&candle_core::Device::Cpu, dt)?;
+    }
+    Ok(())
+}

@@ -999,6 +999,16 @@ fn second_backward_recomputes_argmax() -> Result<()> {
     Ok(())
 }
 
+/// `maxsim_value_and_grads` equals candle autograd through the same kernels.
+#[test]
+fn value_and_grads_cuda() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    for dt in DTYPES {
+        value_and_grads_match_autograd(&dev, dt)?;
+    }
+    Ok(())
+}
+
 /// The fused projection head (Hopper) against `reference` in F32 on the same
 /// rounded inputs: partial 128-row chunks, dmodel not a multiple of 64, dout
 /// 48 / 96 / 128, masks with an all-masked document, no bias, and enough
