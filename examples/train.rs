@@ -2,7 +2,9 @@
 //! fixed token features, in-batch negatives (cross-entropy over the
 //! `[B, B]` score matrix, the diagonal as positives), AdamW. Prints the loss
 //! of each step, the step time and (CUDA) peak device memory, for the fused
-//! op and for the same step with `reference` scoring.
+//! op under candle's autograd, for the same kernels through
+//! `maxsim_value_and_grads` (gradients of the scores' loss filed once, then
+//! chained into the head), and for the same step with `reference` scoring.
 //!
 //!   cargo run --release --example train -- [--steps 30] [--batch 32] [--cuda]
 
@@ -23,13 +25,35 @@ pub struct Config {
     pub dmodel: usize,
     pub dout: usize,
     pub lr: f64,
-    pub fused: bool,
+    pub scoring: Scoring,
     pub seed_docs: usize,
+}
+
+/// How the step scores and differentiates.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Scoring {
+    /// `maxsim_with` under candle's autograd.
+    Fused,
+    /// `maxsim_value_and_grads`: MaxSim's gradients without autograd,
+    /// chained into the head through a surrogate loss Σ q ⊙ grad_q + Σ d ⊙ grad_d.
+    Grads,
+    /// `reference::maxsim_with` (materializing) under autograd.
+    Reference,
 }
 
 impl Default for Config {
     fn default() -> Self {
-        Self { steps: 30, batch: 32, lq: 16, ld: 64, dmodel: 96, dout: 32, lr: 1e-2, fused: true, seed_docs: 512 }
+        Self {
+            steps: 30,
+            batch: 32,
+            lq: 16,
+            ld: 64,
+            dmodel: 96,
+            dout: 32,
+            lr: 1e-2,
+            scoring: Scoring::Fused,
+            seed_docs: 512,
+        }
     }
 }
 
@@ -80,15 +104,44 @@ pub fn run(cfg: &Config, dev: &Device, verbose: bool) -> Result<Vec<f32>> {
         let t0 = Instant::now();
         let (q, d) = task.batch(cfg, step, dev)?;
         let (qp, dp) = (head.forward(&q)?, head.forward(&d)?);
-        let scores = if cfg.fused {
-            candle_maxsim::maxsim_with(&qp, &dp, None, None, &opts)?
-        } else {
-            candle_maxsim::reference::maxsim_with(&qp, &dp, None, None, &opts)?
-        };
         // Temperature: normalized MaxSim lies in [-Lq, Lq].
-        let logits = (scores * (20.0 / cfg.lq as f64))?;
-        let l = loss::cross_entropy(&logits, &targets)?;
-        opt.backward_step(&l)?;
+        let temp = 20.0 / cfg.lq as f64;
+        let (logits, l) = match cfg.scoring {
+            Scoring::Fused | Scoring::Reference => {
+                let scores = if cfg.scoring == Scoring::Fused {
+                    candle_maxsim::maxsim_with(&qp, &dp, None, None, &opts)?
+                } else {
+                    candle_maxsim::reference::maxsim_with(&qp, &dp, None, None, &opts)?
+                };
+                let logits = (scores * temp)?;
+                let l = loss::cross_entropy(&logits, &targets)?;
+                opt.backward_step(&l)?;
+                (logits, l)
+            }
+            Scoring::Grads => {
+                let (qn, dn) = (candle_maxsim::l2_normalize(&qp)?, candle_maxsim::l2_normalize(&dp)?);
+                let mut out = None;
+                let (_, gq, gd) = candle_maxsim::maxsim_value_and_grads(
+                    &qn.detach(),
+                    &dn.detach(),
+                    None,
+                    None,
+                    candle_maxsim::Backward::LowMem,
+                    |s| {
+                        let sv = candle_core::Var::from_tensor(s)?;
+                        let logits = (sv.as_tensor() * temp)?;
+                        let l = loss::cross_entropy(&logits, &targets)?;
+                        let g = l.backward()?.remove(sv.as_tensor()).expect("gradient of the scores");
+                        out = Some((logits.detach(), l.detach()));
+                        Ok(g)
+                    },
+                )?;
+                // d/dθ of Σ qn ⊙ grad_q + Σ dn ⊙ grad_d is the loss's gradient for the head.
+                let surrogate = ((&qn * &gq)?.sum_all()? + (&dn * &gd)?.sum_all()?)?;
+                opt.backward_step(&surrogate)?;
+                out.expect("dloss ran")
+            }
+        };
         let lv = l.to_scalar::<f32>()?;
         dev.synchronize()?;
         let acc = logits.argmax(D::Minus1)?.eq(&targets)?.to_dtype(DType::F32)?.mean_all()?.to_scalar::<f32>()?;
@@ -112,9 +165,9 @@ fn main() -> Result<()> {
     };
     let dev = if args.iter().any(|a| a == "--cuda") { Device::new_cuda(0)? } else { Device::Cpu };
     let base = Config { steps: get("--steps", 30), batch: get("--batch", 32), ..Default::default() };
-    for fused in [true, false] {
-        let cfg = Config { fused, ..base.clone() };
-        println!("== {} scoring on {dev:?}", if fused { "fused" } else { "reference" });
+    for scoring in [Scoring::Fused, Scoring::Grads, Scoring::Reference] {
+        let cfg = Config { scoring, ..base.clone() };
+        println!("== {scoring:?} scoring on {dev:?}");
         let base_mem = mem::reset();
         let t0 = Instant::now();
         let losses = run(&cfg, &dev, true)?;
