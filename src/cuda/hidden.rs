@@ -36,7 +36,8 @@ const STAGES: usize = 5;
 const THREADS: u32 = 256;
 
 /// Dynamic shared memory of a block: stages, the projected chunk, bias,
-/// running maxima of `q_chunk` query rows, chunk row flags, 1024 B of alignment slack.
+/// running maxima of `q_chunk` query rows, 1024 B of alignment slack (and
+/// BD spare bytes; the kernel traps if this does not cover its layout).
 fn smem_bytes(dpad: usize, q_chunk: usize) -> usize {
     let stage = ((BD + dpad) * KS).max(BQ * dpad);
     1024 + (STAGES * stage + BD * dpad) * 2 + dpad * 4 + q_chunk * 4 + BD
