@@ -51,7 +51,8 @@ fn aligned(t: &Tensor) -> Result<Tensor> {
 
 /// Fused `[Nq, Nd]` F32 scores, or `None` where the fused kernel does not
 /// apply (not compute capability 9.0, not F16/BF16, dout over 128 or not a
-/// multiple of 8, dmodel not a multiple of 8, empty or oversized shapes):
+/// multiple of 8, dmodel not a multiple of 8, empty or oversized shapes,
+/// including Ld = 0 and dout = 0):
 /// the caller then composes linear, normalize and MaxSim. Arguments are
 /// validated by the caller.
 pub(crate) fn from_hidden_fwd(
@@ -69,10 +70,13 @@ pub(crate) fn from_hidden_fwd(
     if info.cc != 90 || !matches!(q.dtype(), DType::F16 | DType::BF16) {
         return Ok(None);
     }
-    if dout % 8 != 0 || dout > 128 || dmodel % 8 != 0 || dmodel == 0 || nq * lq * nd == 0 {
+    if dout == 0 || dout % 8 != 0 || dout > 128 || dmodel % 8 != 0 || dmodel == 0 || nq * lq * nd * ld == 0 {
         return Ok(None);
     }
-    if nd * ld >= i32::MAX as usize || nq * lq >= i32::MAX as usize || nd * nq >= i32::MAX as usize {
+    // The kernel's row arithmetic is 32-bit, including a query chunk (under
+    // 2^16 rows) or a document chunk past the last row.
+    let limit = i32::MAX as usize - (1 << 16);
+    if nd * ld > limit || nq * lq > limit || nd * nq > limit {
         return Ok(None);
     }
     let dpad = if dout <= 64 { 64 } else { 128 };
