@@ -277,7 +277,12 @@ fn residual_bench(dev: &Device, args: &Args) -> Result<()> {
 /// bias + `l2_normalize` + `maxsim` (this crate's ops), forward and fwd+bwd.
 fn hidden_bench(dev: &Device, args: &Args) -> Result<()> {
     let (dmodel, dout) = (768usize, 128usize);
-    let cases = [("hidden_rerank", [1usize, 1000, 32, 300]), ("hidden_inbatch", [128, 128, 32, 1024])];
+    // The third: few documents, many queries (the grid splits the queries so every SM works).
+    let cases = [
+        ("hidden_rerank", [1usize, 1000, 32, 300]),
+        ("hidden_inbatch", [128, 128, 32, 1024]),
+        ("hidden_fewdocs", [1000, 4, 32, 300]),
+    ];
     for (name, [nq, nd, lq, ld]) in cases {
         let q = candle_maxsim::l2_normalize(&Tensor::randn(0f32, 1., (nq, lq, dout), dev)?)?.to_dtype(args.dtype)?;
         let h = Tensor::randn(0f32, 1., (nd, ld, dmodel), dev)?.to_dtype(args.dtype)?;

@@ -87,8 +87,11 @@ pub(crate) fn from_hidden_fwd(
     if max_queries == 0 {
         return Ok(None);
     }
-    let chunks = nq.div_ceil(max_queries);
+    // Few documents: split the queries further so that every SM gets a block
+    // (each query chunk projects its document again, cheap next to MaxSim).
+    let chunks = nq.div_ceil(max_queries).max((info.sm_count as usize).div_ceil(nd).min(nq));
     let q_chunk = nq.div_ceil(chunks) * lq;
+    let chunks = (nq * lq).div_ceil(q_chunk);
     let smem = smem_bytes(dpad, q_chunk);
 
     let (q, h, w) = (aligned(q)?, aligned(h)?, aligned(w)?);

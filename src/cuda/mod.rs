@@ -14,7 +14,9 @@ pub(crate) use fwd::{maxsim_argmax, maxsim_fwd, Variant};
 pub(crate) use hidden::from_hidden_fwd;
 pub(crate) use normalize::{l2norm_bwd, l2norm_fwd};
 pub(crate) use plaid::plaid_approx;
-pub(crate) use residual::{decompress as decompress_residual, residual_scores, ResidualDev};
+pub(crate) use residual::{
+    decompress as decompress_residual, residual_scores, residual_scores_warp, ResidualDev, WarpDocs,
+};
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
@@ -92,6 +94,7 @@ fn module_for(info: &DeviceInfo, m: &Modules) -> (&'static str, &'static str) {
 const FWD: Modules = Modules { sm75: ptx::MAXSIM_FWD_SM75, sm80: ptx::MAXSIM_FWD_SM80, sm90a: ptx::MAXSIM_FWD_SM90A };
 const BWD: Modules = Modules { sm75: ptx::MAXSIM_BWD_SM75, sm80: ptx::MAXSIM_BWD_SM80, sm90a: ptx::MAXSIM_BWD_SM90A };
 const HIDDEN: Modules = Modules { sm75: ptx::HIDDEN_SM75, sm80: ptx::HIDDEN_SM80, sm90a: ptx::HIDDEN_SM90A };
+const RESIDUAL: Modules = Modules { sm75: ptx::RESIDUAL_SM75, sm80: ptx::RESIDUAL_SM80, sm90a: ptx::RESIDUAL_SM90A };
 const NORMALIZE: Modules =
     Modules { sm75: ptx::NORMALIZE_SM75, sm80: ptx::NORMALIZE_SM80, sm90a: ptx::NORMALIZE_SM90A };
 

@@ -1,13 +1,150 @@
-//! PLAID residual scoring on CUDA: the fused forward (tokens decompressed
-//! inside the MaxSim tile loader, never written to device memory) and a
-//! standalone decompression kernel for the gradient path.
+//! PLAID residual scoring on CUDA: the fused forwards (tokens decompressed
+//! straight into tensor-core fragments by kernels/residual.cu for queries of
+//! up to 32 rows, inside the MaxSim tile loader otherwise; never written to
+//! device memory) and a standalone decompression kernel for the gradient path.
 
-use super::fwd::{fwd_launch, Params, Variant};
-use super::{device_info, fwd_func, storage_ptr, tensor_ptr};
-use crate::layout::Problem;
-use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+use super::fwd::{dtype_tag, fwd_launch, Params, Variant};
+use super::{alloc_out, device_info, fwd_func, launch, load_func, storage_ptr, tensor_ptr, RESIDUAL};
+use crate::layout::{Pairing, Problem, Seqs};
+use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::WrapErr;
-use candle_core::{bail, CudaStorage, DType, Result, Storage, Tensor};
+use candle_core::{bail, CudaStorage, DType, Layout, Result, Storage, Tensor};
+
+/// Mirror of `ResScoreParams` in kernels/residual.cu.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+struct ResScoreParams {
+    q: u64,
+    centroids: u64,
+    buckets: u64,
+    codes: u64,
+    residuals: u64,
+    cu_d: u64,
+    d_lens: u64,
+    out: u64,
+    work: u64,
+    nq: i32,
+    nd: i32,
+    lq: i32,
+    ld: i32,
+    n_centroids: i32,
+    nbits: i32,
+    colbert_order: i32,
+    normalize: i32,
+    codes_i64: i32,
+}
+// SAFETY: plain old data with the layout of the C struct.
+unsafe impl DeviceRepr for ResScoreParams {}
+
+/// How the compressed documents' tokens are laid out for the warp kernel.
+pub(crate) enum WarpDocs<'a> {
+    /// Packed: the problem's `cu_d` offsets.
+    Packed,
+    /// Padded `[Nd, Ld]`: document j is rows `j·Ld ..`, `lens[j]` of them (U32, validated).
+    Padded(&'a Tensor),
+}
+
+/// Fused residual scores `[Nq·Nd]` F32 by kernels/residual.cu (a warp per
+/// (query, document), tokens decoded into MMA fragments), or `None` where it
+/// does not apply: compute capability under 8.0, queries over 32 rows or
+/// with masks, dims other than 64 / 96 / 128, a pair list. `q` `[Nq·Lq, dim]`
+/// F16/BF16, normalized by the caller if asked; `codes` U32 or I64 (any
+/// shape, one per token row), checked against the centroid count by the
+/// kernel itself (one 4-byte read-back, no separate pass over the codes).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn residual_scores_warp(
+    pb: &Problem,
+    q: &Tensor,
+    codes: &Tensor,
+    residuals: &Tensor,
+    centroids: &Tensor,
+    buckets: &Tensor,
+    (nbits, colbert_order, normalize): (usize, bool, bool),
+    docs: WarpDocs,
+) -> Result<Option<Tensor>> {
+    let candle_core::Device::Cuda(dev) = q.device() else { return Ok(None) };
+    let (Seqs::Uniform { n: nq, len: lq }, Pairing::Cross { nd, .. }) = (&pb.q, &pb.pairs) else {
+        return Ok(None);
+    };
+    let (nq, lq, nd, dim) = (*nq, *lq, *nd, pb.dim);
+    if device_info(dev)?.cc < 80
+        || tile_pinned()
+        || pb.q_valid.is_some()
+        || !matches!(q.dtype(), DType::F16 | DType::BF16)
+        || !matches!(codes.dtype(), DType::U32 | DType::I64)
+        || !matches!(dim, 64 | 96 | 128)
+        || !matches!(nbits, 2 | 4 | 8)
+        || lq == 0
+        || lq > 32
+        || nq * nd >= i32::MAX as usize
+        || codes.elem_count() >= i32::MAX as usize
+    {
+        return Ok(None);
+    }
+    let (cu, lens, ld) = match (&docs, &pb.d) {
+        (WarpDocs::Packed, Seqs::Packed { cu_dev, .. }) => (Some(cu_dev.contiguous()?), None, 0),
+        (WarpDocs::Padded(l), Seqs::Uniform { len, .. }) => (None, Some(l.contiguous()?), *len),
+        _ => return Ok(None),
+    };
+    let aligned = |t: &Tensor, a: u64| -> Result<Tensor> {
+        let t = t.contiguous()?;
+        Ok(if tensor_ptr(&t)? % a == 0 { t } else { t.copy()? })
+    };
+    // Centroids in their own 16-bit dtype (no per-call cast); others in the query's.
+    let cents = match centroids.dtype() {
+        DType::F16 | DType::BF16 => aligned(centroids, 16)?,
+        _ => aligned(&centroids.to_dtype(q.dtype())?, 16)?,
+    };
+    let q = aligned(q, 8)?;
+    let codes = codes.flatten_all()?.contiguous()?;
+    let residuals = aligned(&residuals.flatten_all()?, 16)?;
+    let buckets = buckets.to_dtype(DType::F32)?.contiguous()?;
+    let out = alloc_out(dev, DType::F32, nq * nd)?;
+    let work = Tensor::zeros(2, DType::U32, q.device())?;
+    let n_c = cents.dim(0)?;
+    let params = ResScoreParams {
+        q: tensor_ptr(&q)?,
+        centroids: tensor_ptr(&cents)?,
+        buckets: tensor_ptr(&buckets)?,
+        codes: tensor_ptr(&codes)?,
+        residuals: tensor_ptr(&residuals)?,
+        cu_d: cu.as_ref().map(tensor_ptr).transpose()?.unwrap_or(0),
+        d_lens: lens.as_ref().map(tensor_ptr).transpose()?.unwrap_or(0),
+        out: storage_ptr(&out, &Layout::contiguous(nq * nd))?,
+        work: tensor_ptr(&work)?,
+        nq: nq as i32,
+        nd: nd as i32,
+        lq: lq as i32,
+        ld: ld as i32,
+        n_centroids: n_c.min(i32::MAX as usize) as i32,
+        nbits: nbits as i32,
+        colbert_order: colbert_order as i32,
+        normalize: normalize as i32,
+        codes_i64: (codes.dtype() == DType::I64) as i32,
+    };
+    let name = format!("maxsim_res_{}_{}_d{dim}", dtype_tag(q.dtype()), dtype_tag(cents.dtype()));
+    let func = load_func(dev, &name, 0, "residual", &RESIDUAL)?;
+    // A persistent grid: warps take (query, document) tasks from a counter.
+    let per_sm = func.occupancy_max_active_blocks_per_multiprocessor(THREADS, 0, None).w()?.max(1) as usize;
+    let blocks = (device_info(dev)?.sm_count as usize * per_sm).min((nq * nd).div_ceil(THREADS as usize / 32));
+    launch(dev, &func, blocks.max(1) as u32, THREADS, 0, &params)?;
+    let flags: Vec<u32> = work.to_vec1()?;
+    if flags[1] != 0 {
+        bail!("codes: a code of a scored token is out of range for {n_c} centroids")
+    }
+    drop((q, codes, residuals, cents, buckets, cu, lens));
+    Ok(Some(Tensor::from((Storage::Cuda(out), nq * nd))))
+}
+
+/// Threads per block of kernels/residual.cu (its launch bounds).
+const THREADS: u32 = 128;
+
+/// `CANDLE_MAXSIM_RESIDUAL=tile` keeps every residual call on the tile
+/// kernels (to compare the two in one process); read once.
+fn tile_pinned() -> bool {
+    static PINNED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *PINNED.get_or_init(|| std::env::var("CANDLE_MAXSIM_RESIDUAL").is_ok_and(|v| v == "tile"))
+}
 
 /// Compressed documents on the device, validated by the caller: `codes`
 /// `[T]` U32 (every code < the number of centroids), `residuals` `[T, dim·nbits/8]`

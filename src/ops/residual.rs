@@ -274,12 +274,14 @@ fn max_u32(x: &Tensor) -> Result<u32> {
     Tensor::cat(&parts, 0)?.max(0)?.to_scalar::<u32>()
 }
 
-/// CUDA: decompression on the device, fused into the MaxSim tile loader when
-/// `q` needs no gradient (the dense documents never reach device memory), or
+/// CUDA: decompression on the device, fused into the scoring kernel when `q`
+/// needs no gradient (the dense documents never reach device memory: a warp
+/// kernel for queries of up to 32 rows, the MaxSim tile loader otherwise), or
 /// by a decompression kernel feeding the dense op when it does. `None` where
 /// the fused kernels do not apply (F32 queries, dims not a multiple of 8 or
 /// over 128, dim·nbits not a multiple of 32): those take the host path. `valid` masks padded token slots,
-/// whose codes may hold anything. `q` is `[Tq, dim]`, not yet normalized.
+/// whose codes may hold anything; `doc_lens` gives the same for the warp kernel
+/// (padded layout). `q` is `[Tq, dim]`, not yet normalized.
 #[cfg(feature = "cuda")]
 fn residual_on_cuda(
     q: &Tensor,
@@ -288,6 +290,7 @@ fn residual_on_cuda(
     codec: &ResidualCodec,
     normalize: bool,
     valid: Option<&Tensor>,
+    doc_lens: Option<&Tensor>,
     problem: Problem,
 ) -> Result<Option<Tensor>> {
     let candle_core::Device::Cuda(dev) = q.device() else { return Ok(None) };
@@ -301,8 +304,19 @@ fn residual_on_cuda(
     if t == 0 || n_out == 0 {
         return Tensor::zeros(n_out, DType::F32, q.device()).map(Some);
     }
-    let res = codec.on_device(codes, residuals, valid, q.dtype(), normalize)?;
     let q = if normalize { crate::l2_normalize(q)? } else { q.clone() };
+    if !q.track_op() {
+        let docs = match doc_lens {
+            Some(l) => crate::cuda::WarpDocs::Padded(l),
+            None => crate::cuda::WarpDocs::Packed,
+        };
+        let flags = (codec.nbits, codec.bit_order == BitOrder::ColBert, normalize);
+        let (c, b) = (&codec.centroids, &codec.bucket_weights);
+        if let Some(s) = crate::cuda::residual_scores_warp(&problem, &q, codes, residuals, c, b, flags, docs)? {
+            return Ok(Some(s));
+        }
+    }
+    let res = codec.on_device(codes, residuals, valid, q.dtype(), normalize)?;
     if q.track_op() {
         // Training: dense documents for the closed-form gradient to q.
         let d = crate::cuda::decompress_residual(&res, q.dtype(), dim)?;
@@ -360,6 +374,7 @@ pub fn maxsim_residual(
         codec,
         normalize,
         Some(&d_valid),
+        Some(doc_lens),
         problem.clone(),
     )? {
         return s.reshape((nq, nd));
@@ -408,7 +423,7 @@ pub fn maxsim_residual_varlen(
     };
     #[cfg(feature = "cuda")]
     if let Some(s) =
-        residual_on_cuda(&q.reshape((nq * lq, dim))?, codes, residuals, codec, normalize, None, problem.clone())?
+        residual_on_cuda(&q.reshape((nq * lq, dim))?, codes, residuals, codec, normalize, None, None, problem.clone())?
     {
         return s.reshape((nq, nd));
     }

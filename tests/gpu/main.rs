@@ -633,7 +633,11 @@ fn codec_on(c: &ms::ResidualCodec, dev: &Device) -> Result<ms::ResidualCodec> {
 fn residual_cuda() -> Result<()> {
     let Some(dev) = gpu() else { return Ok(()) };
     let cpu = Device::Cpu;
-    for (dim, nq, lq, nd, ld) in [(128, 3, 32, 40, 150), (64, 2, 20, 33, 70), (96, 1, 32, 25, 300), (48, 4, 8, 9, 64)] {
+    // Queries of up to 32 rows at dims 64 / 96 / 128 take the warp kernel
+    // (kernels/residual.cu); 40 rows and dim 48 the tile kernels.
+    for (dim, nq, lq, nd, ld) in
+        [(128, 3, 32, 40, 150), (64, 2, 20, 33, 70), (96, 1, 32, 25, 300), (48, 4, 8, 9, 64), (128, 2, 40, 20, 90)]
+    {
         for nbits in [2usize, 4, 8] {
             for order in [ms::BitOrder::ColBert, ms::BitOrder::Lsb] {
                 let (c, codes, res, lens) = residual_docs(nd, ld, dim, nbits, order, (dim * nbits) as u64)?;
@@ -719,6 +723,32 @@ fn residual_cuda() -> Result<()> {
         false,
     )
     .expect_err("negative code");
+    assert!(e.to_string().contains("codes"), "{e}");
+    // The same through the warp kernel's own check: a U32 code past the
+    // centroids in a packed document, and in a padded one.
+    let pcodes = Tensor::new(&[3u32, 97, 5], &cpu)?;
+    let pres = res.reshape((12 * 80, 64))?.narrow(0, 0, 3)?;
+    let e = ms::maxsim_residual_varlen(
+        &q.to_device(&dev)?,
+        &pcodes.to_device(&dev)?,
+        &pres.to_device(&dev)?,
+        &Tensor::new(&[0u32, 1, 3], &cpu)?.to_device(&dev)?,
+        2,
+        &cg,
+        false,
+    )
+    .expect_err("code 97 of 97 centroids");
+    assert!(e.to_string().contains("codes"), "{e}");
+    let e = ms::maxsim_residual(
+        &q.to_device(&dev)?,
+        &codes.to_dtype(DType::U32)?.slice_assign(&[3..4, 0..1], &Tensor::new(&[[200u32]], &cpu)?)?.to_device(&dev)?,
+        &res.to_device(&dev)?,
+        // Only document 3's first token is scored.
+        &Tensor::new(&[0u32, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0], &cpu)?.to_device(&dev)?,
+        &cg,
+        false,
+    )
+    .expect_err("code 200 of 97 centroids");
     assert!(e.to_string().contains("codes"), "{e}");
     Ok(())
 }
