@@ -271,3 +271,46 @@ fn value_and_grads_without_autograd() -> candle_core::Result<()> {
     }
     Ok(())
 }
+
+/// `maxsim_from_hidden`'s closed-form backward against autograd through
+/// `reference` (plain candle ops), F32 and random (tie-free) inputs: with the
+/// winners gathered into slots (few query rows) and with every row, with and
+/// without bias, normalization and a document mask.
+#[test]
+fn from_hidden_closed_form_backward() -> Result<()> {
+    let dev = Device::Cpu;
+    //         nq nd lq ld dmodel dout
+    for (nq, nd, lq, ld, dmodel, dout) in [(2, 3, 4, 20, 12, 8), (3, 2, 5, 6, 10, 6), (1, 4, 3, 9, 16, 16)] {
+        for (bias, normalize, mask) in
+            [(true, true, true), (false, false, false), (true, false, true), (false, true, false)]
+        {
+            let what = format!("from_hidden {nq}x{nd} lq{lq} ld{ld} bias={bias} norm={normalize} mask={mask}");
+            let ins = [
+                randn(&[nq, lq, dout], DType::F32, &dev)?,
+                randn(&[nd, ld, dmodel], DType::F32, &dev)?,
+                randn(&[dout, dmodel], DType::F32, &dev)?,
+                randn(&[dout], DType::F32, &dev)?,
+            ];
+            let dm = if mask { Some(rand_mask(&[nd, ld], 0.3, &dev)?) } else { None };
+            let w8 = randn(&[nq, nd], DType::F32, &dev)?;
+            let grads = |fused: bool| -> Result<Vec<Tensor>> {
+                let v: Vec<Var> = ins.iter().map(Var::from_tensor).collect::<Result<_>>()?;
+                let t: Vec<Tensor> = v.iter().map(|v| v.as_tensor().clone()).collect();
+                let b = bias.then_some(&t[3]);
+                let s = if fused {
+                    ms::maxsim_from_hidden(&t[0], &t[1], &t[2], b, dm.as_ref(), normalize)?
+                } else {
+                    r::maxsim_from_hidden(&t[0], &t[1], &t[2], b, dm.as_ref(), normalize)?
+                };
+                let g = (s * &w8)?.sum_all()?.backward()?;
+                let n = if bias { 4 } else { 3 };
+                Ok(t[..n].iter().map(|x| g.get(x).expect("a gradient").clone()).collect())
+            };
+            let (got, want) = (grads(true)?, grads(false)?);
+            for (k, (a, b)) in got.iter().zip(&want).enumerate() {
+                assert_close(&format!("{what}: grad of input {k}"), a, b, 1e-4)?;
+            }
+        }
+    }
+    Ok(())
+}

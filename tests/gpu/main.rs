@@ -1101,10 +1101,41 @@ fn from_hidden_cuda() -> Result<()> {
             if let Some(f) = fused {
                 assert_close(&format!("{what} fused"), &f.to_device(&cpu)?, &want, gpu_tol(dt))?;
             }
-            // Training takes the composed path; its forward agrees.
+            // Training takes the argmax forward; its scores agree.
             let wv = Var::from_tensor(&wg)?;
             let tr = ms::maxsim_from_hidden(&qg, &hg, wv.as_tensor(), bg.as_ref(), dmg.as_ref(), normalize)?;
-            assert_close(&format!("{what} composed"), &tr.to_device(&cpu)?, &want, gpu_tol(dt))?;
+            assert_close(&format!("{what} training forward"), &tr.to_device(&cpu)?, &want, gpu_tol(dt))?;
+        }
+    }
+    // The closed-form backward (winners gathered into slots in cases 1, 2, 3
+    // and 5, every row in case 4) against autograd through `reference`, F32.
+    for &(nq, nd, lq, ld, dmodel, dout, normalize, mask, bias) in &cases {
+        let what = format!("from_hidden grads {nq}x{nd} lq{lq} ld{ld} dmodel{dmodel} dout{dout} norm={normalize}");
+        let ins = [
+            randn(&[nq, lq, dout], DType::F32, &cpu)?,
+            randn(&[nd, ld, dmodel], DType::F32, &cpu)?,
+            (randn(&[dout, dmodel], DType::F32, &cpu)? * (1.0 / (dmodel as f64).sqrt()))?,
+            randn(&[dout], DType::F32, &cpu)?,
+        ];
+        let dm = mask.then(|| rand_mask(&[nd, ld], 0.3, &cpu)).transpose()?;
+        let w8 = randn(&[nq, nd], DType::F32, &cpu)?;
+        let grads = |d: &Device, ours: bool| -> Result<Vec<Tensor>> {
+            let v: Vec<Var> = ins.iter().map(|x| Var::from_tensor(&x.to_device(d)?)).collect::<Result<_>>()?;
+            let t: Vec<Tensor> = v.iter().map(|v| v.as_tensor().clone()).collect();
+            let b = bias.then_some(&t[3]);
+            let m = dm.as_ref().map(|m| m.to_device(d)).transpose()?;
+            let s = if ours {
+                ms::maxsim_from_hidden(&t[0], &t[1], &t[2], b, m.as_ref(), normalize)?
+            } else {
+                r::maxsim_from_hidden(&t[0], &t[1], &t[2], b, m.as_ref(), normalize)?
+            };
+            let g = (s * &w8.to_device(d)?)?.sum_all()?.backward()?;
+            let n = if bias { 4 } else { 3 };
+            t[..n].iter().map(|x| g.get(x).expect("a gradient").to_device(&Device::Cpu)).collect()
+        };
+        let (got, want) = (grads(&dev, true)?, grads(&cpu, false)?);
+        for (k, (a, b)) in got.iter().zip(&want).enumerate() {
+            assert_close(&format!("{what}: grad of input {k}"), a, b, 2e-2)?;
         }
     }
     // Bad input is an Err naming the argument.
