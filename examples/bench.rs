@@ -5,7 +5,7 @@
 //!
 //!   cargo run --release --features cuda --example bench -- [--shape Nq,Nd,Lq,Ld,dim]... \
 //!       [--dtype bf16|f16|f32] [--iters N] [--no-reference] [--cpu] [--train] [--wall] [--residual] [--plaid-approx]
-//!       [--normalize] [--hidden]
+//!       [--normalize] [--hidden] [--impl NAME]
 //!
 //! `--train` times fwd+bwd (sum of the scores, backward) for each `Backward`
 //! mode on colpali_train and colbert_train, and LowMem through
@@ -77,6 +77,8 @@ struct Args {
     train: bool,
     plaid_approx: bool,
     residual: bool,
+    /// `--impl NAME`: time only that implementation (for profiling one of them).
+    only: Option<String>,
     hidden: bool,
     normalize: bool,
 }
@@ -92,6 +94,7 @@ fn parse() -> Result<Args> {
         plaid_approx: false,
         wall: false,
         residual: false,
+        only: None,
         hidden: false,
         normalize: false,
     };
@@ -118,6 +121,7 @@ fn parse() -> Result<Args> {
             "--no-reference" => a.reference = false,
             "--wall" => a.wall = true,
             "--residual" => a.residual = true,
+            "--impl" => a.only = it.next(),
             "--normalize" => a.normalize = true,
             "--cpu" => a.cpu = true,
             "--train" => a.train = true,
@@ -308,9 +312,22 @@ fn hidden_bench(dev: &Device, args: &Args) -> Result<()> {
             ("unfused", Box::new(|| Ok(unfused(&q, &h, &w, &b)?))),
             ("fused_train", Box::new(|| train(&fused))),
             ("unfused_train", Box::new(|| train(&unfused))),
+            // The closed-form backward outside candle's autograd (d loss / d scores = 1).
+            (
+                "fused_grads",
+                Box::new(|| {
+                    let ones = |s: &Tensor| s.ones_like();
+                    let (_, g) =
+                        candle_maxsim::maxsim_from_hidden_value_and_grads(&q, &h, &w, Some(&b), None, true, ones)?;
+                    Ok(g.w)
+                }),
+            ),
         ];
         let flop = 2.0 * ((nq * nd * lq * ld * dout) + nd * ld * dmodel * dout) as f64;
         for (imp, f) in &impls {
+            if args.only.as_ref().is_some_and(|o| o != imp) {
+                continue;
+            }
             let (ms, peak) = time(dev, args.iters, args.wall, f.as_ref())?;
             println!(
                 "{{\"case\":\"{name}\",\"impl\":\"{imp}\",\"shape\":[{nq},{nd},{lq},{ld},{dmodel},{dout}],\"median_ms\":{ms:.4},\"tflops\":{:.1},\"peak_mem_mb\":{}}}",

@@ -41,9 +41,9 @@ pub use layers::{MaxSim, MaxSimPairwise, EMPTY_DOC_SCORE};
 pub use ops::dense::{
     maxsim, maxsim_pairs, maxsim_pairs_with, maxsim_value_and_grads, maxsim_with, maxsim_with_argmax,
 };
-pub use ops::hidden::maxsim_from_hidden;
 #[doc(hidden)]
 pub use ops::hidden::maxsim_from_hidden_fused;
+pub use ops::hidden::{maxsim_from_hidden, maxsim_from_hidden_value_and_grads, FromHiddenGrads};
 pub use ops::l2_normalize;
 pub use ops::residual::{
     maxsim_residual, maxsim_residual_varlen, pack_bucket_indices, plaid_approx_score, unpack_bucket_indices, BitOrder,

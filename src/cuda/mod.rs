@@ -7,6 +7,7 @@ mod hidden;
 mod normalize;
 mod plaid;
 mod residual;
+mod rows;
 
 pub(crate) use bwd::maxsim_bwd;
 pub(crate) use fwd::residual_supported;
@@ -17,6 +18,7 @@ pub(crate) use plaid::plaid_approx;
 pub(crate) use residual::{
     decompress as decompress_residual, residual_scores, residual_scores_warp, ResidualDev, WarpDocs,
 };
+pub(crate) use rows::{add_bias, gather_rows};
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
@@ -94,6 +96,7 @@ fn module_for(info: &DeviceInfo, m: &Modules) -> (&'static str, &'static str) {
 const FWD: Modules = Modules { sm75: ptx::MAXSIM_FWD_SM75, sm80: ptx::MAXSIM_FWD_SM80, sm90a: ptx::MAXSIM_FWD_SM90A };
 const BWD: Modules = Modules { sm75: ptx::MAXSIM_BWD_SM75, sm80: ptx::MAXSIM_BWD_SM80, sm90a: ptx::MAXSIM_BWD_SM90A };
 const HIDDEN: Modules = Modules { sm75: ptx::HIDDEN_SM75, sm80: ptx::HIDDEN_SM80, sm90a: ptx::HIDDEN_SM90A };
+const ROWS: Modules = Modules { sm75: ptx::ROWS_SM75, sm80: ptx::ROWS_SM80, sm90a: ptx::ROWS_SM90A };
 const RESIDUAL: Modules = Modules { sm75: ptx::RESIDUAL_SM75, sm80: ptx::RESIDUAL_SM80, sm90a: ptx::RESIDUAL_SM90A };
 const NORMALIZE: Modules =
     Modules { sm75: ptx::NORMALIZE_SM75, sm80: ptx::NORMALIZE_SM80, sm90a: ptx::NORMALIZE_SM90A };

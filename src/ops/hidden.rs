@@ -3,6 +3,7 @@
 use super::core::MaxSimOp;
 use super::dense::{maxsim_with, maxsim_with_argmax, resolve_backward};
 use super::l2_normalize;
+use super::normalize::l2_normalize_bwd;
 use crate::layout::{check_device, check_float, check_mask, check_rank, Pairing, Problem, Seqs};
 use crate::{Backward, MaxSimOptions};
 use candle_core::{bail, CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
@@ -69,7 +70,7 @@ fn project(h_d: &Tensor, w: &Tensor, b: Option<&Tensor>, normalize: bool) -> Res
     let (nd, ld, dmodel) = h_d.dims3()?;
     let mut proj = h_d.reshape((nd * ld, dmodel))?.matmul(&w.t()?)?;
     if let Some(b) = b {
-        proj = proj.broadcast_add(b)?;
+        proj = add_bias(&proj, b)?;
     }
     let d = proj.reshape((nd, ld, w.dim(0)?))?;
     // `normalize` applies to the projected documents only (q is already projected).
@@ -154,76 +155,162 @@ impl CustomOp3 for HeadGrad {
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let (q, h_d, wb) = (q.detach(), h_d.detach(), wb.detach());
-        let (nq, lq, dout) = q.dims3()?;
-        let (nd, ld, dmodel) = h_d.dims3()?;
-        let dt = q.dtype();
-        let acc = if dt == DType::F64 { DType::F64 } else { DType::F32 };
-        let w = wb.narrow(1, 0, dmodel)?;
-        let b = if self.has_bias { Some(wb.narrow(1, dmodel, 1)?.squeeze(1)?) } else { None };
-        let argmax = match self.argmax.lock().unwrap().take() {
-            Some(a) => a,
-            None => head_forward(&q, &h_d, &w, b.as_ref(), self.d_mask.as_ref(), self.normalize)?
-                .1
-                .reshape((nq * nd, lq))?,
+        let dmodel = h_d.dim(2)?;
+        // Contiguous copies (small): CUDA matmul wants unit-stride rows.
+        let w = wb.narrow(1, 0, dmodel)?.contiguous()?;
+        let b = if self.has_bias { Some(wb.narrow(1, dmodel, 1)?.squeeze(1)?.contiguous()?) } else { None };
+        let argmax = self.argmax.lock().unwrap().take();
+        let g = head_grads(&q, &h_d, &w, b.as_ref(), self.d_mask.as_ref(), self.normalize, argmax, grad)?;
+        let gwb = match g.b {
+            Some(gb) => Tensor::cat(&[&g.w, &gb.unsqueeze(1)?], 1)?,
+            None => g.w,
         };
-        // The rows that won: every row, or (few query rows) each document's
-        // winners gathered into `cap` slots.
-        let h2 = h_d.reshape((nd * ld, dmodel))?;
-        let cap = ld.min(nq * lq);
-        let (hs, argmax, gather, cap) = if 2 * cap <= ld {
-            let w = Winners::new(&argmax, nq, nd, lq, ld, cap)?;
-            let dev = q.device();
-            let rows = Tensor::from_vec(w.rows, nd * cap, dev)?;
-            let gather = Tensor::from_vec(w.gather, nd * ld, dev)?;
-            (h2.index_select(&rows, 0)?, Tensor::from_vec(w.argmax, (nq * nd, lq), dev)?, Some(gather), cap)
-        } else {
-            (h2, argmax, None, ld)
-        };
-        // Their projection again, normalized in `acc`.
-        let mut y = hs.matmul(&w.t()?)?;
-        if let Some(b) = &b {
-            y = y.broadcast_add(b)?;
-        }
-        let y = y.to_dtype(acc)?;
-        let (dn, norm) = if self.normalize {
-            let n = y.sqr()?.sum_keepdim(1)?.sqrt()?.clamp(1e-12, f64::INFINITY)?;
-            (y.broadcast_div(&n)?, Some(n))
-        } else {
-            (y, None)
-        };
-        // MaxSim's gradients against those rows, from the (remapped) argmax.
-        let problem = Problem {
-            dim: dout,
-            q: Seqs::Uniform { n: nq, len: lq },
-            d: Seqs::Uniform { n: nd, len: cap },
-            q_valid: None,
-            d_valid: None,
-            pairs: Pairing::Cross { nq, nd },
-        };
-        let op = MaxSimOp {
-            save_argmax: true,
-            ..MaxSimOp::new(problem, resolve_backward(Backward::Auto, false, nq, nd, lq))
-        };
-        *op.saved.lock().unwrap() = Some(argmax);
-        let ds = dn.to_dtype(dt)?.reshape((nd, cap, dout))?;
-        let (gq, gds) = op.grads(&q, &ds, &grad.flatten_all()?)?;
-        // Through the normalization: (g − d·⟨d, g⟩) / |y|.
-        let gd = gds.reshape((nd * cap, dout))?.to_dtype(acc)?;
-        let gy = match &norm {
-            Some(n) => (&gd - dn.broadcast_mul(&(&dn * &gd)?.sum_keepdim(1)?)?)?.broadcast_div(n)?,
-            None => gd,
-        };
-        let gy_t = gy.to_dtype(dt)?;
-        let gw = gy_t.t()?.matmul(&hs)?;
-        let ghs = gy_t.matmul(&w)?;
-        let gh = match gather {
-            // Row r of grad h_d is gathered from its slot, or from the zero row past the last.
-            Some(g) => Tensor::cat(&[&ghs, &ghs.narrow(0, 0, 1)?.zeros_like()?], 0)?.index_select(&g, 0)?,
-            None => ghs,
-        };
-        let gwb = if self.has_bias { Tensor::cat(&[&gw, &gy.sum(0)?.to_dtype(dt)?.unsqueeze(1)?], 1)? } else { gw };
-        Ok((Some(gq), Some(gh.reshape((nd, ld, dmodel))?), Some(gwb)))
+        Ok((Some(g.q), Some(g.h_d), Some(gwb)))
     }
+}
+
+/// Gradients of `Σ grad ⊙ scores` for [`maxsim_from_hidden`], in the inputs' dtype.
+#[derive(Clone, Debug)]
+pub struct FromHiddenGrads {
+    /// `[Nq, Lq, dout]`
+    pub q: Tensor,
+    /// `[Nd, Ld, dmodel]` (zero rows where no query row's max was won)
+    pub h_d: Tensor,
+    /// `[dout, dmodel]`
+    pub w: Tensor,
+    /// `[dout]`, when a bias was given
+    pub b: Option<Tensor>,
+}
+
+/// Scores of [`maxsim_from_hidden`] and the gradients of a loss of them,
+/// outside candle's autograd (as [`crate::maxsim_value_and_grads`]): `dloss`
+/// maps the scores `[Nq, Nd]` F32 to dLoss/dscores of the same shape.
+///
+/// The same closed-form backward as the autograd path, but every gradient is
+/// allocated once: under candle 0.11's autograd grad `h_d` is filed as
+/// `zeros_like(h_d) + grad`, two more `h_d`-sized passes (the largest cost of
+/// a training step at reranking shapes).
+pub fn maxsim_from_hidden_value_and_grads(
+    q: &Tensor,
+    h_d: &Tensor,
+    w: &Tensor,
+    b: Option<&Tensor>,
+    d_mask: Option<&Tensor>,
+    normalize: bool,
+    dloss: impl FnOnce(&Tensor) -> Result<Tensor>,
+) -> Result<(Tensor, FromHiddenGrads)> {
+    let (nd, ld, dmodel, dout) = check(q, h_d, w, b, d_mask)?;
+    let (nq, lq) = (q.dim(0)?, q.dim(1)?);
+    if nq * lq * nd * ld * dmodel * dout == 0 {
+        bail!(
+            "h_d: maxsim_from_hidden_value_and_grads needs non-empty q, h_d and w, got {:?} {:?} {:?}",
+            q.dims(),
+            h_d.dims(),
+            w.dims()
+        )
+    }
+    let (q, h_d, w) = (q.detach().contiguous()?, h_d.detach().contiguous()?, w.detach().contiguous()?);
+    let b = b.map(|b| b.detach().contiguous()).transpose()?;
+    let (scores, argmax) = head_forward(&q, &h_d, &w, b.as_ref(), d_mask, normalize)?;
+    let g = dloss(&scores)?;
+    if g.dims() != scores.dims() {
+        bail!("dloss: returned shape {:?}, expected the scores' {:?}", g.dims(), scores.dims())
+    }
+    let g = g.to_device(q.device())?.to_dtype(DType::F32)?;
+    let argmax = Some(argmax.reshape((nq * nd, lq))?);
+    let grads = head_grads(&q, &h_d, &w, b.as_ref(), d_mask, normalize, argmax, &g)?;
+    Ok((scores, grads))
+}
+
+/// The closed-form backward (see [`maxsim_from_hidden`]): detached,
+/// contiguous operands; `argmax` `[Nq·Nd, Lq]` I32 from the forward, or
+/// `None` to recompute it; `grad` `[Nq·Nd]` (or `[Nq, Nd]`) F32.
+#[allow(clippy::too_many_arguments)]
+fn head_grads(
+    q: &Tensor,
+    h_d: &Tensor,
+    w: &Tensor,
+    b: Option<&Tensor>,
+    d_mask: Option<&Tensor>,
+    normalize: bool,
+    argmax: Option<Tensor>,
+    grad: &Tensor,
+) -> Result<FromHiddenGrads> {
+    let (nq, lq, dout) = q.dims3()?;
+    let (nd, ld, dmodel) = h_d.dims3()?;
+    let dt = q.dtype();
+    let acc = if dt == DType::F64 { DType::F64 } else { DType::F32 };
+    let argmax = match argmax {
+        Some(a) => a,
+        None => head_forward(q, h_d, w, b, d_mask, normalize)?.1.reshape((nq * nd, lq))?,
+    };
+    // The rows that won: every row, or (few query rows) each document's
+    // winners gathered into `cap` slots.
+    let h2 = h_d.reshape((nd * ld, dmodel))?;
+    let cap = ld.min(nq * lq);
+    let (hs, argmax, gather, cap) = if 2 * cap <= ld {
+        let win = Winners::new(&argmax, nq, nd, lq, ld, cap)?;
+        let dev = q.device();
+        let rows = Tensor::from_vec(win.rows, nd * cap, dev)?;
+        let gather = Tensor::from_vec(win.gather, nd * ld, dev)?;
+        (gather_rows(&h2, &rows)?, Tensor::from_vec(win.argmax, (nq * nd, lq), dev)?, Some(gather), cap)
+    } else {
+        (h2, argmax, None, ld)
+    };
+    // Their projection again (rounded to the dtype, as the forward did).
+    let mut y = hs.matmul(&w.t()?)?;
+    if let Some(b) = b {
+        y = add_bias(&y, b)?;
+    }
+    let dn = if normalize { l2_normalize(&y)? } else { y.clone() };
+    // MaxSim's gradients against those rows, from the (remapped) argmax.
+    let problem = Problem {
+        dim: dout,
+        q: Seqs::Uniform { n: nq, len: lq },
+        d: Seqs::Uniform { n: nd, len: cap },
+        q_valid: None,
+        d_valid: None,
+        pairs: Pairing::Cross { nq, nd },
+    };
+    let op =
+        MaxSimOp { save_argmax: true, ..MaxSimOp::new(problem, resolve_backward(Backward::Auto, false, nq, nd, lq)) };
+    *op.saved.lock().unwrap() = Some(argmax);
+    let ds = dn.reshape((nd, cap, dout))?;
+    let (gq, gds) = op.grads(q, &ds, &grad.flatten_all()?)?;
+    // Through the normalization: (g − d·⟨d, g⟩) / |y| (one kernel).
+    let gds = gds.reshape((nd * cap, dout))?;
+    let gy = if normalize { l2_normalize_bwd(&y, &gds)? } else { gds };
+    let gw = gy.t()?.matmul(&hs)?;
+    let ghs = gy.matmul(w)?;
+    // Row r of grad h_d from its slot, or a zero row where nothing won.
+    let gh = match gather {
+        Some(g) => gather_rows(&ghs, &g)?,
+        None => ghs,
+    };
+    let gb = b.map(|_| gy.to_dtype(acc)?.sum(0)?.to_dtype(dt)).transpose()?;
+    Ok(FromHiddenGrads { q: gq, h_d: gh.reshape((nd, ld, dmodel))?, w: gw, b: gb })
+}
+
+/// `x + b` for `x` `[R, C]`, `b` `[C]` (one pass on CUDA; candle's
+/// broadcast add indexes every element through the broadcast strides).
+fn add_bias(x: &Tensor, b: &Tensor) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if !b.track_op() && !x.track_op() {
+        if let Some(t) = crate::cuda::add_bias(x, b)? {
+            return Ok(t);
+        }
+    }
+    x.broadcast_add(b)
+}
+
+/// `[N, C]` rows of `src` `[R, C]` picked by `idx` `[N]` U32, zero rows where
+/// `idx ≥ R` (one write per output row on CUDA).
+fn gather_rows(src: &Tensor, idx: &Tensor) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if let Some(t) = crate::cuda::gather_rows(src, idx)? {
+        return Ok(t);
+    }
+    Tensor::cat(&[src, &src.narrow(0, 0, 1)?.zeros_like()?], 0)?.index_select(idx, 0)
 }
 
 /// Each document's winning rows packed into `cap` slots (host side: the

@@ -27,6 +27,12 @@ pub fn l2_normalize(x: &Tensor) -> Result<Tensor> {
 
 struct L2Normalize;
 
+/// The backward of [`l2_normalize`] alone: `dx` from `x` and the gradient of
+/// the normalized rows (same dtype and shape), no autograd.
+pub(crate) fn l2_normalize_bwd(x: &Tensor, g: &Tensor) -> Result<Tensor> {
+    x.contiguous()?.apply_op2_no_bwd(&g.contiguous()?, &L2NormalizeBwd)
+}
+
 /// `(x, g) → dx`, the backward of [`L2Normalize`].
 struct L2NormalizeBwd;
 

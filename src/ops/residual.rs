@@ -283,6 +283,7 @@ fn max_u32(x: &Tensor) -> Result<u32> {
 /// whose codes may hold anything; `doc_lens` gives the same for the warp kernel
 /// (padded layout). `q` is `[Tq, dim]`, not yet normalized.
 #[cfg(feature = "cuda")]
+#[allow(clippy::too_many_arguments)]
 fn residual_on_cuda(
     q: &Tensor,
     codes: &Tensor,

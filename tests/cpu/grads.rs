@@ -310,7 +310,32 @@ fn from_hidden_closed_form_backward() -> Result<()> {
             for (k, (a, b)) in got.iter().zip(&want).enumerate() {
                 assert_close(&format!("{what}: grad of input {k}"), a, b, 1e-4)?;
             }
+            // The same gradients outside autograd.
+            let b = bias.then_some(&ins[3]);
+            let (s, g) =
+                ms::maxsim_from_hidden_value_and_grads(&ins[0], &ins[1], &ins[2], b, dm.as_ref(), normalize, |s| {
+                    Ok(w8.broadcast_as(s.shape())?.clone())
+                })?;
+            let want_s = r::maxsim_from_hidden(&ins[0], &ins[1], &ins[2], b, dm.as_ref(), normalize)?;
+            assert_close(&format!("{what}: value_and_grads scores"), &s, &want_s, 1e-5)?;
+            let vg = [Some(g.q), Some(g.h_d), Some(g.w), g.b];
+            for (k, (a, b)) in vg.iter().flatten().zip(&want).enumerate() {
+                assert_close(&format!("{what}: value_and_grads grad of input {k}"), a, b, 1e-4)?;
+            }
+            assert_eq!(vg.iter().flatten().count(), want.len(), "{what}: one gradient per input");
         }
     }
+    let e = ms::maxsim_from_hidden_value_and_grads(
+        &randn(&[2, 3, 4], DType::F32, &dev)?,
+        &randn(&[3, 5, 6], DType::F32, &dev)?,
+        &randn(&[4, 6], DType::F32, &dev)?,
+        None,
+        None,
+        true,
+        |s| s.sum_keepdim(1),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("dloss"), "{e}");
     Ok(())
 }

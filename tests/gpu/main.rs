@@ -1137,6 +1137,24 @@ fn from_hidden_cuda() -> Result<()> {
         for (k, (a, b)) in got.iter().zip(&want).enumerate() {
             assert_close(&format!("{what}: grad of input {k}"), a, b, 2e-2)?;
         }
+        // The same outside autograd.
+        let g = |t: &Tensor| t.to_device(&dev);
+        let bg = if bias { Some(g(&ins[3])?) } else { None };
+        let dmg = dm.as_ref().map(g).transpose()?;
+        let w8g = g(&w8)?;
+        let (_, vg) = ms::maxsim_from_hidden_value_and_grads(
+            &g(&ins[0])?,
+            &g(&ins[1])?,
+            &g(&ins[2])?,
+            bg.as_ref(),
+            dmg.as_ref(),
+            normalize,
+            |_| Ok(w8g.clone()),
+        )?;
+        let vg = [Some(vg.q), Some(vg.h_d), Some(vg.w), vg.b];
+        for (k, (a, b)) in vg.iter().flatten().zip(&want).enumerate() {
+            assert_close(&format!("{what}: value_and_grads grad of input {k}"), &a.to_device(&cpu)?, b, 2e-2)?;
+        }
     }
     // Bad input is an Err naming the argument.
     let (q, h, w) = (
