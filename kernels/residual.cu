@@ -38,8 +38,6 @@ struct ResScoreParams {
 
 #if __CUDA_ARCH__ >= 800
 
-constexpr int RES_WARPS = 4; // warps per block (launch bounds below)
-
 template <int BYTES> struct Vec;
 template <> struct Vec<16> { using type = uint4; };
 template <> struct Vec<8> { using type = uint2; };
@@ -102,7 +100,7 @@ template <> __device__ __forceinline__ uint32_t pack_pair<__nv_bfloat16>(float a
 }
 
 template <typename T, typename CT, int DIM, int NBITS>
-__device__ __forceinline__ void res_score(const ResScoreParams& p, const float2* pair_tab, const float* tab, uint2* sbuf) {
+__device__ __forceinline__ void res_score(const ResScoreParams& p, const float2* pair_tab, const float* tab) {
     using L = ResLane<CT, DIM, NBITS>;
     using CVec = typename L::CVec;
     constexpr int KS = L::KS, F = L::F, NT = L::NT, VF = L::CV / 2; // VF: features per centroid vector
@@ -111,10 +109,7 @@ __device__ __forceinline__ void res_score(const ResScoreParams& p, const float2*
     const CT* cents = static_cast<const CT*>(p.centroids);
     const int ntasks = p.nq * p.nd;
 
-    // The current query's B fragments, this warp's slice of shared memory in
-    // fragment order (one conflict-free 8-byte load per lane and MMA):
-    // registers would cost 64 per lane, a quarter of the warps.
-    uint2* sb = sbuf + (threadIdx.x / 32) * (NT * KS * 32);
+    uint32_t b[NT][KS][2]; // the current query's B fragments
     int cur_q = -1;
     for (;;) {
         int task = 0;
@@ -131,7 +126,7 @@ __device__ __forceinline__ void res_score(const ResScoreParams& p, const float2*
 #pragma unroll
                 for (int ks = 0; ks < KS; ++ks) {
                     const uint2 v = s < p.lq ? __ldg(reinterpret_cast<const uint2*>(row + 4 * ks)) : make_uint2(0, 0);
-                    sb[(nt * KS + ks) * 32 + lane] = v;
+                    b[nt][ks][0] = v.x, b[nt][ks][1] = v.y;
                 }
             }
         }
@@ -207,7 +202,10 @@ __device__ __forceinline__ void res_score(const ResScoreParams& p, const float2*
                     float x[4];
 #pragma unroll
                     for (int e = 0; e < 4; ++e) x[e] = Elem<CT>::to_float(ce[e]);
-                    if constexpr (NBITS <= 4) { // one lookup per feature pair
+                    // nbits 2: one lookup per feature pair in a 16-entry table (a
+                    // float2 per bank pair: conflict-free); wider indices look up
+                    // each feature (a 256-entry pair table would serialize on banks).
+                    if constexpr (NBITS == 2) {
 #pragma unroll
                         for (int e = 0; e < 4; e += 2) {
                             const float2 w = pair_tab[bits_at(rw[h], (4 * ks + e) * NBITS, 2 * NBITS)];
@@ -215,7 +213,7 @@ __device__ __forceinline__ void res_score(const ResScoreParams& p, const float2*
                         }
                     } else {
 #pragma unroll
-                        for (int e = 0; e < 4; ++e) x[e] += tab[bits_at(rw[h], (4 * ks + e) * 8, 8)];
+                        for (int e = 0; e < 4; ++e) x[e] += tab[bits_at(rw[h], (4 * ks + e) * NBITS, NBITS)];
                     }
 #pragma unroll
                     for (int e = 0; e < 4; ++e) ss[h] = fmaf(x[e], x[e], ss[h]);
@@ -225,11 +223,7 @@ __device__ __forceinline__ void res_score(const ResScoreParams& p, const float2*
                     if (off + 4 == VF && more) cen[h][v] = __ldg(cen_src(code_next[h]) + v);
                 }
 #pragma unroll
-                for (int nt = 0; nt < NT; ++nt) {
-                    const uint2 bv = sb[(nt * KS + ks) * 32 + lane];
-                    const uint32_t b[2] = {bv.x, bv.y};
-                    Mma<T>::run(acc[nt], a, b);
-                }
+                for (int nt = 0; nt < NT; ++nt) Mma<T>::run(acc[nt], a, b[nt][ks]);
             }
             float inv[2];
 #pragma unroll
@@ -274,27 +268,26 @@ __device__ __forceinline__ void res_score(const ResScoreParams& p, const float2*
 
 template <typename T, typename CT, int DIM>
 __device__ __forceinline__ void res_score_entry(const ResScoreParams& p) {
-    // Bucket weights: per feature pair (nbits <= 4: index = low feature's
-    // bits | high feature's bits << nbits), and per feature (nbits 8).
-    __shared__ float2 pair_tab[256];
+    // Bucket weights: per feature pair (nbits 2: index = low feature's bits |
+    // high feature's bits << 2), and per feature.
+    __shared__ float2 pair_tab[16];
     __shared__ float tab[256];
-    __shared__ uint2 sb[RES_WARPS * 4 * (DIM / 16) * 32]; // B fragments of each warp's query
     const int nb = 1 << p.nbits;
     for (int k = threadIdx.x; k < 256; k += blockDim.x) {
         if (k < nb) tab[k] = p.buckets[k];
-        if (p.nbits <= 4 && k < nb * nb) pair_tab[k] = make_float2(p.buckets[k % nb], p.buckets[k / nb]);
+        if (p.nbits == 2 && k < 16) pair_tab[k] = make_float2(p.buckets[k % 4], p.buckets[k / 4]);
     }
     __syncthreads();
     switch (p.nbits) {
-    case 2: res_score<T, CT, DIM, 2>(p, pair_tab, tab, sb); break;
-    case 4: res_score<T, CT, DIM, 4>(p, pair_tab, tab, sb); break;
-    default: res_score<T, CT, DIM, 8>(p, pair_tab, tab, sb); break;
+    case 2: res_score<T, CT, DIM, 2>(p, pair_tab, tab); break;
+    case 4: res_score<T, CT, DIM, 4>(p, pair_tab, tab); break;
+    default: res_score<T, CT, DIM, 8>(p, pair_tab, tab); break;
     }
 }
 
 // Entry points: maxsim_res_<query dtype>_<centroid dtype>_d<DIM>.
 #define MAXSIM_RES_SCORE(QN, T, CN, CT, DIM)                                                    \
-    extern "C" __global__ void __launch_bounds__(RES_WARPS * 32, 4) maxsim_res_##QN##_##CN##_d##DIM(const ResScoreParams p) { \
+    extern "C" __global__ void __launch_bounds__(128, 3) maxsim_res_##QN##_##CN##_d##DIM(const ResScoreParams p) { \
         res_score_entry<T, CT, DIM>(p);                                                           \
     }
 #define MAXSIM_RES_SCORE_DIMS(QN, T, CN, CT) \
