@@ -87,9 +87,11 @@ pub(crate) fn from_hidden_fwd(
     if max_queries == 0 {
         return Ok(None);
     }
-    // Few documents: split the queries further so that every SM gets a block
-    // (each query chunk projects its document again, cheap next to MaxSim).
-    let chunks = nq.div_ceil(max_queries).max((info.sm_count as usize).div_ceil(nd).min(nq));
+    // Fewer documents than SMs: split the queries over the idle SMs (each
+    // query chunk projects its document again, cheap next to MaxSim), but
+    // never into a second wave (one block per SM is resident).
+    let spread = (info.sm_count as usize / nd).clamp(1, nq);
+    let chunks = nq.div_ceil(max_queries).max(spread);
     let q_chunk = nq.div_ceil(chunks) * lq;
     let chunks = (nq * lq).div_ceil(q_chunk);
     let smem = smem_bytes(dpad, q_chunk);
