@@ -18,7 +18,10 @@
 // L2 norm is a two-step quad sum), and B is read with the same map.
 //
 // Normalization scales the S tile's rows by 1/|token| (f32) instead of the
-// A elements: 16 multiplies per lane and step instead of 64.
+// A elements: 16 multiplies per lane and step instead of 64. The A elements
+// are the unnormalized decoded values rounded to the query dtype (the tile
+// and decompression kernels round after normalizing): the same relative
+// error at ColBERT magnitudes.
 #include "residual.cuh"
 
 // Mirrors ResScoreParams in src/cuda/residual.rs.
@@ -112,11 +115,12 @@ __device__ __forceinline__ void res_score(const ResScoreParams& p, const float2*
     uint32_t b[NT][KS][2]; // the current query's B fragments
     int cur_q = -1;
     for (;;) {
-        int task = 0;
-        if (lane == 0) task = (int)atomicAdd(p.work, 1u);
+        // Unsigned: the counter runs past ntasks by up to one fetch per warp.
+        uint32_t task = 0;
+        if (lane == 0) task = atomicAdd(p.work, 1u);
         task = __shfl_sync(0xffffffffu, task, 0);
-        if (task >= ntasks) break;
-        const int i = task / p.nd, j = task % p.nd;
+        if (task >= (uint32_t)ntasks) break;
+        const int i = (int)(task / (uint32_t)p.nd), j = (int)(task % (uint32_t)p.nd);
         if (i != cur_q) {
             cur_q = i;
 #pragma unroll

@@ -102,6 +102,9 @@ pub(crate) fn residual_scores_warp(
     let out = alloc_out(dev, DType::F32, nq * nd)?;
     let work = Tensor::zeros(2, DType::U32, q.device())?;
     let n_c = cents.dim(0)?;
+    if n_c == 0 {
+        return Ok(None); // every code is out of range: the checked path reports it
+    }
     let params = ResScoreParams {
         q: tensor_ptr(&q)?,
         centroids: tensor_ptr(&cents)?,

@@ -24,7 +24,7 @@ use std::sync::Mutex;
 ///
 /// Training (any operand tracks a gradient) runs the forward with the argmax
 /// and a closed-form backward: only the document rows that won some max are
-/// gathered from `h_d` (all rows when the queries have at least twice as many
+/// gathered from `h_d` (all rows when the queries have more than half as many
 /// rows as a document) and projected again, the normalization's Jacobian is
 /// applied to their gradients, grad `w` / `b` / `q` come from small matmuls
 /// and the MaxSim gradient kernels, and grad `h_d` is written once, in its
@@ -40,13 +40,15 @@ pub fn maxsim_from_hidden(
     let (nd, ld, dmodel, dout) = check(q, h_d, w, b, d_mask)?;
     let (nq, lq) = (q.dim(0)?, q.dim(1)?);
     let tracks = q.track_op() || h_d.track_op() || w.track_op() || b.is_some_and(|b| b.track_op());
-    if tracks && nq * lq * nd * ld * dmodel * dout > 0 {
+    let nonempty = [nq, lq, nd, ld, dmodel, dout].iter().all(|&n| n > 0);
+    if tracks && nonempty {
         let (scores, argmax) = head_forward(&q.detach(), &h_d.detach(), &w.detach(), b, d_mask, normalize)?;
         let wb = match b {
             Some(b) => Tensor::cat(&[w, &b.unsqueeze(1)?], 1)?,
             None => w.clone(),
         };
         let op = HeadGrad {
+            want_h: h_d.track_op(),
             normalize,
             has_bias: b.is_some(),
             d_mask: d_mask.cloned(),
@@ -99,6 +101,8 @@ fn head_forward(
 /// The autograd node of a training call: its forward hands out the scores
 /// computed by [`head_forward`]; its backward is the closed form.
 struct HeadGrad {
+    /// Whether `h_d` needs its gradient (not for a frozen encoder's states).
+    want_h: bool,
     normalize: bool,
     has_bias: bool,
     d_mask: Option<Tensor>,
@@ -160,12 +164,13 @@ impl CustomOp3 for HeadGrad {
         let w = wb.narrow(1, 0, dmodel)?.contiguous()?;
         let b = if self.has_bias { Some(wb.narrow(1, dmodel, 1)?.squeeze(1)?.contiguous()?) } else { None };
         let argmax = self.argmax.lock().unwrap().take();
-        let g = head_grads(&q, &h_d, &w, b.as_ref(), self.d_mask.as_ref(), self.normalize, argmax, grad)?;
+        let (mask, norm) = (self.d_mask.as_ref(), self.normalize);
+        let g = head_grads(&q, &h_d, &w, b.as_ref(), mask, norm, argmax, grad, self.want_h)?;
         let gwb = match g.b {
             Some(gb) => Tensor::cat(&[&g.w, &gb.unsqueeze(1)?], 1)?,
             None => g.w,
         };
-        Ok((Some(g.q), Some(g.h_d), Some(gwb)))
+        Ok((Some(g.q), g.h_d, Some(gwb)))
     }
 }
 
@@ -199,15 +204,12 @@ pub fn maxsim_from_hidden_value_and_grads(
     normalize: bool,
     dloss: impl FnOnce(&Tensor) -> Result<Tensor>,
 ) -> Result<(Tensor, FromHiddenGrads)> {
-    let (nd, ld, dmodel, dout) = check(q, h_d, w, b, d_mask)?;
+    let nd = check(q, h_d, w, b, d_mask)?.0;
     let (nq, lq) = (q.dim(0)?, q.dim(1)?);
-    if nq * lq * nd * ld * dmodel * dout == 0 {
-        bail!(
-            "h_d: maxsim_from_hidden_value_and_grads needs non-empty q, h_d and w, got {:?} {:?} {:?}",
-            q.dims(),
-            h_d.dims(),
-            w.dims()
-        )
+    for (arg, t) in [("q", q), ("h_d", h_d), ("w", w)] {
+        if t.elem_count() == 0 {
+            bail!("{arg}: maxsim_from_hidden_value_and_grads needs non-empty operands, got shape {:?}", t.dims())
+        }
     }
     let (q, h_d, w) = (q.detach().contiguous()?, h_d.detach().contiguous()?, w.detach().contiguous()?);
     let b = b.map(|b| b.detach().contiguous()).transpose()?;
@@ -218,13 +220,15 @@ pub fn maxsim_from_hidden_value_and_grads(
     }
     let g = g.to_device(q.device())?.to_dtype(DType::F32)?;
     let argmax = Some(argmax.reshape((nq * nd, lq))?);
-    let grads = head_grads(&q, &h_d, &w, b.as_ref(), d_mask, normalize, argmax, &g)?;
-    Ok((scores, grads))
+    let g = head_grads(&q, &h_d, &w, b.as_ref(), d_mask, normalize, argmax, &g, true)?;
+    let Some(h_d) = g.h_d else { bail!("maxsim_from_hidden: internal error, no gradient of h_d") };
+    Ok((scores, FromHiddenGrads { q: g.q, h_d, w: g.w, b: g.b }))
 }
 
 /// The closed-form backward (see [`maxsim_from_hidden`]): detached,
 /// contiguous operands; `argmax` `[Nq·Nd, Lq]` I32 from the forward, or
-/// `None` to recompute it; `grad` `[Nq·Nd]` (or `[Nq, Nd]`) F32.
+/// `None` to recompute it; `grad` `[Nq·Nd]` (or `[Nq, Nd]`) F32; grad `h_d`
+/// only `if want_h`.
 #[allow(clippy::too_many_arguments)]
 fn head_grads(
     q: &Tensor,
@@ -235,7 +239,8 @@ fn head_grads(
     normalize: bool,
     argmax: Option<Tensor>,
     grad: &Tensor,
-) -> Result<FromHiddenGrads> {
+    want_h: bool,
+) -> Result<Grads> {
     let (nq, lq, dout) = q.dims3()?;
     let (nd, ld, dmodel) = h_d.dims3()?;
     let dt = q.dtype();
@@ -281,14 +286,27 @@ fn head_grads(
     let gds = gds.reshape((nd * cap, dout))?;
     let gy = if normalize { l2_normalize_bwd(&y, &gds)? } else { gds };
     let gw = gy.t()?.matmul(&hs)?;
-    let ghs = gy.matmul(w)?;
     // Row r of grad h_d from its slot, or a zero row where nothing won.
-    let gh = match gather {
-        Some(g) => gather_rows(&ghs, &g)?,
-        None => ghs,
+    let gh = if want_h {
+        let ghs = gy.matmul(w)?;
+        let gh = match gather {
+            Some(g) => gather_rows(&ghs, &g)?,
+            None => ghs,
+        };
+        Some(gh.reshape((nd, ld, dmodel))?)
+    } else {
+        None
     };
     let gb = b.map(|_| gy.to_dtype(acc)?.sum(0)?.to_dtype(dt)).transpose()?;
-    Ok(FromHiddenGrads { q: gq, h_d: gh.reshape((nd, ld, dmodel))?, w: gw, b: gb })
+    Ok(Grads { q: gq, h_d: gh, w: gw, b: gb })
+}
+
+/// What [`head_grads`] returns: [`FromHiddenGrads`] with grad `h_d` optional.
+struct Grads {
+    q: Tensor,
+    h_d: Option<Tensor>,
+    w: Tensor,
+    b: Option<Tensor>,
 }
 
 /// `x + b` for `x` `[R, C]`, `b` `[C]` (one pass on CUDA; candle's
@@ -316,7 +334,7 @@ fn gather_rows(src: &Tensor, idx: &Tensor) -> Result<Tensor> {
 /// Each document's winning rows packed into `cap` slots (host side: the
 /// argmax of few query rows is small).
 struct Winners {
-    /// `[Nd·cap]` row of `h_d` in each slot (unused slots: the document's first row).
+    /// `[Nd·cap]` row of `h_d` in each slot (unused slots: `Nd·Ld`, a zero row).
     rows: Vec<u32>,
     /// `[Nq·Nd·Lq]` the argmax as slot indices.
     argmax: Vec<i32>,
@@ -335,6 +353,7 @@ impl Winners {
             for i in 0..nq {
                 for a in &mut am[(i * nd + j) * lq..(i * nd + j + 1) * lq] {
                     if *a < 0 || *a as usize >= ld {
+                        *a = -1; // no winner (the forward never writes past ld)
                         continue;
                     }
                     let t = j * ld + *a as usize;
@@ -346,7 +365,9 @@ impl Winners {
                     *a = (gather[t] as usize - j * cap) as i32;
                 }
             }
-            rows.extend(std::iter::repeat_n((j * ld) as u32, cap - used));
+            // A zero row, not a real one: padding rows may hold anything (NaN
+            // included), and 0 · NaN would reach grad w through the matmul.
+            rows.extend(std::iter::repeat_n((nd * ld) as u32, cap - used));
         }
         Ok(Self { rows, argmax: am, gather })
     }

@@ -325,6 +325,25 @@ fn from_hidden_closed_form_backward() -> Result<()> {
             assert_eq!(vg.iter().flatten().count(), want.len(), "{what}: one gradient per input");
         }
     }
+    // A frozen encoder: h_d tracks no gradient, so none is computed for it;
+    // q's and w's still match the reference.
+    let (q, h, w) =
+        (randn(&[2, 3, 4], DType::F32, &dev)?, randn(&[3, 9, 6], DType::F32, &dev)?, randn(&[4, 6], DType::F32, &dev)?);
+    let w8 = randn(&[2, 3], DType::F32, &dev)?;
+    let frozen = |ours: bool| -> Result<(Tensor, Tensor, bool)> {
+        let (qv, wv) = (Var::from_tensor(&q)?, Var::from_tensor(&w)?);
+        let s = if ours {
+            ms::maxsim_from_hidden(qv.as_tensor(), &h, wv.as_tensor(), None, None, true)?
+        } else {
+            r::maxsim_from_hidden(qv.as_tensor(), &h, wv.as_tensor(), None, None, true)?
+        };
+        let g = (s * &w8)?.sum_all()?.backward()?;
+        Ok((g.get(qv.as_tensor()).unwrap().clone(), g.get(wv.as_tensor()).unwrap().clone(), g.get(&h).is_some()))
+    };
+    let ((gq, gw, has_h), (rq, rw, _)) = (frozen(true)?, frozen(false)?);
+    assert!(!has_h, "no gradient for a frozen h_d");
+    assert_close("frozen h_d: grad q", &gq, &rq, 1e-4)?;
+    assert_close("frozen h_d: grad w", &gw, &rw, 1e-4)?;
     let e = ms::maxsim_from_hidden_value_and_grads(
         &randn(&[2, 3, 4], DType::F32, &dev)?,
         &randn(&[3, 5, 6], DType::F32, &dev)?,
