@@ -42,7 +42,9 @@ pub fn maxsim_from_hidden(
     let tracks = q.track_op() || h_d.track_op() || w.track_op() || b.is_some_and(|b| b.track_op());
     let nonempty = [nq, lq, nd, ld, dmodel, dout].iter().all(|&n| n > 0);
     if tracks && nonempty {
-        let (scores, argmax) = head_forward(&q.detach(), &h_d.detach(), &w.detach(), b, d_mask, normalize)?;
+        let (hd, wd, bd) = (h_d.detach(), w.detach(), b.map(|b| b.detach()));
+        let head = Head { h_d: &hd, w: &wd, b: bd.as_ref(), d_mask, normalize };
+        let (scores, argmax) = head.forward(&q.detach())?;
         let wb = match b {
             Some(b) => Tensor::cat(&[w, &b.unsqueeze(1)?], 1)?,
             None => w.clone(),
@@ -63,43 +65,47 @@ pub fn maxsim_from_hidden(
             return Ok(s);
         }
     }
-    let d = project(h_d, w, b, normalize)?;
+    let d = Head { h_d, w, b, d_mask, normalize }.project()?;
     maxsim_with(q, &d, None, d_mask, &MaxSimOptions::default())
 }
 
-/// `normalize?(h_d · wᵀ + b)` as `[Nd, Ld, dout]`.
-fn project(h_d: &Tensor, w: &Tensor, b: Option<&Tensor>, normalize: bool) -> Result<Tensor> {
-    let (nd, ld, dmodel) = h_d.dims3()?;
-    let mut proj = h_d.reshape((nd * ld, dmodel))?.matmul(&w.t()?)?;
-    if let Some(b) = b {
-        proj = add_bias(&proj, b)?;
-    }
-    let d = proj.reshape((nd, ld, w.dim(0)?))?;
-    // `normalize` applies to the projected documents only (q is already projected).
-    if normalize {
-        l2_normalize(&d)
-    } else {
-        Ok(d)
-    }
+/// The document side of the head: `normalize?(h_d · wᵀ + b)`, masked by `d_mask`.
+#[derive(Clone, Copy)]
+struct Head<'a> {
+    h_d: &'a Tensor,
+    w: &'a Tensor,
+    b: Option<&'a Tensor>,
+    d_mask: Option<&'a Tensor>,
+    normalize: bool,
 }
 
-/// Training forward: scores `[Nq, Nd]` and argmax `[Nq, Nd, Lq]` I32 of
-/// detached operands. The projection is materialized here and dropped on
-/// return: the backward keeps only the argmax.
-fn head_forward(
-    q: &Tensor,
-    h_d: &Tensor,
-    w: &Tensor,
-    b: Option<&Tensor>,
-    d_mask: Option<&Tensor>,
-    normalize: bool,
-) -> Result<(Tensor, Tensor)> {
-    let d = project(h_d, w, b.map(|b| b.detach()).as_ref(), normalize)?;
-    maxsim_with_argmax(q, &d, None, d_mask)
+impl Head<'_> {
+    /// The projected documents `[Nd, Ld, dout]`.
+    fn project(&self) -> Result<Tensor> {
+        let (nd, ld, dmodel) = self.h_d.dims3()?;
+        let mut proj = self.h_d.reshape((nd * ld, dmodel))?.matmul(&self.w.t()?)?;
+        if let Some(b) = self.b {
+            proj = add_bias(&proj, b)?;
+        }
+        let d = proj.reshape((nd, ld, self.w.dim(0)?))?;
+        // `normalize` applies to the projected documents only (q is already projected).
+        if self.normalize {
+            l2_normalize(&d)
+        } else {
+            Ok(d)
+        }
+    }
+
+    /// Training forward: scores `[Nq, Nd]` and argmax `[Nq, Nd, Lq]` I32 of
+    /// detached operands. The projection is materialized here and dropped on
+    /// return: the backward keeps only the argmax.
+    fn forward(&self, q: &Tensor) -> Result<(Tensor, Tensor)> {
+        maxsim_with_argmax(q, &self.project()?, None, self.d_mask)
+    }
 }
 
 /// The autograd node of a training call: its forward hands out the scores
-/// computed by [`head_forward`]; its backward is the closed form.
+/// computed by [`Head::forward`]; its backward is the closed form.
 struct HeadGrad {
     /// Whether `h_d` needs its gradient (not for a frozen encoder's states).
     want_h: bool,
@@ -164,8 +170,8 @@ impl CustomOp3 for HeadGrad {
         let w = wb.narrow(1, 0, dmodel)?.contiguous()?;
         let b = if self.has_bias { Some(wb.narrow(1, dmodel, 1)?.squeeze(1)?.contiguous()?) } else { None };
         let argmax = self.argmax.lock().unwrap().take();
-        let (mask, norm) = (self.d_mask.as_ref(), self.normalize);
-        let g = head_grads(&q, &h_d, &w, b.as_ref(), mask, norm, argmax, grad, self.want_h)?;
+        let head = Head { h_d: &h_d, w: &w, b: b.as_ref(), d_mask: self.d_mask.as_ref(), normalize: self.normalize };
+        let g = head_grads(&q, head, argmax, grad, self.want_h)?;
         let gwb = match g.b {
             Some(gb) => Tensor::cat(&[&g.w, &gb.unsqueeze(1)?], 1)?,
             None => g.w,
@@ -213,14 +219,15 @@ pub fn maxsim_from_hidden_value_and_grads(
     }
     let (q, h_d, w) = (q.detach().contiguous()?, h_d.detach().contiguous()?, w.detach().contiguous()?);
     let b = b.map(|b| b.detach().contiguous()).transpose()?;
-    let (scores, argmax) = head_forward(&q, &h_d, &w, b.as_ref(), d_mask, normalize)?;
+    let head = Head { h_d: &h_d, w: &w, b: b.as_ref(), d_mask, normalize };
+    let (scores, argmax) = head.forward(&q)?;
     let g = dloss(&scores)?;
     if g.dims() != scores.dims() {
         bail!("dloss: returned shape {:?}, expected the scores' {:?}", g.dims(), scores.dims())
     }
     let g = g.to_device(q.device())?.to_dtype(DType::F32)?;
     let argmax = Some(argmax.reshape((nq * nd, lq))?);
-    let g = head_grads(&q, &h_d, &w, b.as_ref(), d_mask, normalize, argmax, &g, true)?;
+    let g = head_grads(&q, head, argmax, &g, true)?;
     let Some(h_d) = g.h_d else { bail!("maxsim_from_hidden: internal error, no gradient of h_d") };
     Ok((scores, FromHiddenGrads { q: g.q, h_d, w: g.w, b: g.b }))
 }
@@ -229,25 +236,15 @@ pub fn maxsim_from_hidden_value_and_grads(
 /// contiguous operands; `argmax` `[Nq·Nd, Lq]` I32 from the forward, or
 /// `None` to recompute it; `grad` `[Nq·Nd]` (or `[Nq, Nd]`) F32; grad `h_d`
 /// only `if want_h`.
-#[allow(clippy::too_many_arguments)]
-fn head_grads(
-    q: &Tensor,
-    h_d: &Tensor,
-    w: &Tensor,
-    b: Option<&Tensor>,
-    d_mask: Option<&Tensor>,
-    normalize: bool,
-    argmax: Option<Tensor>,
-    grad: &Tensor,
-    want_h: bool,
-) -> Result<Grads> {
+fn head_grads(q: &Tensor, head: Head, argmax: Option<Tensor>, grad: &Tensor, want_h: bool) -> Result<Grads> {
+    let Head { h_d, w, b, normalize, .. } = head;
     let (nq, lq, dout) = q.dims3()?;
     let (nd, ld, dmodel) = h_d.dims3()?;
     let dt = q.dtype();
     let acc = if dt == DType::F64 { DType::F64 } else { DType::F32 };
     let argmax = match argmax {
         Some(a) => a,
-        None => head_forward(q, h_d, w, b, d_mask, normalize)?.1.reshape((nq * nd, lq))?,
+        None => head.forward(q)?.1.reshape((nq * nd, lq))?,
     };
     // The rows that won: every row, or (few query rows) each document's
     // winners gathered into `cap` slots.
