@@ -98,6 +98,7 @@ const BWD: Modules = Modules { sm75: ptx::MAXSIM_BWD_SM75, sm80: ptx::MAXSIM_BWD
 const HIDDEN: Modules = Modules { sm75: ptx::HIDDEN_SM75, sm80: ptx::HIDDEN_SM80, sm90a: ptx::HIDDEN_SM90A };
 const ROWS: Modules = Modules { sm75: ptx::ROWS_SM75, sm80: ptx::ROWS_SM80, sm90a: ptx::ROWS_SM90A };
 const RESIDUAL: Modules = Modules { sm75: ptx::RESIDUAL_SM75, sm80: ptx::RESIDUAL_SM80, sm90a: ptx::RESIDUAL_SM90A };
+const PLAID: Modules = Modules { sm75: ptx::PLAID_SM75, sm80: ptx::PLAID_SM80, sm90a: ptx::PLAID_SM90A };
 const NORMALIZE: Modules =
     Modules { sm75: ptx::NORMALIZE_SM75, sm80: ptx::NORMALIZE_SM80, sm90a: ptx::NORMALIZE_SM90A };
 
@@ -110,6 +111,11 @@ pub(crate) fn fwd_func(dev: &CudaDevice, name: &str, smem: u32) -> Result<CudaFu
 /// Loads `name` from the backward module for this device.
 pub(crate) fn bwd_func(dev: &CudaDevice, name: &str, smem: u32) -> Result<CudaFunction> {
     load_func(dev, name, smem, "bwd", &BWD)
+}
+
+/// Loads `name` from the kernels/plaid.cu module for this device.
+pub(crate) fn plaid_func(dev: &CudaDevice, name: &str) -> Result<CudaFunction> {
+    load_func(dev, name, 0, "plaid", &PLAID)
 }
 
 fn load_func(dev: &CudaDevice, name: &str, smem: u32, kind: &str, modules: &Modules) -> Result<CudaFunction> {

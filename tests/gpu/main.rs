@@ -500,6 +500,54 @@ fn plaid_approx_cuda() -> Result<()> {
     Ok(())
 }
 
+/// The filter strategy of `plaid_approx_score` (scores quantized to a byte,
+/// exact f32 max over the tokens holding the max byte) on inputs built to
+/// defeat it: many scores sharing a byte with different f32 values, exact
+/// ties, repeated codes, documents longer than one chunk, query lengths of
+/// every lane count (and one past the filter's limit, which gathers), a
+/// table of one value (every token a candidate) and a range that overflows
+/// f32 (in a row no document uses: the quantizer falls back to one byte).
+#[test]
+fn plaid_approx_cuda_filter() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    let cpu = Device::Cpu;
+    for (n_c, lq, b, ld) in [
+        (40, 16, 300, 200),
+        (64, 20, 200, 64),
+        (50, 40, 100, 130),
+        (30, 100, 60, 33),
+        (20, 300, 20, 9),
+        (16, 520, 10, 7),
+    ] {
+        // Few levels, each with nearby distinct values: the same byte, different floats.
+        let levels = (randn(&[n_c, lq], DType::F32, &cpu)? * 2.0)?.round()?;
+        let jitter = (randn(&[n_c, lq], DType::F32, &cpu)? * 1e-3)?;
+        let ties = Tensor::rand(0f32, 1., (n_c, lq), &cpu)?.ge(0.5)?.to_dtype(DType::F32)?;
+        let tables = [
+            ("levels", (&levels + jitter.mul(&ties)?)?),
+            ("one value", Tensor::full(0.25f32, (n_c, lq), &cpu)?),
+            ("overflowing range", levels.slice_assign(&[0..1, 0..2], &Tensor::new(&[[3e38f32, -3e38]], &cpu)?)?),
+        ];
+        let lens: Vec<u32> = (0..b as u32).map(|i| 1 + (i * 7919) % ld as u32).collect();
+        let lens = Tensor::new(lens, &cpu)?;
+        // Few centroids for many tokens: repeated codes. Code 0 is never used.
+        let codes = Tensor::rand(1f32, n_c as f32, (b, ld), &cpu)?.to_dtype(DType::U32)?.clamp(1u32, n_c as u32 - 1)?;
+        for (what, qcs) in &tables {
+            let want = ms::plaid_approx_score(qcs, &codes, &lens)?;
+            for c in [codes.clone(), codes.to_dtype(DType::I64)?] {
+                let out = ms::plaid_approx_score(&qcs.to_device(&dev)?, &c.to_device(&dev)?, &lens.to_device(&dev)?)?;
+                assert_close(
+                    &format!("filter {what} C{n_c} lq{lq} b{b} ld{ld} {:?}", c.dtype()),
+                    &out.to_device(&cpu)?,
+                    &want,
+                    1e-4,
+                )?;
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Out-of-range codes and lengths are an `Err` naming the argument (found on
 /// the device, never read out of bounds), the first one in document order as
 /// the CPU op reports it; the device stays usable.
