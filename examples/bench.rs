@@ -199,21 +199,8 @@ fn plaid_approx_bench(dev: &Device, args: &Args) -> Result<()> {
     let lens = Tensor::rand(1f32, ld as f32 + 1., b, dev)?.to_dtype(DType::U32)?.clamp(1u32, ld as u32)?;
     let codes = Tensor::rand(0f32, n_c as f32, (b, ld), dev)?.to_dtype(DType::U32)?.clamp(0u32, n_c as u32 - 1)?;
     for codes in [codes.clone(), codes.to_dtype(DType::I64)?] {
-        // `fused` takes the crate's pick (the filter kernel at this shape), `gather` pins the
-        // kernel that reads whole f32 rows.
-        let pinned = |strategy: &'static str| {
-            let (qcs, codes, lens) = (&qcs, &codes, &lens);
-            move || {
-                std::env::set_var("CANDLE_MAXSIM_PLAID_APPROX", strategy);
-                let r = candle_maxsim::plaid_approx_score(qcs, codes, lens);
-                std::env::remove_var("CANDLE_MAXSIM_PLAID_APPROX");
-                Ok(r?)
-            }
-        };
-        let mut impls: Vec<(&str, Box<Op>)> = vec![
-            ("fused", Box::new(|| Ok(candle_maxsim::plaid_approx_score(&qcs, &codes, &lens)?))),
-            ("gather", Box::new(pinned("gather"))),
-        ];
+        let mut impls: Vec<(&str, Box<Op>)> =
+            vec![("fused", Box::new(|| Ok(candle_maxsim::plaid_approx_score(&qcs, &codes, &lens)?)))];
         if args.reference {
             impls.push((
                 "reference",
