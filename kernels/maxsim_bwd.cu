@@ -343,9 +343,10 @@ __device__ void bwd_qrow(const BwdParams& b) {
 //  fill:    warp w scans its contiguous share of the document's argmax
 //           entries ((pair, s) order) and appends the hits (winner in the
 //           chunk) to its own list, until the list is nearly full;
-//  process: every warp walks all lists in warp order and applies the hits
-//           on the rows it owns (row % DD_WARPS), one hit at a time across
-//           the row's columns (Q chunks of 8 hits loaded together).
+//  process: every warp walks all lists in warp order, stages the hits on
+//           the rows it owns (row % DD_WARPS) and applies them 32 at a time,
+//           one hit at a time across the row's columns (Q chunks of 8 hits
+//           loaded together, every batch full).
 // Each accumulator row is owned by one warp and updated in list order: bitwise
 // deterministic, no atomics, and hot rows (many winners on one token) cost
 // no more than cold ones.
@@ -400,6 +401,7 @@ __device__ void bwd_dchunk(const BwdParams& b) {
     using Acc = typename K::Acc;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     __shared__ int s_len[DD_WARPS];
+    __shared__ uint2 s_stage[DD_WARPS][64]; // each warp's own hits awaiting a full batch
     const MaxSimParams& p = b.f;
     const int dim = p.dim, astride = p.dim;
     Acc* acc = reinterpret_cast<Acc*>(smem_raw);                     // [tc][dim]
@@ -445,23 +447,44 @@ __device__ void bwd_dchunk(const BwdParams& b) {
         more = __syncthreads_or(x < x_end);
         // Process: all lists in warp order; warp w applies the hits on its
         // rows (row % DD_WARPS == w), one hit at a time across its columns,
-        // so each accumulator row is updated by one warp in list order.
-        for (int w2 = 0; w2 < DD_WARPS; ++w2) {
-            const int len = s_len[w2];
+        // so each accumulator row is updated by one warp in list order. The
+        // warp's own hits are staged first and applied 32 at a time, so
+        // every batch of U row loads is full (a 32-entry step of the lists
+        // holds only ~32 / DD_WARPS of them, and each batch waits on its loads).
+        uint2* stage = s_stage[warp];
+        int staged = 0;
+        for (int w2 = 0; w2 <= DD_WARPS; ++w2) {
+            const int len = w2 < DD_WARPS ? s_len[w2] : 0;
             const uint2* list = lists + w2 * DD_LIST;
-            for (int b0 = 0; b0 < len; b0 += 32) {
+            for (int b0 = 0; b0 < len || (w2 == DD_WARPS && staged > 0); b0 += 32) {
+                if (w2 < DD_WARPS) {
+                    uint2 h = make_uint2(0, 0);
+                    const bool mine = b0 + lane < len && (int)(h = list[b0 + lane]).x % DD_WARPS == warp;
+                    const unsigned own = __ballot_sync(BWD_FULL, mine);
+                    if (mine) stage[staged + __popc(own & below)] = h;
+                    staged += __popc(own);
+                    __syncwarp();
+                    if (staged < 32) continue;  // warp-uniform
+                }
+                // Apply stage[0 .. min(staged, 32)) in order.
+                const int n_apply = min(staged, 32);
                 int tl = -1, qrow = 0;
                 Acc gw = 0;
-                if (b0 + lane < len) {
-                    const uint2 h = list[b0 + lane];
-                    if ((int)h.x % DD_WARPS == warp) {
-                        const int k = (int)(h.y / (uint32_t)p.max_lq), s = (int)(h.y % (uint32_t)p.max_lq);
-                        const int pair = pair_of_d(b, j, k);
-                        tl = (int)h.x;
-                        qrow = q_rows(p, query_of_pair(p, pair)).begin + s;
-                        gw = (Acc)b.g[pair];
-                    }
+                if (lane < n_apply) {
+                    const uint2 h = stage[lane];
+                    const int k = (int)(h.y / (uint32_t)p.max_lq), s = (int)(h.y % (uint32_t)p.max_lq);
+                    const int pair = pair_of_d(b, j, k);
+                    tl = (int)h.x;
+                    qrow = q_rows(p, query_of_pair(p, pair)).begin + s;
+                    gw = (Acc)b.g[pair];
                 }
+                // Keep the rest (fewer than 32) at the front of the stage.
+                const int rest = staged - n_apply;
+                const uint2 keep = lane < rest ? stage[32 + lane] : make_uint2(0, 0);
+                __syncwarp();
+                if (lane < rest) stage[lane] = keep;
+                staged = rest;
+                __syncwarp();
                 unsigned mask = __ballot_sync(BWD_FULL, tl >= 0);
                 while (mask) { // warp-uniform: the next U owned hits, in list order
                     int rt[K::U], rq[K::U];

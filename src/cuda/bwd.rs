@@ -125,9 +125,11 @@ fn resolve_mode(mode: Backward, pb: &Problem) -> Backward {
 fn chunk_plan(dtype: DType, dim: usize, max_ld: usize, optin: usize) -> Result<(usize, usize, usize)> {
     let row = dim * if dtype == DType::F64 { 8 } else { 4 };
     let lists = DD_WARPS * DD_LIST * 8;
-    // Static shared memory and the per-block reservation come on top.
-    let cap = optin.saturating_sub(1024);
-    let target = (optin / 2).saturating_sub(1024).max(48 * 1024).min(cap);
+    // Static shared memory (the warps' hit stages and list lengths, `s_stage`
+    // and `s_len`) and the per-block reservation come on top.
+    let fixed = DD_WARPS * 64 * 8 + DD_WARPS * 4 + 1024;
+    let cap = optin.saturating_sub(fixed);
+    let target = (optin / 2).saturating_sub(fixed).max(48 * 1024).min(cap);
     let mut tc = target.saturating_sub(lists) / row;
     if tc == 0 {
         tc = cap.saturating_sub(lists) / row;

@@ -122,7 +122,8 @@ fn load_func(dev: &CudaDevice, name: &str, smem: u32, kind: &str, modules: &Modu
     let info = device_info(dev)?;
     let (ptx, tag) = module_for(&info, modules);
     let func = dev.get_or_load_custom_func(name, &format!("candle_maxsim_{kind}_{tag}"), ptx)?.into_cuda_function();
-    if smem > 48 * 1024 {
+    // Static shared memory counts toward the 48 KB a block gets without opting in.
+    if smem > 0 && smem as usize + func.shared_size_bytes().w()? as usize > 48 * 1024 {
         func.set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
             .w()?;
     }
