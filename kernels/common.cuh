@@ -348,6 +348,15 @@ MAXSIM_WGMMA(__nv_bfloat16, "bf16", 64)
 MAXSIM_WGMMA(__nv_bfloat16, "bf16", 128)
 #endif // __CUDA_ARCH_FEAT_SM90_ALL
 
+// A similarity with its low mantissa bits replaced by `code` (`keep` clears
+// them; passed in a register so that this is one LOP3 with `code` as the
+// immediate). Max over packed values = the max over values truncated by those
+// bits (a relative change under 2^-18), ties going to the larger code. Packing
+// turns +-inf into NaN, which fmaxf skips: overflowed similarities are not ranked.
+__device__ __forceinline__ float argmax_pack(float v, uint32_t keep, uint32_t code) {
+    return __uint_as_float((__float_as_uint(v) & keep) | code);
+}
+
 // Running (max, argmax) merge: larger value wins, ties keep the lower index.
 __device__ __forceinline__ void merge_max(float& m, int& idx, float om, int oidx) {
     if (om > m || (om == m && oidx >= 0 && (idx < 0 || oidx < idx))) {

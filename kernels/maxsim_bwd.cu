@@ -369,24 +369,68 @@ struct DCfg {
     struct alignas(sizeof(T_) * VEC_) Chunk { T_ v[VEC_]; };
 };
 
+// The raw type of a K::Chunk (8, 4 or 2 bytes), so that it moves as one access.
+template <class K>
+using ChunkBits = typename std::conditional<sizeof(typename K::Chunk) == 8, uint2,
+                                            typename std::conditional<sizeof(typename K::Chunk) == 4, uint32_t,
+                                                                      unsigned short>::type>::type;
+
+// Shared-memory load / store of a 4-, 8- or 16-byte accumulator pack at a
+// 32-bit shared address (held in a register, not recomputed per access).
+// Volatile with a memory clobber: a batch may update the same row twice, so
+// each store must land before the next load.
+template <class P> __device__ __forceinline__ P lds(uint32_t a) {
+    static_assert(sizeof(P) == 4 || sizeof(P) == 8 || sizeof(P) == 16, "pack size");
+    P v;
+    if constexpr (sizeof(P) == 16) {
+        uint4 r;
+        asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "r"(a) : "memory");
+        memcpy(&v, &r, 16);
+    } else if constexpr (sizeof(P) == 8) {
+        uint2 r;
+        asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(r.x), "=r"(r.y) : "r"(a) : "memory");
+        memcpy(&v, &r, 8);
+    } else {
+        uint32_t r;
+        asm volatile("ld.shared.u32 %0, [%1];" : "=r"(r) : "r"(a) : "memory");
+        memcpy(&v, &r, 4);
+    }
+    return v;
+}
+template <class P> __device__ __forceinline__ void sts(uint32_t a, const P& v) {
+    if constexpr (sizeof(P) == 16) {
+        uint4 r;
+        memcpy(&r, &v, 16);
+        asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(a), "r"(r.x), "r"(r.y), "r"(r.z), "r"(r.w) : "memory");
+    } else if constexpr (sizeof(P) == 8) {
+        uint2 r;
+        memcpy(&r, &v, 8);
+        asm volatile("st.shared.v2.u32 [%0], {%1, %2};" ::"r"(a), "r"(r.x), "r"(r.y) : "memory");
+    } else {
+        uint32_t r;
+        memcpy(&r, &v, 4);
+        asm volatile("st.shared.u32 [%0], %1;" ::"r"(a), "r"(r) : "memory");
+    }
+}
+
 // One chunk of VEC elements of Q through the read-only path.
 template <class K>
 __device__ __forceinline__ typename K::Chunk load_chunk(const typename K::T* p) {
-    using R = typename std::conditional<sizeof(typename K::Chunk) == 8, uint2,
-                                        typename std::conditional<sizeof(typename K::Chunk) == 4, uint32_t,
-                                                                  unsigned short>::type>::type;
-    const R r = __ldg(reinterpret_cast<const R*>(p));
+    const ChunkBits<K> r = __ldg(reinterpret_cast<const ChunkBits<K>*>(p));
     typename K::Chunk c;
     memcpy(&c, &r, sizeof(c));
     return c;
 }
+template <class K> __device__ __forceinline__ void store_chunk(typename K::T* p, const typename K::Chunk& c) {
+    ChunkBits<K> r;
+    memcpy(&r, &c, sizeof(c));
+    *reinterpret_cast<ChunkBits<K>*>(p) = r;
+}
 
-// Entry x (in (pair, s) order) of document j: its argmax slot, or -1 past
-// the end of a packed query. The host checks that a document has fewer than
-// 2^31 entries.
-__device__ __forceinline__ long long doc_entry(const BwdParams& b, int j, int x) {
+// Entry (k, s) of document j (its k-th pair, query row s): the argmax slot,
+// or -1 past the end of a packed query.
+__device__ __forceinline__ long long doc_entry(const BwdParams& b, int j, int k, int s) {
     const MaxSimParams& p = b.f;
-    const int k = x / p.max_lq, s = x - k * p.max_lq;
     const int pair = pair_of_d(b, j, k);
     if (p.cu_q) {
         const int i = query_of_pair(p, pair);
@@ -421,17 +465,29 @@ __device__ void bwd_dchunk(const BwdParams& b) {
     int x = (int)(n_entries * warp / DD_WARPS);
     const int x_end = (int)(n_entries * (warp + 1) / DD_WARPS);
     uint2* mine = lists + warp * DD_LIST;
+    // This lane's columns of a row: lane_col + c * 32 * VEC for c < col_passes.
+    const int lane_col = lane * K::VEC;
+    const int col_passes = lane_col < dim ? (dim - lane_col + 32 * K::VEC - 1) / (32 * K::VEC) : 0;
+    const uint32_t acc_lane = (uint32_t)__cvta_generic_to_shared(acc) + lane_col * (uint32_t)sizeof(Acc);
     bool more = true;
     while (more) {
         // Fill (the loop bounds are warp-uniform).
         int n = 0;
         while (x < x_end && n + 32 * DD_FILL <= DD_LIST) {
             int tv[DD_FILL]; // all loads first, then the tests: DD_FILL loads in flight
+            // Entry x + lane as (pair k, row s), stepped by 32 without a division per entry.
+            int k = (x + lane) / p.max_lq, sq = x + lane - k * p.max_lq;
 #pragma unroll
             for (int u = 0; u < DD_FILL; ++u) {
                 const int xx = x + u * 32 + lane;
-                const long long a = xx < x_end ? doc_entry(b, j, xx) : -1;
+                const long long a = xx < x_end ? doc_entry(b, j, k, sq) : -1;
                 tv[u] = a >= 0 ? argmax_load(p, (size_t)a) : -1;
+                sq += 32;
+                if (sq >= p.max_lq) {
+                    const int w = sq / p.max_lq;
+                    k += w;
+                    sq -= w * p.max_lq;
+                }
             }
 #pragma unroll
             for (int u = 0; u < DD_FILL; ++u) {
@@ -452,66 +508,72 @@ __device__ void bwd_dchunk(const BwdParams& b) {
         // every batch of U row loads is full (a 32-entry step of the lists
         // holds only ~32 / DD_WARPS of them, and each batch waits on its loads).
         uint2* stage = s_stage[warp];
+        const uint32_t stage_s = (uint32_t)__cvta_generic_to_shared(stage);
+        const uint32_t lists_lane = (uint32_t)__cvta_generic_to_shared(lists) + lane * (uint32_t)sizeof(uint2);
         int staged = 0;
         for (int w2 = 0; w2 <= DD_WARPS; ++w2) {
             const int len = w2 < DD_WARPS ? s_len[w2] : 0;
-            const uint2* list = lists + w2 * DD_LIST;
+            const uint32_t list_s = lists_lane + w2 * DD_LIST * (uint32_t)sizeof(uint2);
             for (int b0 = 0; b0 < len || (w2 == DD_WARPS && staged > 0); b0 += 32) {
                 if (w2 < DD_WARPS) {
                     uint2 h = make_uint2(0, 0);
-                    const bool mine = b0 + lane < len && (int)(h = list[b0 + lane]).x % DD_WARPS == warp;
+                    if (b0 + lane < len) h = lds<uint2>(list_s + b0 * (uint32_t)sizeof(uint2));
+                    const bool mine = b0 + lane < len && (h.x & (DD_WARPS - 1)) == (uint32_t)warp;
                     const unsigned own = __ballot_sync(BWD_FULL, mine);
-                    if (mine) stage[staged + __popc(own & below)] = h;
+                    if (mine) sts(stage_s + (staged + __popc(own & below)) * (uint32_t)sizeof(uint2), h);
                     staged += __popc(own);
                     __syncwarp();
                     if (staged < 32) continue;  // warp-uniform
                 }
-                // Apply stage[0 .. min(staged, 32)) in order.
+                // Apply stage[0 .. min(staged, 32)) in order. Lane l first
+                // resolves hit l (its Q row, accumulator row and weight), so a
+                // batch of U hits is U shuffles of ready operands.
                 const int n_apply = min(staged, 32);
-                int tl = -1, qrow = 0;
+                const T* qp = Q;   // the hit's Q row
+                uint32_t arow = 0; // byte offset of its accumulator row
                 Acc gw = 0;
                 if (lane < n_apply) {
-                    const uint2 h = stage[lane];
-                    const int k = (int)(h.y / (uint32_t)p.max_lq), s = (int)(h.y % (uint32_t)p.max_lq);
-                    const int pair = pair_of_d(b, j, k);
-                    tl = (int)h.x;
-                    qrow = q_rows(p, query_of_pair(p, pair)).begin + s;
+                    const uint2 h = lds<uint2>(stage_s + lane * (uint32_t)sizeof(uint2));
+                    const uint32_t k = h.y / (uint32_t)p.max_lq, s = h.y - k * (uint32_t)p.max_lq;
+                    const int pair = pair_of_d(b, j, (int)k);
+                    qp = Q + (size_t)(q_rows(p, query_of_pair(p, pair)).begin + (int)s) * dim;
+                    arow = h.x * (uint32_t)(astride * sizeof(Acc));
                     gw = (Acc)b.g[pair];
                 }
                 // Keep the rest (fewer than 32) at the front of the stage.
                 const int rest = staged - n_apply;
-                const uint2 keep = lane < rest ? stage[32 + lane] : make_uint2(0, 0);
+                const uint2 keep = lane < rest ? lds<uint2>(stage_s + (32 + lane) * (uint32_t)sizeof(uint2)) : make_uint2(0, 0);
                 __syncwarp();
-                if (lane < rest) stage[lane] = keep;
+                if (lane < rest) sts(stage_s + lane * (uint32_t)sizeof(uint2), keep);
                 staged = rest;
                 __syncwarp();
-                unsigned mask = __ballot_sync(BWD_FULL, tl >= 0);
-                while (mask) { // warp-uniform: the next U owned hits, in list order
-                    int rt[K::U], rq[K::U];
+                for (int u0 = 0; u0 < n_apply; u0 += K::U) { // warp-uniform
+                    const T* rp[K::U];
+                    uint32_t ra[K::U];
                     Acc rw[K::U];
 #pragma unroll
-                    for (int u = 0; u < K::U; ++u) {
-                        const int src = mask ? __ffs(mask) - 1 : 0;
-                        const int t = __shfl_sync(BWD_FULL, tl, src);
-                        rt[u] = mask ? t : -1;
-                        rq[u] = __shfl_sync(BWD_FULL, qrow, src);
-                        rw[u] = __shfl_sync(BWD_FULL, gw, src);
-                        mask &= mask - 1;
+                    for (int u = 0; u < K::U; ++u) { // u0 + u < 32: n_apply <= 32, U divides 32
+                        rp[u] = reinterpret_cast<const T*>(
+                                    __shfl_sync(BWD_FULL, reinterpret_cast<unsigned long long>(qp), u0 + u)) +
+                                lane_col;
+                        ra[u] = __shfl_sync(BWD_FULL, arow, u0 + u) + acc_lane;
+                        rw[u] = __shfl_sync(BWD_FULL, gw, u0 + u);
                     }
-                    for (int col = lane * K::VEC; col < dim; col += 32 * K::VEC) {
+                    const int nu = min(K::U, n_apply - u0);
+                    for (int c = 0; c < col_passes; ++c) {
+                        const int off = c * 32 * K::VEC; // elements past the lane's first column
                         typename K::Chunk x[K::U];
 #pragma unroll
-                        for (int u = 0; u < K::U; ++u) {
-                            if (rt[u] >= 0) x[u] = load_chunk<K>(Q + (size_t)rq[u] * dim + col);
-                        }
+                        for (int u = 0; u < K::U; ++u)
+                            if (u < nu) x[u] = load_chunk<K>(rp[u] + off);
 #pragma unroll
                         for (int u = 0; u < K::U; ++u) {
-                            if (rt[u] < 0) continue;
-                            auto* a = reinterpret_cast<typename K::Pack*>(acc + (size_t)rt[u] * astride + col);
-                            typename K::Pack v = *a;
+                            if (u >= nu) break;
+                            const uint32_t sa = ra[u] + off * (uint32_t)sizeof(Acc);
+                            typename K::Pack v = lds<typename K::Pack>(sa);
 #pragma unroll
                             for (int e = 0; e < K::VEC; ++e) v.v[e] += rw[u] * Elem<T>::to_float(x[u].v[e]);
-                            *a = v;
+                            sts(sa, v);
                         }
                     }
                 }
@@ -519,9 +581,18 @@ __device__ void bwd_dchunk(const BwdParams& b) {
         }
         __syncthreads(); // lists are refilled
     }
-    for (int e = threadIdx.x; e < tn * dim; e += blockDim.x) {
-        const int r = e / dim, col = e - r * dim;
-        GD[(size_t)(dr.begin + t0 + r) * dim + col] = Elem<T>::from(acc[(size_t)r * astride + col]);
+    // Each warp writes whole rows, a lane its VEC-element chunks.
+    for (int r = warp; r < tn; r += DD_WARPS) {
+        T* grow = GD + (size_t)(dr.begin + t0 + r) * dim + lane_col;
+        const uint32_t arow = acc_lane + (uint32_t)(r * astride * sizeof(Acc));
+        for (int c = 0; c < col_passes; ++c) {
+            const int off = c * 32 * K::VEC;
+            const typename K::Pack v = lds<typename K::Pack>(arow + off * (uint32_t)sizeof(Acc));
+            typename K::Chunk o;
+#pragma unroll
+            for (int e = 0; e < K::VEC; ++e) o.v[e] = Elem<T>::from(v.v[e]);
+            store_chunk<K>(grow + off, o);
+        }
     }
 }
 

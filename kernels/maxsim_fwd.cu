@@ -181,8 +181,29 @@ __device__ __forceinline__ uint32_t q_pair(const T* Q, int row, int row_end, int
     return (uint32_t)lo | ((uint32_t)hi << 16);
 }
 
+// Max over a thread's 2 * NT values of one row of a tile, value(i) for
+// i < 2 * NT, as a balanced tree: depth log2(2 * NT) instead of a dependent
+// chain of 2 * NT, which the warp would wait out before the next barrier.
+template <int NT, typename F> __device__ __forceinline__ float row_max(F value) {
+    static_assert((NT & (NT - 1)) == 0, "a power of two");
+    float v[2 * NT];
+#pragma unroll
+    for (int i = 0; i < 2 * NT; ++i) v[i] = value(i);
+#pragma unroll
+    for (int w = 1; w < 2 * NT; w *= 2)
+#pragma unroll
+        for (int i = 0; i + w < 2 * NT; i += 2 * w) v[i] = fmaxf(v[i], v[i + w]);
+    return v[0];
+}
+
 template <typename C, typename T, bool ARGMAX, bool RESIDUAL>
 __device__ __forceinline__ void maxsim_fwd_mma(const MaxSimParams& p) {
+    // The argmax of 16-bit inputs rides in the similarities' low mantissa
+    // bits (see argmax_pack); F32 keeps exact compare-and-select.
+    constexpr bool PACKED = ARGMAX && sizeof(T) == 2;
+    constexpr int PBITS = C::NT * 2 <= 8 ? 3 : C::NT * 2 <= 16 ? 4 : 5;
+    constexpr int PLOW = (1 << PBITS) - 1;
+    static_assert(C::NT * 2 <= 32, "a thread's columns of a row fit in 5 bits");
     extern __shared__ __align__(16) unsigned char smem_raw[];
     unsigned char* base = smem_raw;
     if (C::HOPPER) base = reinterpret_cast<unsigned char*>(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
@@ -338,6 +359,9 @@ __device__ __forceinline__ void maxsim_fwd_mma(const MaxSimParams& p) {
         for (int mt = 0; mt < C::MT; ++mt)
 #pragma unroll
             for (int h = 0; h < 2; ++h) m[mt][h] = MAXSIM_NEG_INF, idx[mt][h] = -1;
+        // Packed argmax (16-bit inputs): `keep` clears the position bits; held
+        // in a register (not an immediate) so that pack is a single LOP3.
+        const uint32_t keep = p.dim >= 0 ? ~(uint32_t)PLOW : 0u;
 
         int j = first_nonempty(w.d_begin), k = 0;
         for (int it = 0; j < w.d_end; ++it) {
@@ -406,35 +430,130 @@ __device__ __forceinline__ void maxsim_fwd_mma(const MaxSimParams& p) {
             // Running max (and argmax) over this tile's valid columns. Branch-free:
             // full unmasked tiles skip the validity test altogether.
             const int col0 = k * C::BD + wn * C::NT * 8 + 2 * c; // doc-local index of this thread's first column
-            auto update = [&](float& mv, int& iv, float v, int col) {
-                if (ARGMAX) {
-                    const bool u = v > mv; // strict: ties keep the lower index
-                    mv = u ? v : mv;
-                    iv = u ? col : iv;
-                } else {
-                    mv = fmaxf(mv, v);
+            const bool full = n == C::BD && !p.d_valid;
+            const uint8_t* sm = smask + stage * C::BD + wn * C::NT * 8 + 2 * c;
+            if constexpr (PACKED) {
+                // One LOP3 + one FMNMX per similarity: the low PBITS mantissa
+                // bits carry (PLOW - position among the thread's columns), so
+                // the float max of a row's packed values is its first best
+                // column. A negative float orders those bits the other way (a
+                // larger code is more negative), so this is exact only where
+                // a negative maximum cannot matter: every row of the warp
+                // already above zero, or holding a similarity >= 0 in this
+                // tile. Otherwise compare and select on the truncated values.
+                bool above = true;
+#pragma unroll
+                for (int mt = 0; mt < C::MT; ++mt) above &= m[mt][0] > 0.f && m[mt][1] > 0.f;
+                auto scan = [&](auto masked_t, auto packed_t) {
+                    constexpr bool MASKED = decltype(masked_t)::value, PACK = decltype(packed_t)::value;
+                    if (!PACK) {
+#pragma unroll
+                        for (int nt = 0; nt < C::NT; ++nt) {
+                            const bool ok0 = !MASKED || sm[nt * 8], ok1 = !MASKED || sm[nt * 8 + 1];
+#pragma unroll
+                            for (int mt = 0; mt < C::MT; ++mt)
+#pragma unroll
+                                for (int e = 0; e < 4; ++e) {
+                                    const float v = __uint_as_float(__float_as_uint(acc[mt][nt][e]) & keep);
+                                    const bool u = (e % 2 ? ok1 : ok0) && v > m[mt][e / 2]; // strict: ties keep the lower index
+                                    m[mt][e / 2] = u ? v : m[mt][e / 2];
+                                    idx[mt][e / 2] = u ? col0 + nt * 8 + e % 2 : idx[mt][e / 2];
+                                }
+                        }
+                    } else {
+#pragma unroll
+                        for (int mt = 0; mt < C::MT; ++mt)
+#pragma unroll
+                            for (int h = 0; h < 2; ++h) {
+                                const float pm = row_max<C::NT>([&](int i) {
+                                    const float v = argmax_pack(acc[mt][i / 2][h * 2 + i % 2], keep, PLOW - i);
+                                    return !MASKED || sm[(i / 2) * 8 + i % 2] ? v : MAXSIM_NEG_INF;
+                                });
+                                const uint32_t bits = __float_as_uint(pm);
+                                const float tv = __uint_as_float(bits & keep);
+                                const int pos = PLOW - (int)(bits & PLOW);
+                                const bool u = tv > m[mt][h]; // strict: ties keep the earlier tile
+                                m[mt][h] = u ? tv : m[mt][h];
+                                idx[mt][h] = u ? col0 + (pos >> 1) * 8 + (pos & 1) : idx[mt][h];
+                            }
+                    }
+                };
+                // Not yet above zero (a document's first tile): packing is
+                // still exact unless some row's valid similarities are all
+                // negative (or all masked), which an AND of their sign bits
+                // finds cheaply (a masked column counts as negative).
+                bool packable = __all_sync(0xffffffffu, above);
+                if (!packable) {
+                    bool negative_row = false;
+                    auto signs = [&](auto masked_t) {
+                        constexpr bool MASKED = decltype(masked_t)::value;
+#pragma unroll
+                        for (int mt = 0; mt < C::MT; ++mt)
+#pragma unroll
+                            for (int h = 0; h < 2; ++h) {
+                                uint32_t all = ~0u;
+#pragma unroll
+                                for (int nt = 0; nt < C::NT; ++nt)
+#pragma unroll
+                                    for (int e = 0; e < 2; ++e)
+                                        all &= !MASKED || sm[nt * 8 + e] ? __float_as_uint(acc[mt][nt][h * 2 + e]) : ~0u;
+                                negative_row |= (int)all < 0;
+                            }
+                    };
+                    if (full) signs(std::false_type{});
+                    else signs(std::true_type{});
+                    packable = !__any_sync(0xffffffffu, negative_row);
                 }
-            };
-            if (n == C::BD && !p.d_valid) {
-#pragma unroll
-                for (int mt = 0; mt < C::MT; ++mt)
-#pragma unroll
-                    for (int nt = 0; nt < C::NT; ++nt)
-#pragma unroll
-                        for (int e = 0; e < 4; ++e)
-                            update(m[mt][e / 2], idx[mt][e / 2], acc[mt][nt][e], col0 + nt * 8 + e % 2);
-            } else {
-                const uint8_t* sm = smask + stage * C::BD + wn * C::NT * 8 + 2 * c;
-#pragma unroll
-                for (int nt = 0; nt < C::NT; ++nt) {
-                    const bool ok0 = sm[nt * 8], ok1 = sm[nt * 8 + 1];
+                if (packable) {
+                    if (full) scan(std::false_type{}, std::true_type{});
+                    else scan(std::true_type{}, std::true_type{});
+                } else {
+                    if (full) scan(std::false_type{}, std::false_type{});
+                    else scan(std::true_type{}, std::false_type{});
+                }
+            } else if constexpr (!ARGMAX) {
+                // Scores only: each row's tile max as a tree (log depth, not a
+                // 2 * NT-long chain before the next barrier).
+                auto tile_max = [&](auto masked_t) {
+                    constexpr bool MASKED = decltype(masked_t)::value;
 #pragma unroll
                     for (int mt = 0; mt < C::MT; ++mt)
 #pragma unroll
-                        for (int e = 0; e < 4; ++e) {
-                            const float v = (e % 2 ? ok1 : ok0) ? acc[mt][nt][e] : MAXSIM_NEG_INF;
-                            update(m[mt][e / 2], idx[mt][e / 2], v, col0 + nt * 8 + e % 2);
-                        }
+                        for (int h = 0; h < 2; ++h)
+                            m[mt][h] = fmaxf(m[mt][h], row_max<C::NT>([&](int i) {
+                                                 const float v = acc[mt][i / 2][h * 2 + i % 2];
+                                                 return !MASKED || sm[(i / 2) * 8 + i % 2] ? v : MAXSIM_NEG_INF;
+                                             }));
+                };
+                if (full) tile_max(std::false_type{});
+                else tile_max(std::true_type{});
+            } else {
+                // F32 argmax: exact compare and select, in column order.
+                auto update = [&](float& mv, int& iv, float v, int col) {
+                    const bool u = v > mv; // strict: ties keep the lower index
+                    mv = u ? v : mv;
+                    iv = u ? col : iv;
+                };
+                if (full) {
+#pragma unroll
+                    for (int mt = 0; mt < C::MT; ++mt)
+#pragma unroll
+                        for (int nt = 0; nt < C::NT; ++nt)
+#pragma unroll
+                            for (int e = 0; e < 4; ++e)
+                                update(m[mt][e / 2], idx[mt][e / 2], acc[mt][nt][e], col0 + nt * 8 + e % 2);
+                } else {
+#pragma unroll
+                    for (int nt = 0; nt < C::NT; ++nt) {
+                        const bool ok0 = sm[nt * 8], ok1 = sm[nt * 8 + 1];
+#pragma unroll
+                        for (int mt = 0; mt < C::MT; ++mt)
+#pragma unroll
+                            for (int e = 0; e < 4; ++e) {
+                                const float v = (e % 2 ? ok1 : ok0) ? acc[mt][nt][e] : MAXSIM_NEG_INF;
+                                update(m[mt][e / 2], idx[mt][e / 2], v, col0 + nt * 8 + e % 2);
+                            }
+                    }
                 }
             }
 

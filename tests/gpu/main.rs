@@ -249,6 +249,83 @@ fn argmax_matches_reference() -> Result<()> {
     Ok(())
 }
 
+/// Exact ties: documents built from a few repeated rows, so a query row's
+/// best value occurs at many tokens, within one tile, across tiles and with
+/// masked tokens between; the saved argmax is the first valid occurrence.
+/// Document 1 scores negative everywhere (negative maxima order the packed
+/// argmax bits the other way). Run under each `CANDLE_MAXSIM_TILE` on the GPU.
+#[test]
+fn argmax_ties_pick_lowest_index() -> Result<()> {
+    let Some(dev) = gpu() else { return Ok(()) };
+    let cpu = Device::Cpu;
+    for dt in DTYPES {
+        for &(nq, nd, lq, ld, dim) in &[(3, 4, 40, 300, 128), (8, 4, 128, 520, 96), (2, 3, 20, 70, 64)] {
+            let pool_n = 5;
+            // Query rows lean on feature 0; document 1's rows point away from it.
+            let lean = Tensor::zeros(dim, DType::F32, &cpu)?.slice_assign(&[0..1], &Tensor::new(&[8f32], &cpu)?)?;
+            let q = randn(&[nq, lq, dim], DType::F32, &cpu)?.broadcast_add(&lean)?;
+            let pool = randn(&[nd, pool_n, dim], DType::F32, &cpu)?;
+            let sign = Tensor::new(&[1f32, -1., 1., 1.][..nd], &cpu)?.reshape((nd, 1, 1))?;
+            let pool = pool.broadcast_add(&lean.broadcast_mul(&sign)?)?;
+            // Token t repeats pool row pick(j, t): rows 0..3 early, all five past ld / 2.
+            let pick = |j: usize, t: usize| {
+                let h = (t * 2654435761 + j * 40503) >> 7;
+                if t < ld / 2 {
+                    h % 3
+                } else {
+                    h % pool_n
+                }
+            };
+            let idx: Vec<u32> = (0..nd).flat_map(|j| (0..ld).map(move |t| (j * pool_n + pick(j, t)) as u32)).collect();
+            let d = pool
+                .reshape((nd * pool_n, dim))?
+                .index_select(&Tensor::from_vec(idx, nd * ld, &cpu)?, 0)?
+                .reshape((nd, ld, dim))?;
+            let (q, d) = (q.to_dtype(dt)?, d.to_dtype(dt)?);
+            let dm = rand_mask(&[nd, ld], 0.1, &cpu)?;
+            let (_, am) =
+                ms::maxsim_with_argmax(&q.to_device(&dev)?, &d.to_device(&dev)?, None, Some(&dm.to_device(&dev)?))?;
+            let am: Vec<i32> = am.to_device(&cpu)?.flatten_all()?.to_vec1()?;
+            // Similarities of each query row with the pool rows, from the same rounded inputs.
+            let pool_r = pool.to_dtype(dt)?.to_dtype(DType::F32)?;
+            let sim =
+                q.to_dtype(DType::F32)?.reshape((nq * lq, dim))?.matmul(&pool_r.reshape((nd * pool_n, dim))?.t()?)?;
+            let sim: Vec<Vec<f32>> = sim.to_vec2()?;
+            let dmv: Vec<u8> = dm.flatten_all()?.to_vec1()?;
+            let (mut checked, mut negative, mut late) = (0, 0, 0);
+            for i in 0..nq {
+                for j in 0..nd {
+                    let valid: Vec<usize> = (0..ld).filter(|&t| dmv[j * ld + t] != 0).collect();
+                    for s in 0..lq {
+                        let row = &sim[i * lq + s][j * pool_n..][..pool_n];
+                        let mut present: Vec<usize> = valid.iter().map(|&t| pick(j, t)).collect();
+                        present.sort();
+                        present.dedup();
+                        present.sort_by(|&a, &b| row[b].total_cmp(&row[a]));
+                        let got = am[(i * nd + j) * lq + s];
+                        if present.len() > 1
+                            && row[present[0]] - row[present[1]] < 1e-2 * row[present[0]].abs().max(1.0)
+                        {
+                            continue; // two pool rows too close to call
+                        }
+                        let want = *valid.iter().find(|&&t| pick(j, t) == present[0]).unwrap();
+                        assert_eq!(got, want as i32, "{dt:?} {nq}x{nd} lq{lq} ld{ld}: ({i},{j},{s})");
+                        checked += 1;
+                        negative += (row[present[0]] < 0.0) as usize;
+                        late += (want >= ld / 2) as usize;
+                    }
+                }
+            }
+            let rows = nq * nd * lq;
+            assert!(
+                checked > rows * 3 / 4 && negative > nq * lq / 2 && late > 0,
+                "{checked} / {negative} / {late} of {rows}"
+            );
+        }
+    }
+    Ok(())
+}
+
 /// Autograd through the CUDA forward (argmax saved on the device).
 #[test]
 fn gradients_through_cuda_forward() -> Result<()> {
