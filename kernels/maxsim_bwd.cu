@@ -428,7 +428,8 @@ template <class K> __device__ __forceinline__ void store_chunk(typename K::T* p,
 }
 
 // Entry (k, s) of document j (its k-th pair, query row s): the argmax slot,
-// or -1 past the end of a packed query.
+// or -1 past the end of a packed query. Entries are counted in int (x =
+// k * max_lq + s): the host checks that a document has fewer than 2^31.
 __device__ __forceinline__ long long doc_entry(const BwdParams& b, int j, int k, int s) {
     const MaxSimParams& p = b.f;
     const int pair = pair_of_d(b, j, k);
