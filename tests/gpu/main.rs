@@ -262,7 +262,7 @@ fn argmax_ties_pick_lowest_index() -> Result<()> {
         for &(nq, nd, lq, ld, dim) in &[(3, 4, 40, 300, 128), (8, 4, 128, 520, 96), (2, 3, 20, 70, 64)] {
             let pool_n = 5;
             // Query rows lean on feature 0; document 1's rows point away from it.
-            let lean = Tensor::zeros(dim, DType::F32, &cpu)?.slice_assign(&[0..1], &Tensor::new(&[8f32], &cpu)?)?;
+            let lean = Tensor::from_vec((0..dim).map(|k| if k == 0 { 8f32 } else { 0. }).collect(), dim, &cpu)?;
             let q = randn(&[nq, lq, dim], DType::F32, &cpu)?.broadcast_add(&lean)?;
             let pool = randn(&[nd, pool_n, dim], DType::F32, &cpu)?;
             let sign = Tensor::new(&[1f32, -1., 1., 1.][..nd], &cpu)?.reshape((nd, 1, 1))?;
