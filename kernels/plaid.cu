@@ -2,20 +2,25 @@
 //     score[b] = sum_s max_{t < len_b} qcs[codes[b, t], s]
 // One warp per document. The per-centroid query scores qcs [C, Lq] are small
 // (8 MB at C = 65 536, Lq = 32) and stay in L2, so the kernel is bound by the
-// gathers of qcs rows: each lane loads VEC consecutive query tokens of a row
-// (16-byte loads when VEC = 4), G lanes cover G * VEC query tokens of one row,
-// and the warp gathers R = 32 / G rows per load instruction. The running max
-// per query token stays in registers; the R row groups are merged by shuffles
-// and the query tokens summed by a warp reduction. Query lengths beyond
-// G * VEC are processed in chunks of that many tokens.
+// gathers of qcs rows (one 128-byte row per token at Lq = 32). Two kernels:
+//  - plaid_rows: Lq = 16, 32 or 64 (G = Lq / 4 lanes cover a row with 16-byte
+//    loads, R = 32 / G rows per load instruction). Lean: no load needs a
+//    predicate or a default value (see score_doc), the row address is one
+//    IMAD.WIDE, and a document's length and first 32 codes are loaded
+//    together. It runs within ~10 % of a bare gather of the same rows
+//    (bench/micro/plaid_gather.cu, BENCHMARKS.md note 38).
+//  - plaid_approx: any Lq, in chunks of G * VEC query tokens.
 //
 // Invalid input never causes an out-of-bounds read: a document length above
-// Ld is clamped to Ld and an out-of-range code is skipped; both are reported
-// through `err` (read back once by the host, which turns them into an Err).
+// Ld is clamped to Ld and an out-of-range code reads row 0 (or is skipped).
+// Either sets `*bad` (a flag in page-locked host memory, so the host reads it
+// after the stream sync without a copy); the host then finds and reports the
+// first bad value as the CPU op does.
 #include <stdint.h>
 
 #define PLAID_NEG_INF (__int_as_float(0xff800000))
 #define PLAID_WARPS 8
+#define PLAID_ROWS_WARPS 4
 #define PLAID_BAD_CODE 0xffffffffu
 
 // Mirrors `Params` in src/cuda/plaid.rs (same field order, C layout).
@@ -24,10 +29,7 @@ struct PlaidApproxParams {
     const void* codes;         // [b, ld] uint32_t or int64_t
     const uint32_t* doc_lens;  // [b]
     float* out;                // [b]
-    // err[0]: ~(first document whose length exceeds ld); err[1]: ~(first flat
-    // index b * ld + t of an out-of-range code); 0 = no error. atomicMax of the
-    // complement keeps the lowest index, which is the error the CPU op reports.
-    unsigned long long* err;
+    unsigned int* bad;         // set to 1 on an invalid length or code
     int64_t n_centroids;
     int32_t b, ld, lq;
 };
@@ -38,6 +40,105 @@ __device__ __forceinline__ uint32_t checked_code(uint32_t c, int64_t n) {
 __device__ __forceinline__ uint32_t checked_code(int64_t c, int64_t n) {
     return c >= 0 && c < n ? (uint32_t)c : PLAID_BAD_CODE;
 }
+
+// Codes are read once: stream them past L1 and mark them first to evict from
+// L2, which keeps the score table there.
+__device__ __forceinline__ uint32_t load_code_streaming(const uint32_t* p) { return __ldcs(p); }
+__device__ __forceinline__ int64_t load_code_streaming(const int64_t* p) {
+    return (int64_t)__ldcs(reinterpret_cast<const long long*>(p));
+}
+
+// Scores one document with Lq = 4 * G. `c0`: lane l holds code l of the
+// document as loaded (unchecked; any value where l >= min(len, 32)).
+// Tokens are gathered 32 codes at a time: lane l of the warp holds code l,
+// and load u of a batch has group r (lanes r*G .. r*G+G-1) gather the row of
+// token j0 + u*R + r, G lanes of 16 bytes. Lanes past the document's end
+// gather a copy of its last token (max is idempotent, and the copy is in the
+// same load instruction, so it costs no L2 traffic); loads wholly past the end
+// are skipped by a warp-uniform test. So no load is predicated per lane and no
+// register needs a default value.
+template <typename Code, int G>
+__device__ __forceinline__ void score_doc(const PlaidApproxParams& p, int doc, uint32_t raw_len, Code c0) {
+    constexpr int R = 32 / G;             // rows per load instruction
+    constexpr int U = R * 8 <= 32 ? 8 : 32 / R;  // loads in flight per lane
+    const unsigned full = 0xffffffffu;
+    const int lane = threadIdx.x & 31;
+    const int len = (int)min(raw_len, (uint32_t)p.ld);
+    if (raw_len > (uint32_t)p.ld) *p.bad = 1u;
+    const int g = lane % G, r = lane / G;
+    const char* base = reinterpret_cast<const char*>(p.qcs) + g * 16;
+    asm("mov.b64 %0, %0;" : "+l"(base));  // opaque, so a row address is one IMAD.WIDE on it
+    const Code* codes = static_cast<const Code*>(p.codes) + (size_t)doc * p.ld;
+    float m0 = PLAID_NEG_INF, m1 = PLAID_NEG_INF, m2 = PLAID_NEG_INF, m3 = PLAID_NEG_INF;
+    for (int t0 = 0; t0 < len; t0 += 32) {
+        const int n = min(32, len - t0);
+        Code raw = c0;
+        if (t0 > 0 && lane < n) raw = load_code_streaming(codes + t0 + lane);
+        uint32_t c = 0;
+        if (lane < n) {
+            c = checked_code(raw, p.n_centroids);
+            if (c == PLAID_BAD_CODE) {
+                *p.bad = 1u;
+                c = 0;
+            }
+        }
+        c = __shfl_sync(full, c, min(lane, n - 1));
+        for (int j0 = 0; j0 < n; j0 += U * R) {
+            uint32_t cu[U];
+#pragma unroll
+            for (int u = 0; u < U; ++u) cu[u] = __shfl_sync(full, c, (j0 + u * R + r) & 31);
+            float4 x[U];
+#pragma unroll
+            for (int u = 0; u < U; ++u)
+                if (j0 + u * R < n) x[u] = __ldg(reinterpret_cast<const float4*>(base + (size_t)cu[u] * (G * 16)));
+#pragma unroll
+            for (int u = 0; u < U; ++u)
+                if (j0 + u * R < n) {
+                    m0 = fmaxf(m0, x[u].x);
+                    m1 = fmaxf(m1, x[u].y);
+                    m2 = fmaxf(m2, x[u].z);
+                    m3 = fmaxf(m3, x[u].w);
+                }
+        }
+    }
+    // Merge the R row groups, then sum the query tokens over the G lanes of a group.
+#pragma unroll
+    for (int off = G; off < 32; off <<= 1) {
+        m0 = fmaxf(m0, __shfl_xor_sync(full, m0, off));
+        m1 = fmaxf(m1, __shfl_xor_sync(full, m1, off));
+        m2 = fmaxf(m2, __shfl_xor_sync(full, m2, off));
+        m3 = fmaxf(m3, __shfl_xor_sync(full, m3, off));
+    }
+    float total = (m0 + m1) + (m2 + m3);
+#pragma unroll
+    for (int off = G / 2; off > 0; off >>= 1) total += __shfl_xor_sync(full, total, off);
+    if (lane == 0) p.out[doc] = len > 0 ? total : 0.f;
+}
+
+// One document per warp; its length and its first 32 codes (all of them up to
+// Ld, whatever the length) are loaded together, so the gathers wait on one
+// DRAM round trip, not two.
+template <typename Code, int G>
+__device__ __forceinline__ void plaid_rows(const PlaidApproxParams& p) {
+    const int lane = threadIdx.x & 31;
+    const int doc = blockIdx.x * PLAID_ROWS_WARPS + (threadIdx.x >> 5);
+    if (doc >= p.b) return;  // warp-uniform, like every branch around the shuffles
+    Code c0 = 0;
+    if (lane < p.ld) c0 = load_code_streaming(static_cast<const Code*>(p.codes) + (size_t)doc * p.ld + lane);
+    score_doc<Code, G>(p, doc, p.doc_lens[doc], c0);
+}
+
+#define PLAID_ROWS(CNAME, CODE, G)                                                                       \
+    extern "C" __global__ void __launch_bounds__(32 * PLAID_ROWS_WARPS)                                  \
+        plaid_rows_##CNAME##_g##G(const PlaidApproxParams p) {                                           \
+        plaid_rows<CODE, G>(p);                                                                          \
+    }
+PLAID_ROWS(u32, uint32_t, 4)
+PLAID_ROWS(u32, uint32_t, 8)
+PLAID_ROWS(u32, uint32_t, 16)
+PLAID_ROWS(i64, int64_t, 4)
+PLAID_ROWS(i64, int64_t, 8)
+PLAID_ROWS(i64, int64_t, 16)
 
 // VEC consecutive query tokens of one qcs row: a masked load (-inf when not
 // `ok`) and a running max. Loads and maxes are separate steps so that a lane
@@ -76,7 +177,7 @@ __device__ __forceinline__ void plaid_approx(const PlaidApproxParams& p) {
     if (doc >= p.b) return;  // warp-uniform, like every branch around the shuffles below
     const uint32_t raw_len = p.doc_lens[doc];
     const int len = (int)min(raw_len, (uint32_t)p.ld);
-    if (raw_len > (uint32_t)p.ld && lane == 0) atomicMax(&p.err[0], ~(unsigned long long)doc);
+    if (raw_len > (uint32_t)p.ld) *p.bad = 1u;
     if (len == 0) {
         if (lane == 0) p.out[doc] = 0.f;
         return;
@@ -97,7 +198,7 @@ __device__ __forceinline__ void plaid_approx(const PlaidApproxParams& p) {
             uint32_t c = PLAID_BAD_CODE;
             if (t < len) {
                 c = checked_code(codes[t], p.n_centroids);
-                if (c == PLAID_BAD_CODE && v0 == 0) atomicMax(&p.err[1], ~(unsigned long long)(doc * p.ld + t));
+                if (c == PLAID_BAD_CODE) *p.bad = 1u;
             }
             const int n = min(32, len - t0);
 #pragma unroll

@@ -463,6 +463,31 @@ pub fn plaid_approx_score(query_centroid_scores: &Tensor, codes: &Tensor, doc_le
 
 struct PlaidApprox;
 
+/// `plaid_approx_score`'s checks of one document, in the order the CPU op meets
+/// them: its length, then its first `len` codes.
+fn plaid_doc_check(bi: usize, len: usize, ld: usize, n_c: usize, code: impl Fn(usize) -> i64) -> Result<()> {
+    if len > ld {
+        bail!("doc_lens: doc_lens[{bi}] = {len} exceeds Ld = {ld}")
+    }
+    for t in 0..len {
+        let c = code(t);
+        if c < 0 || c as usize >= n_c {
+            bail!("codes: codes[{bi}, {t}] = {c} is out of range for {n_c} centroids")
+        }
+    }
+    Ok(())
+}
+
+/// The CUDA op's error path: the first invalid length or code in document
+/// order (host copies of `doc_lens [B]` and `codes [B, ld]`), reported as the CPU op does.
+#[cfg(feature = "cuda")]
+pub(crate) fn plaid_first_error(lens: &[u32], codes: &[i64], ld: usize, n_c: usize) -> Result<()> {
+    for (bi, &len) in lens.iter().enumerate() {
+        plaid_doc_check(bi, len as usize, ld, n_c, |t| codes[bi * ld + t])?;
+    }
+    Ok(())
+}
+
 impl CustomOp3 for PlaidApprox {
     fn name(&self) -> &'static str {
         "plaid_approx_score"
@@ -484,31 +509,28 @@ impl CustomOp3 for PlaidApprox {
         };
         let qcs = &qcs[l1.start_offset()..];
         let lens = &lens[l3.start_offset()..];
-        let code = |bi: usize, t: usize| -> Result<usize> {
+        let code = |bi: usize, t: usize| -> i64 {
             let k = l2.start_offset() + bi * ld + t;
-            let c = match s2 {
+            match s2 {
                 CpuStorage::U32(v) => v[k] as i64,
                 CpuStorage::I64(v) => v[k],
-                _ => bail!("codes: expected U32 or I64"),
-            };
-            if c < 0 || c as usize >= n_c {
-                bail!("codes: codes[{bi}, {t}] = {c} is out of range for {n_c} centroids")
+                _ => -1,
             }
-            Ok(c as usize)
         };
+        if !matches!(s2, CpuStorage::U32(_) | CpuStorage::I64(_)) {
+            bail!("codes: expected U32 or I64")
+        }
         let mut out = vec![0f32; b];
         let mut best = vec![f32::NEG_INFINITY; lq];
         for (bi, o) in out.iter_mut().enumerate() {
             let len = lens[bi] as usize;
-            if len > ld {
-                bail!("doc_lens: doc_lens[{bi}] = {len} exceeds Ld = {ld}")
-            }
+            plaid_doc_check(bi, len, ld, n_c, |t| code(bi, t))?;
             if len == 0 {
                 continue;
             }
             best.fill(f32::NEG_INFINITY);
             for t in 0..len {
-                let row = &qcs[code(bi, t)? * lq..][..lq];
+                let row = &qcs[code(bi, t) as usize * lq..][..lq];
                 for (m, &v) in best.iter_mut().zip(row) {
                     *m = m.max(v);
                 }

@@ -632,8 +632,8 @@ fn plaid_approx_cuda_errors() -> Result<()> {
     let Some(dev) = gpu() else { return Ok(()) };
     let qcs = randn(&[10, 32], DType::F32, &dev)?;
     let lens = Tensor::new(&[3u32, 2, 3], &dev)?;
-    let err = |codes: Tensor, lens: &Tensor| -> String {
-        let e = ms::plaid_approx_score(&qcs, &codes, lens).unwrap_err().to_string();
+    let err_for = |qcs: &Tensor, codes: Tensor, lens: &Tensor| -> String {
+        let e = ms::plaid_approx_score(qcs, &codes, lens).unwrap_err().to_string();
         let cpu = Device::Cpu;
         let e_cpu = ms::plaid_approx_score(
             &qcs.to_device(&cpu).unwrap(),
@@ -648,6 +648,7 @@ fn plaid_approx_cuda_errors() -> Result<()> {
         assert_eq!(e, e_cpu, "CUDA and CPU report the same error");
         e
     };
+    let err = |codes: Tensor, lens: &Tensor| err_for(&qcs, codes, lens);
     let e = err(Tensor::new(&[[1u32, 2, 3], [4, 5, 6], [7, 10, 99]], &dev)?, &lens);
     assert!(e.contains("codes[2, 1] = 10"), "{e}");
     let e = err(Tensor::new(&[[1i64, 2, 3], [4, -5, 6], [7, 10, 99]], &dev)?, &lens);
@@ -659,6 +660,24 @@ fn plaid_approx_cuda_errors() -> Result<()> {
     assert!(e.contains("doc_lens[1] = 4"), "{e}");
     let e = err(Tensor::new(&[[1u32, 2, 3], [4, 5, 6], [7, 8, 9]], &dev)?, &Tensor::new(&[3u32, 4, 3], &dev)?);
     assert!(e.contains("doc_lens"), "{e}");
+    // Past a document's first 32 codes (the row kernel's second chunk), for
+    // the row kernel's query lengths and the general kernel's, and with C = 0.
+    for (n_c, lq) in [(10, 16), (10, 32), (10, 64), (10, 20), (0, 32)] {
+        let qcs = randn(&[n_c, lq], DType::F32, &dev)?;
+        let mut codes = vec![1i64; 3 * 40];
+        codes[40 + 35] = 10;
+        codes[2 * 40 + 39] = -3;
+        let codes = Tensor::from_vec(codes, (3, 40), &dev)?;
+        let e = err_for(&qcs, codes.clone(), &Tensor::new(&[0u32, 36, 40], &dev)?);
+        let want = if n_c == 0 { "codes[1, 0] = 1" } else { "codes[1, 35] = 10" };
+        assert!(e.contains(want), "C{n_c} lq{lq}: {e}");
+        if n_c > 0 {
+            let e = err_for(&qcs, codes.to_dtype(DType::U32)?, &Tensor::new(&[0u32, 35, 40], &dev)?);
+            assert!(e.contains("codes[2, 39] = 4294967293"), "lq{lq}: {e}");
+            let e = err_for(&qcs, codes, &Tensor::new(&[0u32, 35, 41], &dev)?);
+            assert!(e.contains("doc_lens[2] = 41"), "lq{lq}: {e}");
+        }
+    }
     // Still usable.
     let ok = ms::plaid_approx_score(&qcs, &Tensor::new(&[[1u32, 2, 3], [4, 5, 6], [7, 8, 9]], &dev)?, &lens)?;
     assert_eq!(ok.dims(), &[3]);
