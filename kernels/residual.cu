@@ -34,7 +34,8 @@ struct ResScoreParams {
     const uint32_t* cu_d;     // [Nd + 1] packed documents, or null: padded
     const uint32_t* d_lens;   // padded: [Nd] tokens of document j (rows j * ld onward)
     float* out;               // [Nq, Nd]
-    uint32_t* work;           // [2], zeroed by the host: next task; out-of-range code seen
+    uint32_t* work;           // [1], zeroed by the host: the next task
+    unsigned int* bad;        // host-mapped flag: set on an out-of-range code
     int32_t nq, nd, lq, ld;
     int32_t n_centroids, nbits, colbert_order, normalize, codes_i64;
 };
@@ -153,7 +154,7 @@ __device__ __forceinline__ void res_score(const ResScoreParams& p, const float2*
                 code = __ldg(static_cast<const uint32_t*>(p.codes) + row);
             }
             if (code >= (uint32_t)p.n_centroids) { // reported to the host, scored as centroid 0
-                if (c == 0) atomicOr(p.work + 1, 1u);
+                if (c == 0) *p.bad = 1u;
                 code = 0u;
             }
             return code;

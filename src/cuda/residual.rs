@@ -4,7 +4,7 @@
 //! device memory) and a standalone decompression kernel for the gradient path.
 
 use super::fwd::{dtype_tag, fwd_launch, Params, Variant};
-use super::{alloc_out, device_info, fwd_func, launch, load_func, storage_ptr, tensor_ptr, RESIDUAL};
+use super::{alloc_out, device_info, fwd_func, launch, load_func, storage_ptr, tensor_ptr, HostFlag, RESIDUAL};
 use crate::layout::{Pairing, Problem, Seqs};
 use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::WrapErr;
@@ -23,6 +23,7 @@ struct ResScoreParams {
     d_lens: u64,
     out: u64,
     work: u64,
+    bad: u64,
     nq: i32,
     nd: i32,
     lq: i32,
@@ -100,7 +101,8 @@ pub(crate) fn residual_scores_warp(
     let residuals = aligned(&residuals.flatten_all()?, 16)?;
     let buckets = buckets.to_dtype(DType::F32)?.contiguous()?;
     let out = alloc_out(dev, DType::F32, nq * nd)?;
-    let work = Tensor::zeros(2, DType::U32, q.device())?;
+    let work = Tensor::zeros(1, DType::U32, q.device())?;
+    let bad = HostFlag::new(dev)?;
     let n_c = cents.dim(0)?;
     if n_c == 0 {
         return Ok(None); // every code is out of range: the checked path reports it
@@ -115,6 +117,7 @@ pub(crate) fn residual_scores_warp(
         d_lens: lens.as_ref().map(tensor_ptr).transpose()?.unwrap_or(0),
         out: storage_ptr(&out, &Layout::contiguous(nq * nd))?,
         work: tensor_ptr(&work)?,
+        bad: bad.dev_ptr(),
         nq: nq as i32,
         nd: nd as i32,
         lq: lq as i32,
@@ -131,8 +134,7 @@ pub(crate) fn residual_scores_warp(
     let per_sm = func.occupancy_max_active_blocks_per_multiprocessor(THREADS, 0, None).w()?.max(1) as usize;
     let blocks = (device_info(dev)?.sm_count as usize * per_sm).min((nq * nd).div_ceil(THREADS as usize / 32));
     launch(dev, &func, blocks.max(1) as u32, THREADS, 0, &params)?;
-    let flags: Vec<u32> = work.to_vec1()?;
-    if flags[1] != 0 {
+    if bad.is_set(dev)? {
         bail!("codes: a code of a scored token is out of range for {n_c} centroids")
     }
     drop((q, codes, residuals, cents, buckets, cu, lens));
