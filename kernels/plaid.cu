@@ -3,8 +3,9 @@
 // One warp per document. The per-centroid query scores qcs [C, Lq] are small
 // (8 MB at C = 65 536, Lq = 32) and stay in L2, so the kernel is bound by the
 // gathers of qcs rows (one 128-byte row per token at Lq = 32). Two kernels:
-//  - plaid_rows: Lq = 16, 32 or 64 (G = Lq / 4 lanes cover a row with 16-byte
-//    loads, R = 32 / G rows per load instruction). Lean: no load needs a
+//  - plaid_rows: Lq a multiple of 4 up to 64 (groups of G = 4, 8 or 16 lanes,
+//    the first Lq / 4 of which cover a row with 16-byte loads; R = 32 / G rows
+//    per load instruction). Lean: no load needs a
 //    predicate or a default value (see score_doc), the row address is one
 //    IMAD.WIDE, and a document's length and first 32 codes are loaded
 //    together. It runs within ~10 % of a bare gather of the same rows
@@ -48,15 +49,17 @@ __device__ __forceinline__ int64_t load_code_streaming(const int64_t* p) {
     return (int64_t)__ldcs(reinterpret_cast<const long long*>(p));
 }
 
-// Scores one document with Lq = 4 * G. `c0`: lane l holds code l of the
+// Scores one document with Lq <= 4 * G. `c0`: lane l holds code l of the
 // document as loaded (unchecked; any value where l >= min(len, 32)).
 // Tokens are gathered 32 codes at a time: lane l of the warp holds code l,
 // and load u of a batch has group r (lanes r*G .. r*G+G-1) gather the row of
 // token j0 + u*R + r, G lanes of 16 bytes. Lanes past the document's end
 // gather a copy of its last token (max is idempotent, and the copy is in the
 // same load instruction, so it costs no L2 traffic); loads wholly past the end
-// are skipped by a warp-uniform test. So no load is predicated per lane and no
-// register needs a default value.
+// are skipped by a warp-uniform test. Lanes g >= Lq / 4 of a group load the
+// group's last 16 bytes again (the same instruction again) and are left out
+// of the sum. So no load is predicated per lane and no register needs a
+// default value.
 template <typename Code, int G>
 __device__ __forceinline__ void score_doc(const PlaidApproxParams& p, int doc, uint32_t raw_len, Code c0) {
     constexpr int R = 32 / G;             // rows per load instruction
@@ -65,8 +68,9 @@ __device__ __forceinline__ void score_doc(const PlaidApproxParams& p, int doc, u
     const int lane = threadIdx.x & 31;
     const int len = (int)min(raw_len, (uint32_t)p.ld);
     if (raw_len > (uint32_t)p.ld) *p.bad = 1u;
-    const int g = lane % G, r = lane / G;
-    const char* base = reinterpret_cast<const char*>(p.qcs) + g * 16;
+    const int g = lane % G, r = lane / G, nv = p.lq / 4;
+    const char* base = reinterpret_cast<const char*>(p.qcs) + min(g, nv - 1) * 16;
+    const uint32_t stride = (uint32_t)p.lq * 4;
     asm("mov.b64 %0, %0;" : "+l"(base));  // opaque, so a row address is one IMAD.WIDE on it
     const Code* codes = static_cast<const Code*>(p.codes) + (size_t)doc * p.ld;
     float m0 = PLAID_NEG_INF, m1 = PLAID_NEG_INF, m2 = PLAID_NEG_INF, m3 = PLAID_NEG_INF;
@@ -90,7 +94,7 @@ __device__ __forceinline__ void score_doc(const PlaidApproxParams& p, int doc, u
             float4 x[U];
 #pragma unroll
             for (int u = 0; u < U; ++u)
-                if (j0 + u * R < n) x[u] = __ldg(reinterpret_cast<const float4*>(base + (size_t)cu[u] * (G * 16)));
+                if (j0 + u * R < n) x[u] = __ldg(reinterpret_cast<const float4*>(base + (size_t)cu[u] * stride));
 #pragma unroll
             for (int u = 0; u < U; ++u)
                 if (j0 + u * R < n) {
@@ -109,7 +113,7 @@ __device__ __forceinline__ void score_doc(const PlaidApproxParams& p, int doc, u
         m2 = fmaxf(m2, __shfl_xor_sync(full, m2, off));
         m3 = fmaxf(m3, __shfl_xor_sync(full, m3, off));
     }
-    float total = (m0 + m1) + (m2 + m3);
+    float total = g < nv ? (m0 + m1) + (m2 + m3) : 0.f;
 #pragma unroll
     for (int off = G / 2; off > 0; off >>= 1) total += __shfl_xor_sync(full, total, off);
     if (lane == 0) p.out[doc] = len > 0 ? total : 0.f;

@@ -505,15 +505,26 @@ fn device_mismatch_is_an_error() -> Result<()> {
 
 /// `plaid_approx_score` on CUDA vs `reference` and the CPU op: U32 and I64
 /// codes, empty and full documents, query lengths that take every kernel
-/// variant (16-byte and scalar row loads, 8/16/32 lanes per row, chunks of
+/// variant (the row kernel with full and partial lane groups; the general
+/// kernel's 16-byte and scalar row loads, 8/16/32 lanes per row, chunks of
 /// query tokens), non-contiguous codes, padding codes that are never read.
 #[test]
 fn plaid_approx_cuda() -> Result<()> {
     let Some(dev) = gpu() else { return Ok(()) };
     let cpu = Device::Cpu;
-    for (n_c, lq, b, ld) in
-        [(300, 32, 67, 64), (50, 7, 33, 20), (1000, 128, 40, 100), (200, 64, 50, 40), (64, 33, 21, 5), (9, 1, 10, 3)]
-    {
+    for (n_c, lq, b, ld) in [
+        (300, 32, 67, 64),
+        (50, 7, 33, 20),
+        (1000, 128, 40, 100),
+        (200, 64, 50, 40),
+        (64, 33, 21, 5),
+        (9, 1, 10, 3),
+        // The row kernel with lanes left out of each group (Lq / 4 = 1, 3, 5, 15).
+        (100, 4, 30, 33),
+        (500, 12, 40, 70),
+        (70, 20, 25, 40),
+        (100, 60, 30, 40),
+    ] {
         for (lq, misaligned) in [(lq, false), (lq, true), (lq + 68, false)] {
             // A view that starts one element into its buffer: rows are not 16-byte aligned.
             let qcs = if misaligned {
