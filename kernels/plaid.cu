@@ -60,7 +60,7 @@ __device__ __forceinline__ int64_t load_code_streaming(const int64_t* p) {
 // group's last 16 bytes again (the same instruction again) and are left out
 // of the sum. So no load is predicated per lane and no register needs a
 // default value.
-template <typename Code, int G>
+template <typename Code, int G, bool FULL>
 __device__ __forceinline__ void score_doc(const PlaidApproxParams& p, int doc, uint32_t raw_len, Code c0) {
     constexpr int R = 32 / G;             // rows per load instruction
     constexpr int U = R * 8 <= 32 ? 8 : 32 / R;  // loads in flight per lane
@@ -68,9 +68,11 @@ __device__ __forceinline__ void score_doc(const PlaidApproxParams& p, int doc, u
     const int lane = threadIdx.x & 31;
     const int len = (int)min(raw_len, (uint32_t)p.ld);
     if (raw_len > (uint32_t)p.ld) *p.bad = 1u;
-    const int g = lane % G, r = lane / G, nv = p.lq / 4;
-    const char* base = reinterpret_cast<const char*>(p.qcs) + min(g, nv - 1) * 16;
-    const uint32_t stride = (uint32_t)p.lq * 4;
+    // FULL: Lq = 4 * G, every lane of a group has its own 16 bytes (the common
+    // Lq 16 / 32 / 64: no clamp, no select, a constant row stride).
+    const int g = lane % G, r = lane / G, nv = FULL ? G : p.lq / 4;
+    const char* base = reinterpret_cast<const char*>(p.qcs) + (FULL ? g : min(g, nv - 1)) * 16;
+    const uint32_t stride = FULL ? G * 16 : (uint32_t)p.lq * 4;
     asm("mov.b64 %0, %0;" : "+l"(base));  // opaque, so a row address is one IMAD.WIDE on it
     const Code* codes = static_cast<const Code*>(p.codes) + (size_t)doc * p.ld;
     float m0 = PLAID_NEG_INF, m1 = PLAID_NEG_INF, m2 = PLAID_NEG_INF, m3 = PLAID_NEG_INF;
@@ -113,7 +115,7 @@ __device__ __forceinline__ void score_doc(const PlaidApproxParams& p, int doc, u
         m2 = fmaxf(m2, __shfl_xor_sync(full, m2, off));
         m3 = fmaxf(m3, __shfl_xor_sync(full, m3, off));
     }
-    float total = g < nv ? (m0 + m1) + (m2 + m3) : 0.f;
+    float total = FULL || g < nv ? (m0 + m1) + (m2 + m3) : 0.f;
 #pragma unroll
     for (int off = G / 2; off > 0; off >>= 1) total += __shfl_xor_sync(full, total, off);
     if (lane == 0) p.out[doc] = len > 0 ? total : 0.f;
@@ -122,21 +124,23 @@ __device__ __forceinline__ void score_doc(const PlaidApproxParams& p, int doc, u
 // One document per warp; its length and its first 32 codes (all of them up to
 // Ld, whatever the length) are loaded together, so the gathers wait on one
 // DRAM round trip, not two.
-template <typename Code, int G>
+template <typename Code, int G, bool FULL>
 __device__ __forceinline__ void plaid_rows(const PlaidApproxParams& p) {
     const int lane = threadIdx.x & 31;
     const int doc = blockIdx.x * PLAID_ROWS_WARPS + (threadIdx.x >> 5);
     if (doc >= p.b) return;  // warp-uniform, like every branch around the shuffles
     Code c0 = 0;
     if (lane < p.ld) c0 = load_code_streaming(static_cast<const Code*>(p.codes) + (size_t)doc * p.ld + lane);
-    score_doc<Code, G>(p, doc, p.doc_lens[doc], c0);
+    score_doc<Code, G, FULL>(p, doc, p.doc_lens[doc], c0);
 }
 
-#define PLAID_ROWS(CNAME, CODE, G)                                                                       \
-    extern "C" __global__ void __launch_bounds__(32 * PLAID_ROWS_WARPS)                                  \
-        plaid_rows_##CNAME##_g##G(const PlaidApproxParams p) {                                           \
-        plaid_rows<CODE, G>(p);                                                                          \
+#define PLAID_ROWS_K(NAME, CODE, G, FULL)                                                              \
+    extern "C" __global__ void __launch_bounds__(32 * PLAID_ROWS_WARPS) NAME(const PlaidApproxParams p) { \
+        plaid_rows<CODE, G, FULL>(p);                                                                    \
     }
+#define PLAID_ROWS(CNAME, CODE, G)                                                                       \
+    PLAID_ROWS_K(plaid_rows_##CNAME##_g##G, CODE, G, true)                                               \
+    PLAID_ROWS_K(plaid_rows_##CNAME##_g##G##_part, CODE, G, false)
 PLAID_ROWS(u32, uint32_t, 4)
 PLAID_ROWS(u32, uint32_t, 8)
 PLAID_ROWS(u32, uint32_t, 16)

@@ -86,7 +86,8 @@ pub(crate) fn plaid_approx(
     // The row kernel reads row 0 in place of a bad code, so it needs one (C > 0).
     if aligned && n_c > 0 && lq.is_multiple_of(4) && (4..=64).contains(&lq) {
         let g = (lq / 4).next_power_of_two().max(4);
-        let func = plaid_func(&dev, &format!("plaid_rows_{code}_g{g}"))?;
+        let part = if g * 4 == lq { "" } else { "_part" };
+        let func = plaid_func(&dev, &format!("plaid_rows_{code}_g{g}{part}"))?;
         launch(&dev, &func, b.div_ceil(ROWS_WARPS as usize) as u32, 32 * ROWS_WARPS, 0, &params)?;
     } else {
         let vec = if lq.is_multiple_of(4) && aligned { 4 } else { 1 };
