@@ -5,15 +5,16 @@
 // gathers of qcs rows (one 128-byte row per token at Lq = 32). Two kernels:
 //  - plaid_rows: Lq a multiple of 4 up to 64 (groups of G = 4, 8 or 16 lanes,
 //    the first Lq / 4 of which cover a row with 16-byte loads; R = 32 / G rows
-//    per load instruction). Lean: no load needs a
-//    predicate or a default value (see score_doc), the row address is one
-//    IMAD.WIDE, and a document's length and first 32 codes are loaded
-//    together. It runs within ~10 % of a bare gather of the same rows
-//    (bench/micro/plaid_gather.cu, BENCHMARKS.md note 38).
+//    per load instruction). Lean: no load needs a predicate or a default
+//    value (see score_doc), a row address is one IMAD.WIDE, and a document's
+//    length and first 32 codes are loaded together. At Lq 32 it takes 1.04x
+//    a bare gather of the same rows (bench/micro/plaid_gather.cu,
+//    BENCHMARKS.md note 38).
 //  - plaid_approx: any Lq, in chunks of G * VEC query tokens.
 //
 // Invalid input never causes an out-of-bounds read: a document length above
-// Ld is clamped to Ld and an out-of-range code reads row 0 (or is skipped).
+// Ld is clamped to Ld; an out-of-range code reads row 0 in plaid_rows (the
+// host runs it only when C > 0) and is skipped in plaid_approx.
 // Either sets `*bad` (a flag in page-locked host memory, so the host reads it
 // after the stream sync without a copy); the host then finds and reports the
 // first bad value as the CPU op does.
