@@ -27,6 +27,25 @@ pub fn assert_close(what: &str, out: &Tensor, reference: &Tensor, tol: f64) -> R
     Ok(())
 }
 
+/// Like [`assert_close`], but the error is divided by `scale`'s largest entry
+/// instead of the reference's: for a sum of terms of both signs this is
+/// Σ|term|, the quantity the sum's rounding error is proportional to (a score
+/// near 0 by cancellation has no meaningful relative error of its own).
+pub fn assert_close_scaled(what: &str, out: &Tensor, reference: &Tensor, scale: &Tensor, tol: f64) -> Result<()> {
+    assert_eq!(out.dims(), reference.dims(), "{what}: shape");
+    if out.elem_count() == 0 {
+        return Ok(());
+    }
+    let o = out.to_dtype(DType::F64)?.flatten_all()?;
+    let r = reference.to_dtype(DType::F64)?.flatten_all()?;
+    let s = scale.to_dtype(DType::F64)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f64>()?.max(1e-30);
+    let diff = (o - &r)?.abs()?.max(0)?.to_scalar::<f64>()?;
+    assert!(diff.is_finite(), "{what}: non-finite difference");
+    let e = diff / s;
+    assert!(e < tol, "{what}: err {e:e} (of Σ|term| = {s:e}) >= {tol:e}");
+    Ok(())
+}
+
 /// Tolerance of the scores for each input dtype (issue 2).
 pub fn tol(dt: DType) -> f64 {
     match dt {
