@@ -2,6 +2,9 @@ use crate::common::*;
 use candle_core::{DType, Device, Result, Tensor, Var};
 use candle_maxsim::{self as ms, reference as r, Backward, MaxSimOptions};
 
+/// A value and a bound on its rounding error.
+type Rounded = (f64, f64);
+
 /// Central finite differences of `f` (a scalar of the F64 inputs) at a few
 /// entries of input `which`, against the analytic gradient `grad`; false when
 /// kinks outnumber half the smooth points (a near-tie: the caller redraws). `f` returns
@@ -9,7 +12,7 @@ use candle_maxsim::{self as ms, reference as r, Backward, MaxSimOptions};
 /// for F64 inputs (API.md), so the difference quotient carries up to
 /// `noise / eps` of rounding, which neither a slope error nor a kink is.
 fn check_fd(
-    f: &dyn Fn(&[Tensor]) -> Result<(f64, f64)>,
+    f: &dyn Fn(&[Tensor]) -> Result<Rounded>,
     inputs: &[Tensor],
     which: usize,
     grad: &Tensor,
