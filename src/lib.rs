@@ -13,8 +13,9 @@
 //! Every entry point takes candle `Tensor`s on any device and returns
 //! `candle_core::Result`; invalid input is an `Err` naming the argument.
 //! [`mod@reference`] holds the naive, materializing implementations used as the
-//! ground truth in tests. [`PlaidIndex`] loads a fast-plaid (ColBERTv2 /
-//! PLAID) index directory and ranks its compressed documents exactly.
+//! ground truth in tests. The ColBERT models and the PLAID index built on
+//! these ops live in the workspace's member crates `candle-maxsim-colbert`
+//! and `candle-maxsim-plaid`.
 //!
 //! ```
 //! use candle_core::{Device, Tensor};
@@ -26,12 +27,11 @@
 //! # Ok::<(), candle_core::Error>(())
 //! ```
 
-pub mod colbert;
 pub(crate) mod cpu;
 pub mod layers;
 pub(crate) mod layout;
-pub mod ops;
-pub mod plaid;
+mod ops;
+mod options;
 pub mod reference;
 
 #[cfg(feature = "cuda")]
@@ -44,31 +44,11 @@ pub use ops::dense::{
 #[doc(hidden)]
 pub use ops::hidden::maxsim_from_hidden_fused;
 pub use ops::hidden::{maxsim_from_hidden, maxsim_from_hidden_value_and_grads, FromHiddenGrads};
-pub use ops::l2_normalize;
+pub use ops::normalize::l2_normalize;
+pub use ops::plaid_approx::plaid_approx_score;
 pub use ops::residual::{
-    maxsim_residual, maxsim_residual_varlen, pack_bucket_indices, plaid_approx_score, unpack_bucket_indices, BitOrder,
-    ResidualCodec,
+    maxsim_residual, maxsim_residual_varlen, pack_bucket_indices, unpack_bucket_indices, BitOrder, ResidualCodec,
 };
-pub use ops::retrieve::retrieve;
+pub use ops::retrieve::{retrieve, TopK};
 pub use ops::varlen::{maxsim_varlen, score_pairs_packed};
-pub use plaid::PlaidIndex;
-
-/// How the backward computes `grad_D` (see the crate README for the trade-offs).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum Backward {
-    /// LowMem for KD layouts and for Nq ≥ 256 ∧ Nd ≥ 256 ∧ Lq ≤ 64, Unified otherwise.
-    #[default]
-    Auto,
-    /// Fastest: one fused kernel, grad_D by f32 atomics (not bitwise reproducible on CUDA).
-    Unified,
-    /// Destination-owned grad_D: no atomics, no full-size f32 buffer, bitwise deterministic.
-    LowMem,
-}
-
-/// Options of [`maxsim_with`].
-#[derive(Clone, Copy, Debug, Default)]
-pub struct MaxSimOptions {
-    /// L2-normalize every token of Q and D inside the op (exact Jacobian in the backward).
-    pub normalize: bool,
-    pub backward: Backward,
-}
+pub use options::{Backward, MaxSimOptions};

@@ -36,7 +36,7 @@ struct P {
     int32_t b, ld, lq;
 };
 
-// ---- K0: the kernel as in kernels/plaid.cu (u32, VEC 4, G 8) ----
+// ---- K0: the kernel as in kernels/plaid_approx.cu (u32, VEC 4, G 8) ----
 __device__ __forceinline__ uint32_t checked_code(uint32_t c, int64_t n) { return (int64_t)c < n ? c : BAD; }
 
 __global__ void __launch_bounds__(256) k0(const P p) {

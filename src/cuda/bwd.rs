@@ -11,7 +11,7 @@
 use super::fwd::{dtype_tag, layout_params, Params};
 use super::{alloc_out, bwd_func, device_info, launch, slice_ptr, storage_ptr, tensor_ptr};
 use crate::layout::{Pairing, Problem};
-use crate::Backward;
+use crate::options::Backward;
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DeviceRepr};
 use candle_core::{bail, CudaDevice, CudaStorage, DType, Layout, Result, Storage, Tensor};
 
@@ -102,22 +102,6 @@ fn chunk_variant(dtype: DType, dim: usize, q_ptr: u64) -> &'static str {
     }
 }
 
-/// `Auto` when it reaches the backward unresolved (the entry points resolve it
-/// themselves): LowMem for pair lists and large grids of short queries.
-fn resolve_mode(mode: Backward, pb: &Problem) -> Backward {
-    match mode {
-        Backward::Auto => {
-            let list = matches!(pb.pairs, Pairing::List { .. });
-            if list || (pb.q.n() >= 256 && pb.d.n() >= 256 && pb.q.max_len() <= 64) {
-                Backward::LowMem
-            } else {
-                Backward::Unified
-            }
-        }
-        m => m,
-    }
-}
-
 /// Rows per block of the grad_D chunk kernel and its dynamic shared memory:
 /// `[tc][dim]` accumulators, then the warps' hit lists. Sized for two
 /// blocks per SM where the device allows it; one block with all of the
@@ -178,7 +162,7 @@ pub(crate) fn maxsim_bwd(
     if tq > i32::MAX as usize || td > i32::MAX as usize || dim > i32::MAX as usize {
         return Err(too_big());
     }
-    let mode = resolve_mode(mode, pb);
+    let mode = mode.resolve(false, pb.q.n(), pb.d.n(), pb.q.max_len());
     let g = grad.to_dtype(DType::F32)?.contiguous()?;
     let argmax = argmax.contiguous()?;
     let (qp, dp) = (tensor_ptr(q)?, tensor_ptr(d)?);

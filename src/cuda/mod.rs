@@ -5,7 +5,7 @@ mod bwd;
 mod fwd;
 mod hidden;
 mod normalize;
-mod plaid;
+pub(crate) mod plaid_approx;
 mod residual;
 mod rows;
 
@@ -14,7 +14,6 @@ pub(crate) use fwd::residual_supported;
 pub(crate) use fwd::{maxsim_argmax, maxsim_fwd, Variant};
 pub(crate) use hidden::from_hidden_fwd;
 pub(crate) use normalize::{l2norm_bwd, l2norm_fwd};
-pub(crate) use plaid::plaid_approx;
 pub(crate) use residual::{
     decompress as decompress_residual, residual_scores, residual_scores_warp, ResidualDev, WarpDocs,
 };
@@ -98,7 +97,8 @@ const BWD: Modules = Modules { sm75: ptx::MAXSIM_BWD_SM75, sm80: ptx::MAXSIM_BWD
 const HIDDEN: Modules = Modules { sm75: ptx::HIDDEN_SM75, sm80: ptx::HIDDEN_SM80, sm90a: ptx::HIDDEN_SM90A };
 const ROWS: Modules = Modules { sm75: ptx::ROWS_SM75, sm80: ptx::ROWS_SM80, sm90a: ptx::ROWS_SM90A };
 const RESIDUAL: Modules = Modules { sm75: ptx::RESIDUAL_SM75, sm80: ptx::RESIDUAL_SM80, sm90a: ptx::RESIDUAL_SM90A };
-const PLAID: Modules = Modules { sm75: ptx::PLAID_SM75, sm80: ptx::PLAID_SM80, sm90a: ptx::PLAID_SM90A };
+const PLAID_APPROX: Modules =
+    Modules { sm75: ptx::PLAID_APPROX_SM75, sm80: ptx::PLAID_APPROX_SM80, sm90a: ptx::PLAID_APPROX_SM90A };
 const NORMALIZE: Modules =
     Modules { sm75: ptx::NORMALIZE_SM75, sm80: ptx::NORMALIZE_SM80, sm90a: ptx::NORMALIZE_SM90A };
 
@@ -113,9 +113,9 @@ pub(crate) fn bwd_func(dev: &CudaDevice, name: &str, smem: u32) -> Result<CudaFu
     load_func(dev, name, smem, "bwd", &BWD)
 }
 
-/// Loads `name` from the kernels/plaid.cu module for this device.
-pub(crate) fn plaid_func(dev: &CudaDevice, name: &str) -> Result<CudaFunction> {
-    load_func(dev, name, 0, "plaid", &PLAID)
+/// Loads `name` from the kernels/plaid_approx.cu module for this device.
+pub(crate) fn plaid_approx_func(dev: &CudaDevice, name: &str) -> Result<CudaFunction> {
+    load_func(dev, name, 0, "plaid_approx", &PLAID_APPROX)
 }
 
 fn load_func(dev: &CudaDevice, name: &str, smem: u32, kind: &str, modules: &Modules) -> Result<CudaFunction> {

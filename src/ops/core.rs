@@ -5,7 +5,7 @@
 
 use crate::cpu::{self, HostProblem};
 use crate::layout::Problem;
-use crate::Backward;
+use crate::options::Backward;
 use candle_core::{backend::BackendStorage, bail, CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
 use std::borrow::Cow;
 use std::sync::Mutex;

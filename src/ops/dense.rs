@@ -1,9 +1,9 @@
 //! Padded layouts: in-batch cross product, KD (each query its own K docs), pairs.
 
 use super::core::MaxSimOp;
-use super::l2_normalize;
+use super::normalize::l2_normalize;
 use crate::layout::{check_device, check_dim, check_float, check_mask, check_rank, Pairing, Problem, Seqs};
-use crate::{Backward, MaxSimOptions};
+use crate::options::{Backward, MaxSimOptions};
 use candle_core::{bail, Result, Tensor};
 
 /// MaxSim scores with default options: `q [Nq, Lq, dim]` against
@@ -135,7 +135,7 @@ impl Dense {
         };
         Ok(Self {
             problem,
-            backward: resolve_backward(opts.backward, kd, nq, nd_total, lq),
+            backward: opts.backward.resolve(kd, nq, nd_total, lq),
             // Handed to the op as they are (it reads any contiguous operand as
             // packed rows): a reshape here would cost a gradient-sized
             // zeros + add per operand in candle's backward.
@@ -183,7 +183,7 @@ pub fn maxsim_pairs_with(
         d_valid: d_mask.map(|m| m.flatten_all()).transpose()?,
         pairs: Pairing::list_from(idx.clone(), idx, q.device())?,
     };
-    let backward = resolve_backward(opts.backward, false, b, b, lq);
+    let backward = opts.backward.resolve(false, b, b, lq);
     MaxSimOp::new(problem, backward).apply(&q, &d)
 }
 
@@ -204,15 +204,5 @@ pub(crate) fn maybe_normalize(q: &Tensor, d: &Tensor, normalize: bool) -> Result
         Ok((l2_normalize(q)?, l2_normalize(d)?))
     } else {
         Ok((q.clone(), d.clone()))
-    }
-}
-
-/// `Auto`: LowMem for KD layouts and for large in-batch grids of short
-/// queries (where a full-size f32 grad_D buffer costs most), Unified otherwise.
-pub(crate) fn resolve_backward(b: Backward, kd: bool, nq: usize, nd: usize, lq: usize) -> Backward {
-    match b {
-        Backward::Auto if kd || (nq >= 256 && nd >= 256 && lq <= 64) => Backward::LowMem,
-        Backward::Auto => Backward::Unified,
-        b => b,
     }
 }

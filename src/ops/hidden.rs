@@ -1,11 +1,11 @@
 //! Fused D-side projection head: hidden states → linear → (normalize) → MaxSim.
 
 use super::core::MaxSimOp;
-use super::dense::{maxsim_with, maxsim_with_argmax, resolve_backward};
-use super::l2_normalize;
+use super::dense::{maxsim_with, maxsim_with_argmax};
+use super::normalize::l2_normalize;
 use super::normalize::l2_normalize_bwd;
 use crate::layout::{check_device, check_float, check_mask, check_rank, Pairing, Problem, Seqs};
-use crate::{Backward, MaxSimOptions};
+use crate::options::{Backward, MaxSimOptions};
 use candle_core::{bail, CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use std::sync::Mutex;
 
@@ -274,8 +274,7 @@ fn head_grads(q: &Tensor, head: Head, argmax: Option<Tensor>, grad: &Tensor, wan
         d_valid: None,
         pairs: Pairing::Cross { nq, nd },
     };
-    let op =
-        MaxSimOp { save_argmax: true, ..MaxSimOp::new(problem, resolve_backward(Backward::Auto, false, nq, nd, lq)) };
+    let op = MaxSimOp { save_argmax: true, ..MaxSimOp::new(problem, Backward::Auto.resolve(false, nq, nd, lq)) };
     *op.saved.lock().unwrap() = Some(argmax);
     let ds = dn.reshape((nd, cap, dout))?;
     let (gq, gds) = op.grads(q, &ds, &grad.flatten_all()?)?;

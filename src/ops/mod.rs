@@ -1,11 +1,10 @@
 //! Entry points, one family per file; all of them lower to one custom op (`core::MaxSimOp`).
 
 pub(crate) mod core;
-pub mod dense;
-pub mod hidden;
-pub mod normalize;
-pub mod residual;
-pub mod retrieve;
-pub mod varlen;
-
-pub use normalize::l2_normalize;
+pub(crate) mod dense;
+pub(crate) mod hidden;
+pub(crate) mod normalize;
+pub(crate) mod plaid_approx;
+pub(crate) mod residual;
+pub(crate) mod retrieve;
+pub(crate) mod varlen;

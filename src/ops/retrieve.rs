@@ -44,20 +44,24 @@ pub fn retrieve(
     top.finish(q.device())
 }
 
-/// The best `k` (score, id) pairs per query seen so far, best first; equal
-/// scores keep the lower id first and NaN ranks last.
-pub(crate) struct TopK {
+/// A streaming top-k: the best `k` (score, id) pairs per query seen so far,
+/// best first; equal scores keep the lower id first and NaN ranks last.
+/// [`retrieve`] merges its chunks with it; an index that scores its
+/// documents chunk by chunk (or shard by shard) can do the same.
+#[derive(Clone, Debug)]
+pub struct TopK {
     k: usize,
     best: Vec<Vec<(f32, u32)>>,
 }
 
 impl TopK {
-    pub(crate) fn new(nq: usize, k: usize) -> Self {
+    /// An empty top-`k` for `nq` queries.
+    pub fn new(nq: usize, k: usize) -> Self {
         TopK { k, best: vec![Vec::with_capacity(2 * k); nq] }
     }
 
     /// Merges a chunk of scores `[Nq, n]` whose column `j` belongs to id `id(j)`.
-    pub(crate) fn push(&mut self, scores: &Tensor, id: impl Fn(usize) -> u32) -> Result<()> {
+    pub fn push(&mut self, scores: &Tensor, id: impl Fn(usize) -> u32) -> Result<()> {
         let s: Vec<Vec<f32>> = scores.to_vec2()?;
         for (row, top) in s.iter().zip(self.best.iter_mut()) {
             top.extend(row.iter().enumerate().map(|(j, &v)| (v, id(j))));
@@ -70,7 +74,7 @@ impl TopK {
     }
 
     /// `(scores [Nq, k] F32, ids [Nq, k] U32)` on `device`.
-    pub(crate) fn finish(self, device: &candle_core::Device) -> Result<(Tensor, Tensor)> {
+    pub fn finish(self, device: &candle_core::Device) -> Result<(Tensor, Tensor)> {
         let (nq, k) = (self.best.len(), self.k);
         if k == 0 || nq == 0 {
             // Empty results as zero-size views (CUDA allocates no empty buffer).

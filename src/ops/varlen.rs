@@ -1,9 +1,9 @@
 //! Packed (varlen) layouts with FlashAttention-style `cu_seqlens` offsets.
 
 use super::core::MaxSimOp;
-use super::dense::{check_common, resolve_backward};
+use super::dense::check_common;
 use crate::layout::{check_device, check_rank, Pairing, Problem, Seqs};
-use crate::Backward;
+use crate::options::Backward;
 use candle_core::{Result, Tensor};
 
 /// Every packed query against every packed document → `[Nq, Nd]`.
@@ -21,7 +21,7 @@ pub fn maxsim_varlen(
 ) -> Result<Tensor> {
     let (qs, ds, dim) = packed_seqs(q, cu_q, max_lq, d, cu_d, max_ld)?;
     let (nq, nd) = (qs.n(), ds.n());
-    let backward = resolve_backward(Backward::Auto, false, nq, nd, max_lq);
+    let backward = Backward::Auto.resolve(false, nq, nd, max_lq);
     let problem = Problem { dim, q: qs, d: ds, q_valid: None, d_valid: None, pairs: Pairing::Cross { nq, nd } };
     MaxSimOp::new(problem, backward).apply(q, d)?.reshape((nq, nd))
 }

@@ -1,95 +1,11 @@
-//! Helpers shared by the CPU and GPU test targets.
-#![allow(dead_code)]
+//! Helpers shared by the CPU and GPU test targets: the workspace's generic
+//! ones (`candle-maxsim-testing`) and checks of this crate's ops.
+#![allow(dead_code, unused_imports)]
 
 use candle_core::{DType, Device, Result, Tensor};
+pub use candle_maxsim_testing::*;
 
 pub mod normalize;
-pub mod plaid_index;
-
-/// max|out − ref| / max|ref| over all elements (both cast to F64).
-pub fn rel_err(out: &Tensor, reference: &Tensor) -> Result<f64> {
-    Ok(max_abs_diff(out, reference)? / max_abs(reference)?)
-}
-
-/// max|out − ref| over all elements, in F64.
-fn max_abs_diff(out: &Tensor, reference: &Tensor) -> Result<f64> {
-    assert_eq!(out.dims(), reference.dims(), "shape mismatch");
-    let o = out.to_dtype(DType::F64)?.flatten_all()?;
-    let r = reference.to_dtype(DType::F64)?.flatten_all()?;
-    let diff = (o - r)?.abs()?.max(0)?.to_scalar::<f64>()?;
-    assert!(diff.is_finite(), "non-finite difference");
-    Ok(diff)
-}
-
-/// max|x| in F64, floored so that an all-zero tensor divides safely.
-fn max_abs(x: &Tensor) -> Result<f64> {
-    Ok(x.to_dtype(DType::F64)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f64>()?.max(1e-30))
-}
-
-pub fn assert_close(what: &str, out: &Tensor, reference: &Tensor, tol: f64) -> Result<()> {
-    if out.elem_count() == 0 {
-        assert_eq!(out.dims(), reference.dims(), "{what}: shape");
-        return Ok(());
-    }
-    let e = rel_err(out, reference)?;
-    assert!(e < tol, "{what}: rel err {e:e} >= {tol:e}");
-    Ok(())
-}
-
-/// Like [`assert_close`], but the error is divided by `scale`'s largest entry
-/// instead of the reference's: for a sum of terms of both signs this is
-/// Σ|term|, the quantity the sum's rounding error is proportional to (a score
-/// near 0 by cancellation has no meaningful relative error of its own).
-pub fn assert_close_scaled(what: &str, out: &Tensor, reference: &Tensor, scale: &Tensor, tol: f64) -> Result<()> {
-    if out.elem_count() == 0 {
-        assert_eq!(out.dims(), reference.dims(), "{what}: shape");
-        return Ok(());
-    }
-    let s = max_abs(scale)?;
-    let e = max_abs_diff(out, reference)? / s;
-    assert!(e < tol, "{what}: err {e:e} (of Σ|term| = {s:e}) >= {tol:e}");
-    Ok(())
-}
-
-/// Tolerance of the scores for each input dtype (issue 2).
-pub fn tol(dt: DType) -> f64 {
-    match dt {
-        DType::F16 => 5e-3,
-        DType::BF16 => 2e-2,
-        DType::F32 => 1e-5,
-        _ => 1e-9,
-    }
-}
-
-pub fn randn(shape: &[usize], dt: DType, dev: &Device) -> Result<Tensor> {
-    Tensor::randn(0f32, 1f32, shape, dev)?.to_dtype(dt)
-}
-
-/// U8 mask with about `drop` of the entries 0.
-pub fn rand_mask(shape: &[usize], drop: f32, dev: &Device) -> Result<Tensor> {
-    Tensor::rand(0f32, 1f32, shape, dev)?.ge(drop)
-}
-
-/// `[n, l, dim]` with a non-contiguous layout (a transposed view).
-pub fn randn_strided(n: usize, l: usize, dim: usize, dt: DType, dev: &Device) -> Result<Tensor> {
-    let t = randn(&[n, dim, l], dt, dev)?.transpose(1, 2)?;
-    assert!(!t.is_contiguous());
-    Ok(t)
-}
-
-/// Offsets (U32 `[n+1]`) of random lengths in `0..=max`, some empty.
-pub fn rand_offsets(n: usize, max: usize, seed: u64) -> (Vec<u32>, usize) {
-    let mut x = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-    let mut cu = vec![0u32];
-    let mut longest = 0;
-    for k in 0..n {
-        x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-        let len = if k % 5 == 3 { 0 } else { ((x >> 33) as usize) % (max + 1) };
-        longest = longest.max(len);
-        cu.push(cu.last().unwrap() + len as u32);
-    }
-    (cu, longest)
-}
 
 /// Two backward passes through one graph give bitwise the same gradients
 /// (the first consumes the saved argmax, the second recomputes it).

@@ -7,6 +7,5 @@ mod errors;
 mod grads;
 mod normalize;
 mod parity;
-mod plaid;
 mod props;
 mod residual;

@@ -695,34 +695,6 @@ fn plaid_approx_cuda_errors() -> Result<()> {
     Ok(())
 }
 
-/// `PlaidIndex` loaded on CUDA searches like on the CPU (synthetic indexes in
-/// both of fast-plaid's layouts, and the fast-plaid fixture when present).
-#[test]
-fn plaid_index_cuda() -> Result<()> {
-    use common::plaid_index::{fixture, write_index, Layout};
-    let Some(dev) = gpu() else { return Ok(()) };
-    let cpu = Device::Cpu;
-    let synth = [
-        write_index("gpu_shards", 2, &[9, 4], Layout::Shards)?,
-        write_index("gpu_merged", 4, &[5, 8], Layout::Merged)?,
-    ];
-    let mut dirs: Vec<std::path::PathBuf> = synth.iter().map(|s| s.dir.clone()).collect();
-    dirs.extend(["nb2", "nb4"].into_iter().filter_map(fixture).map(|d| d.join("index")));
-    for dir in dirs {
-        let (ic, ig) = (ms::PlaidIndex::load(&dir, &cpu)?, ms::PlaidIndex::load(&dir, &dev)?);
-        let q = randn(&[3, 16, ic.dim()], DType::F32, &cpu)?;
-        let subset: Vec<u32> = (0..ic.num_documents() as u32).step_by(2).collect();
-        for sub in [None, Some(subset.as_slice())] {
-            let (sc, idc) = ic.search(&q, 5, sub)?;
-            let (sg, idg) = ig.search(&q.to_device(&dev)?, 5, sub)?;
-            assert_close(&format!("{} search scores", dir.display()), &sg.to_device(&cpu)?, &sc, 1e-4)?;
-            assert_eq!(idg.to_device(&cpu)?.to_vec2::<u32>()?, idc.to_vec2::<u32>()?, "{} search ids", dir.display());
-        }
-        assert_close("embeddings", &ig.embeddings(1)?.to_device(&cpu)?, &ic.embeddings(1)?, 1e-6)?;
-    }
-    Ok(())
-}
-
 /// Random compressed documents: (codec, codes [Nd, Ld] U32 with garbage past
 /// each length, residual bytes [Nd, Ld, w], doc_lens [Nd] with 0 and Ld).
 fn residual_docs(

@@ -1,11 +1,11 @@
-//! Launch of kernels/plaid.cu: PLAID's centroid-only approximate score.
+//! Launch of kernels/plaid_approx.cu: PLAID's centroid-only approximate score.
 
-use super::{launch, plaid_func, slice_ptr, storage_ptr, HostFlag};
+use super::{launch, plaid_approx_func, slice_ptr, storage_ptr, HostFlag};
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::DeviceRepr;
 use candle_core::{bail, CudaStorage, DType, Layout, Result};
 
-/// Mirror of `PlaidApproxParams` in kernels/plaid.cu (same field order, C layout).
+/// Mirror of `PlaidApproxParams` in kernels/plaid_approx.cu (same field order, C layout).
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 struct Params {
@@ -22,7 +22,7 @@ struct Params {
 // SAFETY: plain old data with the layout of the C struct.
 unsafe impl DeviceRepr for Params {}
 
-/// Warps (documents) per block: `PLAID_WARPS` / `PLAID_ROWS_WARPS` in kernels/plaid.cu.
+/// Warps (documents) per block: `PLAID_WARPS` / `PLAID_ROWS_WARPS` in kernels/plaid_approx.cu.
 const WARPS: u32 = 8;
 const ROWS_WARPS: u32 = 4;
 
@@ -47,7 +47,7 @@ pub(crate) fn plaid_approx(
     l2: &Layout,
     s3: &CudaStorage,
     l3: &Layout,
-) -> Result<CudaStorage> {
+) -> Result<(CudaStorage, bool)> {
     let dev = s1.device.clone();
     let (n_c, lq) = l1.shape().dims2()?;
     let (b, ld) = l2.shape().dims2()?;
@@ -64,7 +64,7 @@ pub(crate) fn plaid_approx(
     }
     if b == 0 {
         // CUDA allocations of 0 bytes fail: an empty output gets one spare element.
-        return Ok(CudaStorage::wrap_cuda_slice(dev.alloc_zeros::<f32>(1)?, dev));
+        return Ok((CudaStorage::wrap_cuda_slice(dev.alloc_zeros::<f32>(1)?, dev), false));
     }
     // SAFETY: the kernel writes every score (a warp per document, empty ones included).
     let out = unsafe { dev.alloc::<f32>(b) }?;
@@ -87,7 +87,7 @@ pub(crate) fn plaid_approx(
     if aligned && n_c > 0 && lq.is_multiple_of(4) && (4..=64).contains(&lq) {
         let g = (lq / 4).next_power_of_two().max(4);
         let part = if g * 4 == lq { "" } else { "_part" };
-        let func = plaid_func(&dev, &format!("plaid_rows_{code}_g{g}{part}"))?;
+        let func = plaid_approx_func(&dev, &format!("plaid_rows_{code}_g{g}{part}"))?;
         launch(&dev, &func, b.div_ceil(ROWS_WARPS as usize) as u32, 32 * ROWS_WARPS, 0, &params)?;
     } else {
         let vec = if lq.is_multiple_of(4) && aligned { 4 } else { 1 };
@@ -96,21 +96,27 @@ pub(crate) fn plaid_approx(
             9..=16 => 16,
             _ => 32,
         };
-        let func = plaid_func(&dev, &format!("plaid_approx_{code}_v{vec}_g{g}"))?;
+        let func = plaid_approx_func(&dev, &format!("plaid_approx_{code}_v{vec}_g{g}"))?;
         launch(&dev, &func, b.div_ceil(WARPS as usize) as u32, 32 * WARPS, 0, &params)?;
     }
-    // The one host sync. On a bad length or code, find the first one as the CPU op reports it.
-    if bad.is_set(&dev)? {
-        let lens = dev.clone_dtoh(&s3.as_cuda_slice::<u32>()?.slice(l3.start_offset()..l3.start_offset() + b))?;
-        let (o, n) = (l2.start_offset(), b * ld);
-        let codes: Vec<i64> = match s2.dtype() {
-            DType::U32 => {
-                dev.clone_dtoh(&s2.as_cuda_slice::<u32>()?.slice(o..o + n))?.into_iter().map(i64::from).collect()
-            }
-            _ => dev.clone_dtoh(&s2.as_cuda_slice::<i64>()?.slice(o..o + n))?,
-        };
-        crate::ops::residual::plaid_first_error(&lens, &codes, ld, n_c)?;
-        bail!("plaid_approx_score: internal error, the kernel flagged input the host finds valid")
-    }
-    Ok(CudaStorage::wrap_cuda_slice(out, dev))
+    // The one host sync: the caller looks for the first bad input only when the kernel flagged one.
+    Ok((CudaStorage::wrap_cuda_slice(out, dev), bad.is_set(&dev)?))
+}
+
+/// Host copies of `doc_lens [B]` and `codes [B, Ld]` (as I64), for the op's error report.
+pub(crate) fn host_inputs(
+    s2: &CudaStorage,
+    l2: &Layout,
+    s3: &CudaStorage,
+    l3: &Layout,
+) -> Result<(Vec<u32>, Vec<i64>)> {
+    let dev = &s2.device;
+    let (b, ld) = l2.shape().dims2()?;
+    let lens = dev.clone_dtoh(&s3.as_cuda_slice::<u32>()?.slice(l3.start_offset()..l3.start_offset() + b))?;
+    let (o, n) = (l2.start_offset(), b * ld);
+    let codes: Vec<i64> = match s2.dtype() {
+        DType::U32 => dev.clone_dtoh(&s2.as_cuda_slice::<u32>()?.slice(o..o + n))?.into_iter().map(i64::from).collect(),
+        _ => dev.clone_dtoh(&s2.as_cuda_slice::<i64>()?.slice(o..o + n))?,
+    };
+    Ok((lens, codes))
 }

@@ -16,7 +16,7 @@
 
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device};
-use candle_maxsim::colbert::{top_k_of, ColBert};
+use candle_maxsim_colbert::{top_k_of, ColBert};
 use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;

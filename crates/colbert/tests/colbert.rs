@@ -3,7 +3,7 @@
 //! crate), in the PyLate and the colbert-ai layouts, checked token by token.
 
 use candle_core::{DType, Device, Result};
-use candle_maxsim::colbert::ColBert;
+use candle_maxsim_colbert::ColBert;
 use candle_nn::{VarBuilder, VarMap};
 use candle_transformers::models::bert;
 use std::path::{Path, PathBuf};

@@ -9,7 +9,7 @@
 //!    most queries of a small retrieval task.
 
 use candle_core::{DType, Device, IndexOp};
-use candle_maxsim::colbert::ColBert;
+use candle_maxsim_colbert::ColBert;
 use std::path::PathBuf;
 
 fn model_dir() -> Option<PathBuf> {
@@ -92,7 +92,7 @@ fn ranks_the_answer_first() -> anyhow::Result<()> {
     let scores: Vec<Vec<f32>> = candle_maxsim::maxsim(&q, &d, Some(&qm), Some(&dm))?.to_vec2()?;
     let mut right = 0;
     for (k, row) in scores.iter().enumerate() {
-        let top = candle_maxsim::colbert::top_k_of(row, 3);
+        let top = candle_maxsim_colbert::top_k_of(row, 3);
         if top[0].0 == k {
             right += 1;
         } else {
@@ -101,7 +101,7 @@ fn ranks_the_answer_first() -> anyhow::Result<()> {
     }
     // `rank` (one query, documents encoded in batches) agrees with the batch scores.
     let top = m.rank(queries[0], &docs, 1)?;
-    assert_eq!(top[0].0, candle_maxsim::colbert::top_k_of(&scores[0], 1)[0].0);
+    assert_eq!(top[0].0, candle_maxsim_colbert::top_k_of(&scores[0], 1)[0].0);
     assert!(right >= 10, "only {right} of 12 queries ranked their answer first");
     Ok(())
 }

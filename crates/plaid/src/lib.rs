@@ -18,9 +18,8 @@
 //! chunk), else with the document lengths. `ivf.npy` (the inverted file of the
 //! approximate search) is not needed for exact scoring and is not read.
 
-use crate::ops::retrieve::TopK;
-use crate::{l2_normalize, maxsim_residual_varlen, BitOrder, ResidualCodec};
 use candle_core::{bail, DType, Device, Error, Result, Tensor};
+use candle_maxsim::{l2_normalize, maxsim_residual_varlen, BitOrder, ResidualCodec, TopK};
 use std::path::Path;
 
 /// Tokens decompressed per scoring call: bounds the memory of a search.
@@ -248,6 +247,11 @@ impl PlaidIndex {
     /// Number of documents.
     pub fn num_documents(&self) -> usize {
         self.offsets.len() - 1
+    }
+
+    /// The device the index was loaded on.
+    pub fn device(&self) -> &Device {
+        self.codes.device()
     }
 
     /// Embedding dimension.

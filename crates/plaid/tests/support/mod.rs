@@ -1,9 +1,9 @@
-//! A random fast-plaid index written in its on-disk format, for the
-//! `PlaidIndex` tests of both test targets.
+//! A random fast-plaid index written in its on-disk format, and the fixture
+//! written by the real fast-plaid package.
 
-use super::{rand_offsets, randn};
 use candle_core::{DType, Device, Result, Tensor};
 use candle_maxsim::{self as ms, BitOrder, ResidualCodec};
+use candle_maxsim_testing::{rand_offsets, randn};
 use std::path::{Path, PathBuf};
 
 #[derive(Clone, Copy, Debug, PartialEq)]

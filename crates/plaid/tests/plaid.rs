@@ -1,13 +1,17 @@
 //! `PlaidIndex`: indexes written here in fast-plaid's on-disk format (both its
 //! per-chunk and its merged layout) against `reference`, bad indexes and bad
 //! arguments, and the fixture written by the real fast-plaid package
-//! (tests/fixtures/make_plaid_fixture.py) when it is present.
-use crate::common::plaid_index::*;
-use crate::common::*;
-use crate::errors::expect_err;
+//! (tests/fixtures/make_plaid_fixture.py) when it is present. Each check
+//! runs on the CPU and, under the `cuda` feature, on the GPU.
+
+mod support;
+
 use candle_core::{DType, Device, Result, Tensor};
-use candle_maxsim::{self as ms, reference as r, PlaidIndex};
+use candle_maxsim::{self as ms, reference as r};
+use candle_maxsim_plaid::PlaidIndex;
+use candle_maxsim_testing::*;
 use std::path::Path;
+use support::*;
 
 /// Exact scores `[Nq, Nd]` from `reference`: decompress, normalize, pad, MaxSim.
 fn reference_scores(s: &Synth, q: &Tensor) -> Result<Tensor> {
@@ -36,19 +40,21 @@ fn top_k(scores: &Tensor, ids: &[u32], k: usize) -> Result<Vec<Vec<(f32, u32)>>>
 }
 
 fn check_search(idx: &PlaidIndex, q: &Tensor, want: &Tensor, k: usize, subset: Option<&[u32]>) -> Result<()> {
+    // The CPU sums in the reference's order up to f32 rounding; the GPU in its own.
+    let tol = if idx.device().is_cpu() { 1e-5 } else { 1e-4 };
     let all: Vec<u32> = (0..idx.num_documents() as u32).collect();
     let mut cand = subset.map(|s| s.to_vec()).unwrap_or(all);
     cand.sort_unstable();
     cand.dedup();
     let want = top_k(want, &cand, k)?;
-    let (scores, ids) = idx.search(q, k, subset)?;
+    let (scores, ids) = idx.search(&q.to_device(idx.device())?, k, subset)?;
     assert_eq!(scores.dims(), &[q.dim(0)?, k.min(cand.len())]);
     let (scores, ids): (Vec<Vec<f32>>, Vec<Vec<u32>>) = (scores.to_vec2()?, ids.to_vec2()?);
     for (qi, w) in want.iter().enumerate() {
         assert_eq!(ids[qi], w.iter().map(|x| x.1).collect::<Vec<_>>(), "query {qi}: top-{k} ids, subset {subset:?}");
         for (p, &(s, _)) in w.iter().enumerate() {
             assert!(
-                (scores[qi][p] - s).abs() <= 1e-5 * s.abs().max(1.0),
+                (scores[qi][p] - s).abs() <= tol * s.abs().max(1.0),
                 "query {qi} rank {p}: {} vs {s}",
                 scores[qi][p]
             );
@@ -57,13 +63,14 @@ fn check_search(idx: &PlaidIndex, q: &Tensor, want: &Tensor, k: usize, subset: O
     Ok(())
 }
 
-#[test]
-fn plaid_index_matches_reference() -> Result<()> {
-    let dev = Device::Cpu;
+/// Search, decompression and the loaded arrays of indexes in both of
+/// fast-plaid's layouts, loaded on `dev`, against `reference` on the CPU.
+fn index_matches_reference(dev: &Device) -> Result<()> {
+    let cpu = Device::Cpu;
     for nbits in [2usize, 4] {
         for layout in [Layout::Shards, Layout::Merged] {
             let s = write_index(&format!("ok_{nbits}_{layout:?}"), nbits, &[7, 1, 5], layout)?;
-            let idx = PlaidIndex::load(&s.dir, &dev)?;
+            let idx = PlaidIndex::load(&s.dir, dev)?;
             assert_eq!(idx.num_documents(), s.lens.len());
             assert_eq!(idx.dim(), 32);
             assert_eq!(idx.doc_lens(), s.lens.iter().map(|&l| l as u32).collect::<Vec<_>>());
@@ -81,7 +88,7 @@ fn plaid_index_matches_reference() -> Result<()> {
                 }
                 at += len;
             }
-            let q = randn(&[3, 5, 32], DType::F32, &dev)?;
+            let q = randn(&[3, 5, 32], DType::F32, &cpu)?;
             let want = reference_scores(&s, &q)?;
             let nd = idx.num_documents() as u32;
             for k in [1, 4, 100] {
@@ -89,17 +96,19 @@ fn plaid_index_matches_reference() -> Result<()> {
             }
             check_search(&idx, &q, &want, 3, Some(&[nd - 1, 2, 0, 2, 5]))?;
             check_search(&idx, &q, &want, 10, Some(&[4, 5, 6]))?;
-            let (e, _) = idx.search(&q, 3, Some(&[]))?;
+            let (e, _) = idx.search(&q.to_device(dev)?, 3, Some(&[]))?;
             assert_eq!(e.dims(), &[3, 0]);
         }
     }
     Ok(())
 }
 
-#[test]
-fn plaid_index_errors() -> Result<()> {
-    let dev = Device::Cpu;
-    let s = write_index("errors", 2, &[4, 3], Layout::Shards)?;
+test_device!(index_matches_reference, index_matches_reference_cpu, index_matches_reference_cuda);
+
+/// Bad arguments and corrupted index files: each an `Err` naming the argument or the file.
+fn index_errors(dev: &Device) -> Result<()> {
+    let dev = dev.clone();
+    let s = write_index(&format!("errors_{}", dev.is_cuda()), 2, &[4, 3], Layout::Shards)?;
     let idx = PlaidIndex::load(&s.dir, &dev)?;
     let q = randn(&[2, 3, 32], DType::F32, &dev)?;
     expect_err(idx.search(&q, 0, None), "k");
@@ -107,13 +116,13 @@ fn plaid_index_errors() -> Result<()> {
     expect_err(idx.search(&randn(&[2, 3, 16], DType::F32, &dev)?, 2, None), "q");
     expect_err(idx.search(&q.to_dtype(DType::U32)?, 2, None), "q");
     expect_err(idx.embeddings(99), "doc");
-    expect_err(PlaidIndex::load(s.dir.join("nope"), &dev), "metadata.json");
+    expect_err_containing(PlaidIndex::load(s.dir.join("nope"), &dev), "metadata.json");
 
     // Each corruption is an Err naming the file at fault.
     let corrupt = |name: &str, file: &str, f: &dyn Fn(&Path)| -> Result<()> {
-        let s = write_index(name, 2, &[4, 3], Layout::Shards)?;
+        let s = write_index(&format!("{name}_{}", dev.is_cuda()), 2, &[4, 3], Layout::Shards)?;
         f(&s.dir);
-        expect_err(PlaidIndex::load(&s.dir, &dev), file);
+        expect_err_containing(PlaidIndex::load(&s.dir, &dev), file);
         Ok(())
     };
     corrupt("missing_res", "1.residuals.npy", &|d| std::fs::remove_file(d.join("1.residuals.npy")).unwrap())?;
@@ -146,6 +155,28 @@ fn plaid_index_errors() -> Result<()> {
     })?;
     Ok(())
 }
+
+test_device!(index_errors, index_errors_cpu, index_errors_cuda);
+
+/// The fast-plaid fixtures loaded on `dev` search as on the CPU.
+fn fixture_search_matches_cpu(dev: &Device) -> Result<()> {
+    let cpu = Device::Cpu;
+    for dir in ["nb2", "nb4"].into_iter().filter_map(fixture).map(|d| d.join("index")) {
+        let (ic, ig) = (PlaidIndex::load(&dir, &cpu)?, PlaidIndex::load(&dir, dev)?);
+        let q = randn(&[3, 16, ic.dim()], DType::F32, &cpu)?;
+        let subset: Vec<u32> = (0..ic.num_documents() as u32).step_by(2).collect();
+        for sub in [None, Some(subset.as_slice())] {
+            let (sc, idc) = ic.search(&q, 5, sub)?;
+            let (sg, idg) = ig.search(&q.to_device(dev)?, 5, sub)?;
+            assert_close(&format!("{} search scores", dir.display()), &sg, &sc, 1e-4)?;
+            assert_eq!(idg.to_device(&cpu)?.to_vec2::<u32>()?, idc.to_vec2::<u32>()?, "{} search ids", dir.display());
+        }
+        assert_close("embeddings", &ig.embeddings(1)?, &ic.embeddings(1)?, 1e-6)?;
+    }
+    Ok(())
+}
+
+test_device!(fixture_search_matches_cpu, fixture_search_matches_cpu_cpu, fixture_search_matches_cpu_cuda);
 
 // ---------------------------------------------------------------------------
 // The fixture written by the real fast-plaid package.

@@ -18,8 +18,8 @@
 //! documents are truncated to `document_length`, and padding and skiplist
 //! tokens (punctuation) are masked out of the max.
 
-use crate::{l2_normalize, maxsim};
 use candle_core::{bail, DType, Device, Module, Result, Tensor};
+use candle_maxsim::{l2_normalize, maxsim};
 use candle_nn::{Linear, VarBuilder};
 use candle_transformers::models::{bert, modernbert};
 use std::path::Path;
