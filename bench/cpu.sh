@@ -1,7 +1,17 @@
 #!/usr/bin/env bash
-# CPU benchmark, ours and the CPU peers in one run on this machine:
-#   bash bench/cpu.sh     (needs: pip install maxsim-cpu==0.1.0 numpy)
+# The CPU table: benches/cpu.rs (this crate's fused CPU op and `reference`)
+# and the CPU peers (bench/cpu_peers.py: maxsim-cpu 0.1.0, numpy einsum) back
+# to back on this machine, then the markdown table (bench/table.py).
+#
+#   pip install maxsim-cpu==0.1.0 numpy && bash bench/cpu.sh
+#
+# RESULTS: folder for the raw JSON lines (default: a new temporary folder).
 set -euo pipefail
-cd "$(dirname "$0")/.."
-cargo bench --bench cpu 2>/dev/null | grep '^{'
-python3 bench/cpu_peers.py
+here=$(cd "$(dirname "$0")" && pwd)
+out=${RESULTS:-$(mktemp -d)}
+mkdir -p "$out"
+(cd "$here/.." && cargo bench --bench cpu) | grep '^{' > "$out/cpu.jsonl"
+python3 "$here/cpu_peers.py" > "$out/peers_cpu.jsonl"
+echo "$(lscpu 2>/dev/null | sed -n 's/^Model name: *//p' | head -1), $(date -u +%F); raw JSON lines in $out"
+echo
+python3 "$here/table.py" cpu "$out/cpu.jsonl" "$out/peers_cpu.jsonl"

@@ -1,16 +1,35 @@
-"""Peers on the GPU, one JSON line per (case, impl), same shapes and dtype as examples/bench.rs.
+"""Other MaxSim implementations on the GPU, one JSON line per (case, impl), same
+shapes and dtype as examples/bench.rs:
+
+    lik     late-interaction-kernels (pinned: 0.4.5), `maxsim`
+    flash   flash-maxsim (pinned: 0.3.0), `flash_maxsim_batched`
+    pylate  PyLate's colbert_scores formula in torch (einsum, max, sum)
 
     python3 bench/peers.py [--case NAME]... [--impl lik|flash|pylate]... [--fresh N] [--dtype f16] [--dim D]
-    python3 bench/peers.py --train [--fresh N]     # fwd+bwd, backward=unified and lowmem
+    python3 bench/peers.py --train [--fresh N]     # late-interaction-kernels fwd+bwd, backward=unified and lowmem
 
-Without --case every default case runs, each in a fresh process (the peers
-autotune per process; their times vary between processes), `--fresh N`
-times, keeping the best median. Inputs: standard normal bf16 tensors.
+Each (case, impl) runs in `--fresh N` fresh processes and the best median is
+kept: late-interaction-kernels and flash-maxsim autotune once per process, and
+their times vary between processes. Inputs: standard-normal tensors, seed 0.
+Timing: triton.testing.do_bench (L2 flushed, CUDA events), median. Each line
+carries the package version it measured. Needs torch and triton.
 """
 import argparse
 import json
 import subprocess
 import sys
+
+DISTS = {"lik": "late-interaction-kernels", "flash": "flash-maxsim", "pylate": "torch"}
+
+
+def version(impl):
+    """Installed version of the package behind `impl` (None if unknown)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version(DISTS[impl])
+    except metadata.PackageNotFoundError:
+        return None
 
 CASES = {
     "colpali_inbatch": (128, 128, 128, 1024, 128),
@@ -50,8 +69,8 @@ def run_train(case, shape, mode, dtype):
     torch.cuda.synchronize()
     peak = (torch.cuda.max_memory_allocated() - base) / 1e6
     ms = triton.testing.do_bench(f, warmup=100, rep=500, return_mode="median")
-    return {"case": case, "impl": "lik_" + mode, "device": torch.cuda.get_device_name(), "shape": list(shape),
-            "dtype": dtype, "median_ms": round(ms, 4), "peak_mem_mb": round(peak, 1)}
+    return {"case": case, "impl": "lik_" + mode, "version": version("lik"), "device": torch.cuda.get_device_name(),
+            "shape": list(shape), "dtype": dtype, "median_ms": round(ms, 4), "peak_mem_mb": round(peak, 1)}
 
 
 def run_one(case, shape, impl, dtype):
@@ -84,8 +103,9 @@ def run_one(case, shape, impl, dtype):
     peak = (torch.cuda.max_memory_allocated() - base) / 1e6
     ms = triton.testing.do_bench(f, warmup=100, rep=500, return_mode="median")
     flop = 2 * nq * nd * lq * ld * dim
-    return {"case": case, "impl": impl, "device": torch.cuda.get_device_name(), "shape": list(shape), "dtype": dtype,
-            "median_ms": round(ms, 4), "tflops": round(flop / ms / 1e9, 1), "peak_mem_mb": round(peak, 1)}
+    return {"case": case, "impl": impl, "version": version(impl), "device": torch.cuda.get_device_name(),
+            "shape": list(shape), "dtype": dtype, "median_ms": round(ms, 4), "tflops": round(flop / ms / 1e9, 1),
+            "peak_mem_mb": round(peak, 1)}
 
 
 def main():

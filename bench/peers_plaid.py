@@ -1,12 +1,13 @@
-"""late-interaction-kernels on issue 5's PLAID cases, same shapes as
-`examples/bench.rs --residual` and `--plaid-approx` (one JSON line each).
+"""late-interaction-kernels (pinned: 0.4.5) on the PLAID cases of
+`examples/bench.rs --residual` and `--plaid-approx`, one JSON line each:
 
-    PYTHONPATH=/tmp/site python3 bench/peers_plaid.py
+    python3 bench/peers_plaid.py
 
-residual_varlen_nb{2,4}: 1 query (Lq 32, dim 128, bf16) against 10 000 packed
-documents of 150..=300 tokens, 65 536 fp16 centroids, normalize=True.
-plaid_approx: 65 536 centroids, Lq 32, 100 000 documents of 1..=64 codes.
-Timed with triton.testing.do_bench (L2 flushed, CUDA events), median.
+residual_varlen_nb{2,4}: `maxsim_residual_varlen`, 1 query (Lq 32, dim 128,
+bf16) against 10 000 packed documents of 150..=300 tokens, 65 536 fp16
+centroids, normalize=True. plaid_approx: `plaid_approx_score`, 65 536
+centroids, Lq 32, 100 000 documents of 1..=64 codes. Timed with
+triton.testing.do_bench (L2 flushed, CUDA events), median. Needs torch and triton.
 """
 import json
 
@@ -14,6 +15,10 @@ import torch
 import triton.testing
 import late_interaction_kernels as lik
 from late_interaction_kernels.plaid import maxsim_residual_varlen, plaid_approx_score
+
+from importlib.metadata import version
+
+VERSION = version("late-interaction-kernels")
 
 
 def bench(f):
@@ -45,14 +50,16 @@ def main():
         f = lambda: maxsim_residual_varlen(q, codes, res, cu, cents, bw, nbits, max_seqlen_d=300,  # noqa: E731
                                                normalize=True)
         ms, peak = bench(f)
-        print(json.dumps({"case": f"residual_varlen_nb{nbits}", "impl": "lik", "shape": [1, nd, lq, t, dim],
+        print(json.dumps({"case": f"residual_varlen_nb{nbits}", "impl": "lik", "version": VERSION,
+                          "shape": [1, nd, lq, t, dim],
                           "median_ms": round(ms, 4), "peak_mem_mb": round(peak, 1)}), flush=True)
     b, ld = 100000, 64
     qcs = torch.randn(n_c, lq, device="cuda")
     lens = torch.randint(1, ld + 1, (b,), device="cuda")
     codes = torch.randint(0, n_c, (b, ld), device="cuda")
     ms, peak = bench(lambda: plaid_approx_score(qcs, codes, lens))
-    print(json.dumps({"case": "plaid_approx", "impl": "lik", "shape": [n_c, lq, b, ld], "median_ms": round(ms, 4),
+    print(json.dumps({"case": "plaid_approx", "impl": "lik", "version": VERSION, "shape": [n_c, lq, b, ld],
+                      "median_ms": round(ms, 4),
                       "peak_mem_mb": round(peak, 1)}), flush=True)
 
 

@@ -4,22 +4,30 @@
 //! device and tensors.
 //!
 //!   cargo run --release --features cuda --example bench -- [--shape Nq,Nd,Lq,Ld,dim]... \
-//!       [--dtype bf16|f16|f32] [--iters N] [--no-reference] [--cpu] [--train] [--wall] [--residual] [--plaid-approx]
-//!       [--normalize] [--hidden] [--impl NAME]
+//!       [--dtype bf16|f16|f32] [--iters N] [--no-reference] [--cpu] [--wall] [--impl NAME] [--normalize] \
+//!       [--train | --residual | --plaid-approx | --hidden]
+//!
+//! `--help` lists the flags and their defaults.
 //!
 //! `--train` times fwd+bwd (sum of the scores, backward) for each `Backward`
 //! mode on colpali_train and colbert_train, and LowMem through
-//! `maxsim_value_and_grads` (`lowmem_grads`, outside candle's autograd); the peak memory of a step counts
-//! what it needs beyond Q, D and the gradients a training loop keeps (as the
-//! peers' script measures). `--normalize` scores L2-normalized Q and D. `--plaid-approx` times
-//! `plaid_approx_score` instead (issue 5's case: 65 536 centroids, Lq 32,
-//! 100 000 documents of 1..=64 codes, U32 and I64 codes). `--hidden` times
-//! `maxsim_from_hidden` (dmodel 768 → dout 128, normalized) against linear +
-//! bias + `l2_normalize` + `maxsim` with this crate's ops, forward and fwd+bwd.
+//! `maxsim_value_and_grads` (`lowmem_grads`, outside candle's autograd); the
+//! peak memory of a step counts what it needs beyond Q, D and the gradients a
+//! training loop keeps (as bench/peers.py measures late-interaction-kernels).
+//! `--normalize` scores L2-normalized Q and D. `--plaid-approx` times
+//! `plaid_approx_score` instead (65 536 centroids, Lq 32, 100 000 documents of
+//! 1..=64 codes, U32 and I64 codes). `--residual` times fused scoring of
+//! PLAID-compressed documents against decompress-then-`maxsim_varlen`.
+//! `--hidden` times `maxsim_from_hidden` (dmodel 768 → dout 128, normalized)
+//! against linear + bias + `l2_normalize` + `maxsim` with this crate's ops,
+//! forward and fwd+bwd. `--impl NAME` times only the implementation whose
+//! `impl` field is NAME.
 
-use anyhow::{bail, Result};
+use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
 use candle_maxsim::{Backward, MaxSimOptions};
+use clap::builder::RangedU64ValueParser;
+use clap::{ArgGroup, CommandFactory, Parser, ValueEnum};
 use std::time::Instant;
 
 const DEFAULT_CASES: [(&str, [usize; 5]); 6] = [
@@ -40,10 +48,11 @@ const TRAIN_CASES: [(&str, [usize; 5]); 2] =
 type ScoreFn = dyn Fn(&Tensor, &Tensor) -> candle_core::Result<Tensor>;
 
 /// Training steps through `score` on fixed parameters Q and D: forward, sum
-/// of the scores, backward. As in the peers' script (a leaf tensor's `.grad`
-/// set to None at the start of each step), the previous step's gradients
-/// are held until the next step begins, so the peak memory of a step is what
-/// it needs beyond its inputs and the gradients a training loop keeps.
+/// of the scores, backward. As bench/peers.py does for late-interaction-kernels
+/// (a leaf tensor's `.grad` set to None at the start of each step), the
+/// previous step's gradients are held until the next step begins, so the peak
+/// memory of a step is what it needs beyond its inputs and the gradients a
+/// training loop keeps.
 struct Trainer {
     q: candle_core::Var,
     d: candle_core::Var,
@@ -66,75 +75,115 @@ impl Trainer {
     }
 }
 
+/// Forward (or, with --train, fwd+bwd) MaxSim benchmark: one JSON line per
+/// case and implementation on stdout (median ms, TFLOP/s, peak device memory).
+#[derive(Parser)]
+#[command(name = "bench", args_override_self = true)]
+#[command(group = ArgGroup::new("mode").args(["train", "residual", "plaid_approx", "hidden"]))]
 struct Args {
-    cases: Vec<(String, [usize; 5])>,
-    dtype: DType,
+    /// A case of Nq queries of Lq tokens against Nd documents of Ld tokens of
+    /// width dim, named custom_0, custom_1, ... in order (repeatable; default:
+    /// the built-in cases, colpali_train and colbert_train with --train).
+    #[arg(long = "shape", value_name = "Nq,Nd,Lq,Ld,dim", value_parser = parse_shape)]
+    shapes: Vec<[usize; 5]>,
+    /// Element type of the queries and documents.
+    #[arg(long, value_enum, default_value_t = Dtype::Bf16)]
+    dtype: Dtype,
+    /// Timed runs per implementation; the median is reported (`reference`
+    /// takes at most 10 in the MaxSim cases).
+    #[arg(long, value_name = "N", default_value_t = 50, value_parser = RangedU64ValueParser::<usize>::from(1..))]
     iters: usize,
-    reference: bool,
+    /// Skip the naive materializing `reference` path.
+    #[arg(long = "no-reference")]
+    no_reference: bool,
+    /// Time from the host, synchronizing around each run (CUDA default:
+    /// events around each run, L2 flushed before it).
+    #[arg(long)]
     wall: bool,
+    /// Run on the CPU (default: CUDA device 0 when there is one).
+    #[arg(long)]
     cpu: bool,
-    /// fwd+bwd (training step) instead of the forward alone.
+    /// Time fwd+bwd training steps (sum of the scores, backward) instead of the forward.
+    #[arg(long)]
     train: bool,
-    plaid_approx: bool,
+    /// Time fused residual (PLAID-compressed) scoring against decompress-then-`maxsim_varlen`.
+    #[arg(long)]
     residual: bool,
-    /// `--impl NAME`: time only that implementation (for profiling one of them).
-    only: Option<String>,
+    /// Time `plaid_approx_score` (centroid-only approximate scores).
+    #[arg(long = "plaid-approx")]
+    plaid_approx: bool,
+    /// Time `maxsim_from_hidden` (the fused projection head) against
+    /// linear + bias + `l2_normalize` + `maxsim`.
+    #[arg(long)]
     hidden: bool,
+    /// Score L2-normalized queries and documents (MaxSim and --train cases).
+    #[arg(long)]
     normalize: bool,
+    /// Time only the implementation of this name (the `impl` field of the
+    /// output), e.g. to profile it alone.
+    #[arg(long = "impl", value_name = "NAME")]
+    only: Option<String>,
 }
 
-fn parse() -> Result<Args> {
-    let mut a = Args {
-        cases: vec![],
-        dtype: DType::BF16,
-        iters: 50,
-        reference: true,
-        cpu: false,
-        train: false,
-        plaid_approx: false,
-        wall: false,
-        residual: false,
-        only: None,
-        hidden: false,
-        normalize: false,
-    };
-    let mut it = std::env::args().skip(1);
-    while let Some(x) = it.next() {
-        match x.as_str() {
-            "--shape" => {
-                let v: Vec<usize> =
-                    it.next().unwrap_or_default().split(',').map(|s| s.trim().parse()).collect::<Result<_, _>>()?;
-                if v.len() != 5 {
-                    bail!("--shape takes Nq,Nd,Lq,Ld,dim")
-                }
-                a.cases.push((format!("custom_{}", a.cases.len()), [v[0], v[1], v[2], v[3], v[4]]));
-            }
-            "--dtype" => {
-                a.dtype = match it.next().as_deref() {
-                    Some("bf16") => DType::BF16,
-                    Some("f16") => DType::F16,
-                    Some("f32") => DType::F32,
-                    d => bail!("--dtype: bf16, f16 or f32, got {d:?}"),
-                }
-            }
-            "--iters" => a.iters = it.next().unwrap_or_default().parse()?,
-            "--no-reference" => a.reference = false,
-            "--wall" => a.wall = true,
-            "--residual" => a.residual = true,
-            "--impl" => a.only = it.next(),
-            "--normalize" => a.normalize = true,
-            "--cpu" => a.cpu = true,
-            "--train" => a.train = true,
-            "--plaid-approx" => a.plaid_approx = true,
-            "--hidden" => a.hidden = true,
-            x => bail!("unknown argument {x}"),
+/// `--dtype`.
+#[derive(Clone, Copy, ValueEnum)]
+enum Dtype {
+    Bf16,
+    F16,
+    F32,
+}
+
+impl From<Dtype> for DType {
+    fn from(d: Dtype) -> Self {
+        match d {
+            Dtype::Bf16 => DType::BF16,
+            Dtype::F16 => DType::F16,
+            Dtype::F32 => DType::F32,
         }
     }
-    if a.cases.is_empty() {
-        let cases: &[(&str, [usize; 5])] = if a.train { &TRAIN_CASES } else { &DEFAULT_CASES };
-        a.cases = cases.iter().map(|(n, s)| (n.to_string(), *s)).collect();
+}
+
+/// `--shape Nq,Nd,Lq,Ld,dim`.
+fn parse_shape(s: &str) -> Result<[usize; 5], String> {
+    let v: Vec<usize> = s
+        .split(',')
+        .map(|x| x.trim().parse())
+        .collect::<Result<_, _>>()
+        .map_err(|e| format!("takes Nq,Nd,Lq,Ld,dim: {e}"))?;
+    v.try_into().map_err(|_| "takes Nq,Nd,Lq,Ld,dim (five sizes)".to_string())
+}
+
+impl Args {
+    fn dtype(&self) -> DType {
+        self.dtype.into()
     }
-    Ok(a)
+    /// The cases to run: `--shape`s, or the built-in ones.
+    fn cases(&self) -> Vec<(String, [usize; 5])> {
+        if self.shapes.is_empty() {
+            let cases: &[(&str, [usize; 5])] = if self.train { &TRAIN_CASES } else { &DEFAULT_CASES };
+            cases.iter().map(|(n, s)| (n.to_string(), *s)).collect()
+        } else {
+            self.shapes.iter().enumerate().map(|(i, s)| (format!("custom_{i}"), *s)).collect()
+        }
+    }
+    /// The implementations the chosen mode times, by `impl` name.
+    fn impl_names(&self) -> &'static [&'static str] {
+        if self.plaid_approx {
+            &["fused", "reference"]
+        } else if self.residual {
+            &["fused", "decompress_then_maxsim"]
+        } else if self.hidden {
+            &["fused", "unfused", "fused_train", "unfused_train", "fused_grads"]
+        } else if self.train {
+            &["unified", "lowmem", "lowmem_grads", "reference"]
+        } else {
+            &["fused", "reference"]
+        }
+    }
+    /// The implementations to time: all, or the one `--impl` names.
+    fn select<'a>(&self, impls: Vec<(&'a str, Box<Op<'a>>)>) -> Vec<(&'a str, Box<Op<'a>>)> {
+        impls.into_iter().filter(|(n, _)| self.only.as_ref().is_none_or(|o| o == n)).collect()
+    }
 }
 
 #[path = "common/mem.rs"]
@@ -142,9 +191,10 @@ mod mem;
 
 /// Median milliseconds of `f` over `iters` runs after 3 warm-ups (the first
 /// call also autotunes). On CUDA, timed as `triton.testing.do_bench` times
-/// the peers: the L2 cache flushed by a 256 MB memset before each run, CUDA
-/// events around the run alone, so host launch overhead overlaps the flush
-/// (`--wall` times from the host instead, synchronizing around each run).
+/// the Python implementations in bench/peers.py: the L2 cache flushed by a
+/// 256 MB memset before each run, CUDA events around the run alone, so host
+/// launch overhead overlaps the flush (`--wall` times from the host instead,
+/// synchronizing around each run).
 fn time(dev: &Device, iters: usize, wall: bool, f: &dyn Fn() -> Result<Tensor>) -> Result<(f64, Option<u64>)> {
     for _ in 0..3 {
         f()?;
@@ -201,13 +251,13 @@ fn plaid_approx_bench(dev: &Device, args: &Args) -> Result<()> {
     for codes in [codes.clone(), codes.to_dtype(DType::I64)?] {
         let mut impls: Vec<(&str, Box<Op>)> =
             vec![("fused", Box::new(|| Ok(candle_maxsim::plaid_approx_score(&qcs, &codes, &lens)?)))];
-        if args.reference {
+        if !args.no_reference {
             impls.push((
                 "reference",
                 Box::new(|| Ok(candle_maxsim::reference::plaid_approx_score(&qcs, &codes, &lens)?)),
             ));
         }
-        for (imp, f) in &impls {
+        for (imp, f) in &args.select(impls) {
             let (ms, peak) = time(dev, args.iters, args.wall, f.as_ref())?;
             println!(
                 "{{\"case\":\"plaid_approx\",\"impl\":\"{imp}\",\"device\":\"{}\",\"shape\":[{n_c},{lq},{b},{ld}],\"codes\":\"{:?}\",\"median_ms\":{ms:.4},\"peak_mem_mb\":{}}}",
@@ -220,10 +270,10 @@ fn plaid_approx_bench(dev: &Device, args: &Args) -> Result<()> {
     Ok(())
 }
 
-/// `--residual`: issue 5's residual case, 1 query (Lq 32, dim 128) against
-/// 10 000 packed documents of 150..=300 tokens, 65 536 F16 centroids, nbits 2
-/// and 4, normalized: the fused op and decompress-then-`maxsim_varlen` with
-/// this crate's own kernels, on the same tensors.
+/// `--residual`: 1 query (Lq 32, dim 128) against 10 000 packed documents of
+/// 150..=300 tokens, 65 536 F16 centroids, nbits 2 and 4, normalized: the
+/// fused op and decompress-then-`maxsim_varlen` with this crate's own kernels,
+/// on the same tensors.
 fn residual_bench(dev: &Device, args: &Args) -> Result<()> {
     let (n_c, dim, lq, nd) = (65536usize, 128usize, 32usize, 10_000usize);
     let mut x = 12345u64;
@@ -239,7 +289,7 @@ fn residual_bench(dev: &Device, args: &Args) -> Result<()> {
     }
     let t = *cu.last().unwrap() as usize;
     let cu = Tensor::new(cu, dev)?;
-    let q = candle_maxsim::l2_normalize(&Tensor::randn(0f32, 1., (1, lq, dim), dev)?)?.to_dtype(args.dtype)?;
+    let q = candle_maxsim::l2_normalize(&Tensor::randn(0f32, 1., (1, lq, dim), dev)?)?.to_dtype(args.dtype())?;
     let centroids = candle_maxsim::l2_normalize(&Tensor::randn(0f32, 1., (n_c, dim), dev)?)?.to_dtype(DType::F16)?;
     let codes = Tensor::rand(0f32, n_c as f32, t, dev)?.to_dtype(DType::U32)?.clamp(0u32, n_c as u32 - 1)?;
     for nbits in [2usize, 4] {
@@ -260,13 +310,13 @@ fn residual_bench(dev: &Device, args: &Args) -> Result<()> {
             (
                 "decompress_then_maxsim",
                 Box::new(|| {
-                    let d = codec.decompress_dense(&codes, &residuals, args.dtype, true)?;
+                    let d = codec.decompress_dense(&codes, &residuals, args.dtype(), true)?;
                     let cu_q = Tensor::new(&[0u32, lq as u32], q.device())?;
                     Ok(candle_maxsim::maxsim_varlen(&q.reshape((lq, dim))?, &cu_q, lq, &d, &cu, 300)?)
                 }),
             ),
         ];
-        for (imp, f) in &impls {
+        for (imp, f) in &args.select(impls) {
             let (ms, peak) = time(dev, args.iters, args.wall, f.as_ref())?;
             println!(
                 "{{\"case\":\"residual_varlen_nb{nbits}\",\"impl\":\"{imp}\",\"shape\":[1,{nd},{lq},{t},{dim}],\"median_ms\":{ms:.4},\"peak_mem_mb\":{}}}",
@@ -277,7 +327,7 @@ fn residual_bench(dev: &Device, args: &Args) -> Result<()> {
     Ok(())
 }
 
-/// `--hidden`: issue 5's projection-head cases, the fused op against linear +
+/// `--hidden`: the projection-head cases, the fused op against linear +
 /// bias + `l2_normalize` + `maxsim` (this crate's ops), forward and fwd+bwd.
 fn hidden_bench(dev: &Device, args: &Args) -> Result<()> {
     let (dmodel, dout) = (768usize, 128usize);
@@ -288,10 +338,10 @@ fn hidden_bench(dev: &Device, args: &Args) -> Result<()> {
         ("hidden_fewdocs", [1000, 4, 32, 300]),
     ];
     for (name, [nq, nd, lq, ld]) in cases {
-        let q = candle_maxsim::l2_normalize(&Tensor::randn(0f32, 1., (nq, lq, dout), dev)?)?.to_dtype(args.dtype)?;
-        let h = Tensor::randn(0f32, 1., (nd, ld, dmodel), dev)?.to_dtype(args.dtype)?;
-        let w = (Tensor::randn(0f32, 1., (dout, dmodel), dev)? / (dmodel as f64).sqrt())?.to_dtype(args.dtype)?;
-        let b = (Tensor::randn(0f32, 1., dout, dev)? * 0.1)?.to_dtype(args.dtype)?;
+        let q = candle_maxsim::l2_normalize(&Tensor::randn(0f32, 1., (nq, lq, dout), dev)?)?.to_dtype(args.dtype())?;
+        let h = Tensor::randn(0f32, 1., (nd, ld, dmodel), dev)?.to_dtype(args.dtype())?;
+        let w = (Tensor::randn(0f32, 1., (dout, dmodel), dev)? / (dmodel as f64).sqrt())?.to_dtype(args.dtype())?;
+        let b = (Tensor::randn(0f32, 1., dout, dev)? * 0.1)?.to_dtype(args.dtype())?;
         let unfused = |q: &Tensor, h: &Tensor, w: &Tensor, b: &Tensor| -> candle_core::Result<Tensor> {
             let p = h.reshape((nd * ld, dmodel))?.matmul(&w.t()?)?.broadcast_add(b)?;
             let d = candle_maxsim::l2_normalize(&p.reshape((nd, ld, dout))?)?;
@@ -324,10 +374,7 @@ fn hidden_bench(dev: &Device, args: &Args) -> Result<()> {
             ),
         ];
         let flop = 2.0 * ((nq * nd * lq * ld * dout) + nd * ld * dmodel * dout) as f64;
-        for (imp, f) in &impls {
-            if args.only.as_ref().is_some_and(|o| o != imp) {
-                continue;
-            }
+        for (imp, f) in &args.select(impls) {
             let (ms, peak) = time(dev, args.iters, args.wall, f.as_ref())?;
             println!(
                 "{{\"case\":\"{name}\",\"impl\":\"{imp}\",\"shape\":[{nq},{nd},{lq},{ld},{dmodel},{dout}],\"median_ms\":{ms:.4},\"tflops\":{:.1},\"peak_mem_mb\":{}}}",
@@ -340,7 +387,11 @@ fn hidden_bench(dev: &Device, args: &Args) -> Result<()> {
 }
 
 fn main() -> Result<()> {
-    let args = parse()?;
+    let args = Args::parse();
+    if let Some(only) = args.only.as_deref().filter(|o| !args.impl_names().contains(o)) {
+        let msg = format!("no implementation '{only}' here (this mode times: {})", args.impl_names().join(", "));
+        Args::command().error(clap::error::ErrorKind::InvalidValue, msg).exit();
+    }
     let dev = if args.cpu { Device::Cpu } else { Device::cuda_if_available(0)? };
     if args.plaid_approx {
         return plaid_approx_bench(&dev, &args);
@@ -351,10 +402,10 @@ fn main() -> Result<()> {
     if args.hidden {
         return hidden_bench(&dev, &args);
     }
-    let dname = format!("{:?}", args.dtype).to_lowercase();
-    for (name, [nq, nd, lq, ld, dim]) in &args.cases {
-        let q = Tensor::randn(0f32, 1., (*nq, *lq, *dim), &dev)?.to_dtype(args.dtype)?;
-        let d = Tensor::randn(0f32, 1., (*nd, *ld, *dim), &dev)?.to_dtype(args.dtype)?;
+    let dname = format!("{:?}", args.dtype()).to_lowercase();
+    for (name, [nq, nd, lq, ld, dim]) in &args.cases() {
+        let q = Tensor::randn(0f32, 1., (*nq, *lq, *dim), &dev)?.to_dtype(args.dtype())?;
+        let d = Tensor::randn(0f32, 1., (*nd, *ld, *dim), &dev)?.to_dtype(args.dtype())?;
         // fwd+bwd counts the forward GEMM only (the backward is gathers, not GEMMs).
         let flop = 2.0 * (*nq * *nd * *lq * *ld * *dim) as f64;
         let mut impls: Vec<(&str, Box<Op>)> = if args.train {
@@ -394,7 +445,7 @@ fn main() -> Result<()> {
             vec![("fused", Box::new(move || Ok(candle_maxsim::maxsim_with(&q, &d, None, None, &opts)?)))]
         };
         // The naive path materializes [Nq, Nd, Lq, Ld] in f32: skip it past 40 GB.
-        if args.reference && (nq * nd * lq * ld * 4) as f64 <= 40e9 {
+        if !args.no_reference && (nq * nd * lq * ld * 4) as f64 <= 40e9 {
             impls.push(if args.train {
                 let t = Trainer::new(&q, &d, Box::new(|q, d| candle_maxsim::reference::maxsim(q, d, None, None)))?;
                 ("reference", Box::new(move || t.step()))
@@ -402,7 +453,7 @@ fn main() -> Result<()> {
                 ("reference", Box::new(|| Ok(candle_maxsim::reference::maxsim(&q, &d, None, None)?)))
             });
         }
-        for (imp, f) in &impls {
+        for (imp, f) in &args.select(impls) {
             let iters = if *imp == "reference" { args.iters.min(10) } else { args.iters };
             let (ms, peak) = time(&dev, iters, args.wall, f.as_ref())?;
             println!(

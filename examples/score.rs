@@ -2,17 +2,38 @@
 //! check them against the naive reference, and print both timings.
 //!
 //!   cargo run --release --example score -- [--nq 32] [--nd 256] [--lq 32] [--ld 180] [--dim 128] [--cuda]
+//!
+//! `--help` lists the flags and their defaults.
 
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
+use clap::builder::RangedU64ValueParser;
+use clap::Parser;
 use std::time::Instant;
 
-fn arg(name: &str, default: usize) -> Result<usize> {
-    let args: Vec<String> = std::env::args().collect();
-    Ok(match args.iter().position(|a| a == name) {
-        Some(i) => args.get(i + 1).map(|v| v.parse()).transpose()?.unwrap_or(default),
-        None => default,
-    })
+/// Score random unit-norm ColBERT-like embeddings with the fused MaxSim op,
+/// check them against the naive reference, and print both timings.
+#[derive(Parser)]
+#[command(name = "score", args_override_self = true)]
+struct Args {
+    /// Queries.
+    #[arg(long, value_name = "N", default_value_t = 32, value_parser = RangedU64ValueParser::<usize>::from(1..))]
+    nq: usize,
+    /// Documents (about 20 % of their tokens masked out as padding).
+    #[arg(long, value_name = "N", default_value_t = 256, value_parser = RangedU64ValueParser::<usize>::from(1..))]
+    nd: usize,
+    /// Tokens per query.
+    #[arg(long, value_name = "N", default_value_t = 32, value_parser = RangedU64ValueParser::<usize>::from(1..))]
+    lq: usize,
+    /// Tokens per document.
+    #[arg(long, value_name = "N", default_value_t = 180, value_parser = RangedU64ValueParser::<usize>::from(1..))]
+    ld: usize,
+    /// Embedding width.
+    #[arg(long, value_name = "N", default_value_t = 128, value_parser = RangedU64ValueParser::<usize>::from(1..))]
+    dim: usize,
+    /// Run on CUDA device 0 in BF16 (default: the CPU in F32).
+    #[arg(long)]
+    cuda: bool,
 }
 
 fn timed(dev: &Device, f: impl Fn() -> candle_core::Result<Tensor>) -> Result<(Tensor, f64)> {
@@ -25,9 +46,8 @@ fn timed(dev: &Device, f: impl Fn() -> candle_core::Result<Tensor>) -> Result<(T
 }
 
 fn main() -> Result<()> {
-    let (nq, nd, lq, ld, dim) =
-        (arg("--nq", 32)?, arg("--nd", 256)?, arg("--lq", 32)?, arg("--ld", 180)?, arg("--dim", 128)?);
-    let dev = if std::env::args().any(|a| a == "--cuda") { Device::new_cuda(0)? } else { Device::Cpu };
+    let Args { nq, nd, lq, ld, dim, cuda } = Args::parse();
+    let dev = if cuda { Device::new_cuda(0)? } else { Device::Cpu };
     let dtype = if dev.is_cuda() { DType::BF16 } else { DType::F32 };
     // Unit-norm token embeddings with ~20% padding in the documents.
     let q = candle_maxsim::l2_normalize(&Tensor::randn(0f32, 1., (nq, lq, dim), &dev)?)?.to_dtype(dtype)?;

@@ -7,10 +7,15 @@
 //! chained into the head), and for the same step with `reference` scoring.
 //!
 //!   cargo run --release --example train -- [--steps 30] [--batch 32] [--cuda]
+//!
+//! `--help` lists the flags and their defaults. tests/train.rs runs `run` on
+//! the CPU and checks that the loss falls.
 
 use anyhow::Result;
 use candle_core::{DType, Device, Module, Tensor, D};
 use candle_nn::{linear_no_bias, loss, optim::AdamW, Optimizer, ParamsAdamW, VarBuilder, VarMap};
+use clap::builder::RangedU64ValueParser;
+use clap::Parser;
 use std::time::Instant;
 
 #[path = "common/mem.rs"]
@@ -153,18 +158,30 @@ pub fn run(cfg: &Config, dev: &Device, verbose: bool) -> Result<Vec<f32>> {
     Ok(losses)
 }
 
+/// Contrastive training of a projection head through MaxSim (in-batch
+/// negatives, AdamW), once each with fused scoring under autograd, with
+/// `maxsim_value_and_grads`, and with the naive reference: the loss of every
+/// step, ms per step and peak device memory.
+#[derive(Parser)]
+#[command(name = "train", args_override_self = true)]
+#[allow(dead_code)]
+struct Args {
+    /// Training steps per scoring mode.
+    #[arg(long, value_name = "N", default_value_t = Config::default().steps, value_parser = RangedU64ValueParser::<usize>::from(1..))]
+    steps: usize,
+    /// Query-document pairs per batch (each query's negatives are the other documents).
+    #[arg(long, value_name = "N", default_value_t = Config::default().batch, value_parser = RangedU64ValueParser::<usize>::from(1..))]
+    batch: usize,
+    /// Train on CUDA device 0 (default: the CPU).
+    #[arg(long)]
+    cuda: bool,
+}
+
 #[allow(dead_code)]
 fn main() -> Result<()> {
-    let args: Vec<String> = std::env::args().collect();
-    let get = |name: &str, default: usize| -> usize {
-        args.iter()
-            .position(|a| a == name)
-            .and_then(|i| args.get(i + 1))
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(default)
-    };
-    let dev = if args.iter().any(|a| a == "--cuda") { Device::new_cuda(0)? } else { Device::Cpu };
-    let base = Config { steps: get("--steps", 30), batch: get("--batch", 32), ..Default::default() };
+    let args = Args::parse();
+    let dev = if args.cuda { Device::new_cuda(0)? } else { Device::Cpu };
+    let base = Config { steps: args.steps, batch: args.batch, ..Default::default() };
     for scoring in [Scoring::Fused, Scoring::Grads, Scoring::Reference] {
         let cfg = Config { scoring, ..base.clone() };
         println!("== {scoring:?} scoring on {dev:?}");

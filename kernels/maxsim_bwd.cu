@@ -350,7 +350,6 @@ __device__ void bwd_qrow(const BwdParams& b) {
 // Each accumulator row is owned by one warp and updated in list order: bitwise
 // deterministic, no atomics, and hot rows (many winners on one token) cost
 // no more than cold ones.
-// order: bitwise deterministic, no atomics.
 // ---------------------------------------------------------------------------
 constexpr int DD_WARPS = 8;
 constexpr int DD_LIST = 512; // hits per warp list

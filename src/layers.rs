@@ -17,6 +17,8 @@ pub struct MaxSimPairwise;
 pub const EMPTY_DOC_SCORE: f32 = -1e9;
 
 impl MaxSim {
+    /// Scores `q [Nq, Lq, dim]` against `d [Nd, Ld, dim]` (`[Nq, Nd]`) or a
+    /// KD `d [Nq, K, Ld, dim]` (`[Nq, K]`); empty documents score [`EMPTY_DOC_SCORE`].
     pub fn forward(&self, q: &Tensor, d: &Tensor, q_mask: Option<&Tensor>, d_mask: Option<&Tensor>) -> Result<Tensor> {
         let scores = maxsim(q, d, q_mask, d_mask)?;
         let empty = empty_docs(d, d_mask)?; // [Nd] or [Nq, K]
@@ -26,6 +28,7 @@ impl MaxSim {
 }
 
 impl MaxSimPairwise {
+    /// Scores `q[b]` against `d[b]` (`[B]`); empty documents score [`EMPTY_DOC_SCORE`].
     pub fn forward(&self, q: &Tensor, d: &Tensor, q_mask: Option<&Tensor>, d_mask: Option<&Tensor>) -> Result<Tensor> {
         let scores = maxsim_pairs(q, d, q_mask, d_mask)?;
         mark_empty(&scores, &empty_docs(d, d_mask)?)

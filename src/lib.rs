@@ -27,7 +27,11 @@
 //! # Ok::<(), candle_core::Error>(())
 //! ```
 
+#![warn(missing_docs)]
+
 pub(crate) mod cpu;
+#[doc(hidden)]
+pub mod knobs;
 pub mod layers;
 pub(crate) mod layout;
 mod ops;

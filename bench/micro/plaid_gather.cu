@@ -1,5 +1,7 @@
-// Microbenchmark for plaid_approx_score's gather bound (issue 5, note 38).
-// Standalone: nvcc -O3 -arch=sm_90a -std=c++17 plaid_gather.cu -o plaid_gather
+// Microbenchmark for plaid_approx_score's gather bound: the floor that
+// BENCHMARKS.md gives for plaid_approx (its output on an H200:
+// bench/results/h200-2026-11-30/plaid_gather.jsonl, the "gather" lines).
+// Standalone: nvcc -O3 -arch=sm_90a -std=c++17 bench/micro/plaid_gather.cu -o plaid_gather && ./plaid_gather
 //
 // Data as examples/bench.rs --plaid-approx: qcs [65 536, 32] f32, 100 000
 // documents of 1..=64 u32 codes. Each kernel variant is checked against a CPU
@@ -36,7 +38,7 @@ struct P {
     int32_t b, ld, lq;
 };
 
-// ---- K0: the kernel as in kernels/plaid_approx.cu (u32, VEC 4, G 8) ----
+// ---- K0: an earlier version of kernels/plaid_approx.cu's kernel (u32, VEC 4, G 8) ----
 __device__ __forceinline__ uint32_t checked_code(uint32_t c, int64_t n) { return (int64_t)c < n ? c : BAD; }
 
 __global__ void __launch_bounds__(256) k0(const P p) {

@@ -1,8 +1,8 @@
 //! Launch of kernels/hidden.cu: the fused projection head's forward
 //! (hidden states → linear → normalize → MaxSim), Hopper only.
 
+use super::params::dtype_tag;
 use super::{alloc_out, device_info, launch, load_func, storage_ptr, tensor_ptr, HIDDEN};
-use crate::cuda::fwd::dtype_tag;
 use candle_core::cuda_backend::cudarc::driver::DeviceRepr;
 use candle_core::{DType, Device, Layout, Result, Storage, Tensor};
 

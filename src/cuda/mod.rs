@@ -1,18 +1,19 @@
 //! CUDA path: PTX modules built from kernels/ by build.rs, picked per device
 //! at run time, and the launch code of each op.
 
-mod bwd;
-mod fwd;
 mod hidden;
+mod maxsim_bwd;
+mod maxsim_fwd;
 mod normalize;
+mod params;
 pub(crate) mod plaid_approx;
 mod residual;
 mod rows;
 
-pub(crate) use bwd::maxsim_bwd;
-pub(crate) use fwd::residual_supported;
-pub(crate) use fwd::{maxsim_argmax, maxsim_fwd, Variant};
 pub(crate) use hidden::from_hidden_fwd;
+pub(crate) use maxsim_bwd::maxsim_bwd;
+pub(crate) use maxsim_fwd::residual_supported;
+pub(crate) use maxsim_fwd::{maxsim_argmax, maxsim_fwd, Variant};
 pub(crate) use normalize::{l2norm_bwd, l2norm_fwd};
 pub(crate) use residual::{
     decompress as decompress_residual, residual_scores, residual_scores_warp, ResidualDev, WarpDocs,
@@ -62,14 +63,13 @@ pub(crate) fn device_info(dev: &CudaDevice) -> Result<DeviceInfo> {
     Ok(info)
 }
 
-/// `CANDLE_MAXSIM_ARCH=sm75|sm80` runs the kernels of an older GPU on this
-/// one: its PTX module (JIT-compiled for this device), its kernel choice, and
-/// its shared-memory limit per block (64 KB on Turing, 163 KB on A100). For
-/// testing the paths of GPUs one does not have; read once per process.
+/// The emulated older GPU of [`crate::knobs::Knobs::arch`]: its PTX module
+/// (JIT-compiled for this device), its kernel choice, and its shared-memory
+/// limit per block (64 KB on Turing, 163 KB on A100).
 fn emulated_arch(real: DeviceInfo) -> DeviceInfo {
-    let (cc, smem) = match std::env::var("CANDLE_MAXSIM_ARCH").as_deref() {
-        Ok("sm75") => (75, 64 * 1024),
-        Ok("sm80") => (80, 163 * 1024),
+    let (cc, smem) = match crate::knobs::knobs().arch {
+        Some(75) => (75, 64 * 1024),
+        Some(80) => (80, 163 * 1024),
         _ => return real,
     };
     DeviceInfo { cc: real.cc.min(cc), smem_optin: real.smem_optin.min(smem), ..real }

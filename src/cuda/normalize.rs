@@ -1,7 +1,7 @@
 //! Launch of kernels/normalize.cu: row-wise L2 normalization and its backward.
 
+use super::params::dtype_tag;
 use super::{alloc_out, device_info, load_func, storage_ptr, NORMALIZE};
-use crate::cuda::fwd::dtype_tag;
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::WrapErr;

@@ -3,7 +3,8 @@
 //! up to 32 rows, inside the MaxSim tile loader otherwise; never written to
 //! device memory) and a standalone decompression kernel for the gradient path.
 
-use super::fwd::{dtype_tag, fwd_launch, Params, Variant};
+use super::maxsim_fwd::{fwd_launch, Variant};
+use super::params::{dtype_tag, Params};
 use super::{alloc_out, device_info, fwd_func, launch, load_func, storage_ptr, tensor_ptr, HostFlag, RESIDUAL};
 use crate::layout::{Pairing, Problem, Seqs};
 use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
@@ -69,7 +70,7 @@ pub(crate) fn residual_scores_warp(
     };
     let (nq, lq, nd, dim) = (*nq, *lq, *nd, pb.dim);
     if device_info(dev)?.cc < 80
-        || tile_pinned()
+        || crate::knobs::knobs().residual_tile
         || pb.q_valid.is_some()
         || !matches!(q.dtype(), DType::F16 | DType::BF16)
         || !matches!(codes.dtype(), DType::U32 | DType::I64)
@@ -143,13 +144,6 @@ pub(crate) fn residual_scores_warp(
 
 /// Threads per block of kernels/residual.cu (its launch bounds).
 const THREADS: u32 = 128;
-
-/// `CANDLE_MAXSIM_RESIDUAL=tile` keeps every residual call on the tile
-/// kernels (to compare the two in one process); read once.
-fn tile_pinned() -> bool {
-    static PINNED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *PINNED.get_or_init(|| std::env::var("CANDLE_MAXSIM_RESIDUAL").is_ok_and(|v| v == "tile"))
-}
 
 /// Compressed documents on the device, validated by the caller: `codes`
 /// `[T]` U32 (every code < the number of centroids), `residuals` `[T, dim·nbits/8]`

@@ -1,6 +1,6 @@
 //! Launch of kernels/rows.cu: row gather with zero rows, bias rows.
 
-use super::fwd::dtype_tag;
+use super::params::dtype_tag;
 use super::{alloc_out, device_info, load_func, storage_ptr, tensor_ptr, ROWS};
 use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::WrapErr;

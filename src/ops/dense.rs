@@ -1,6 +1,6 @@
 //! Padded layouts: in-batch cross product, KD (each query its own K docs), pairs.
 
-use super::core::MaxSimOp;
+use super::maxsim::MaxSimOp;
 use super::normalize::l2_normalize;
 use crate::layout::{check_device, check_dim, check_float, check_mask, check_rank, Pairing, Problem, Seqs};
 use crate::options::{Backward, MaxSimOptions};

@@ -1,7 +1,7 @@
 //! Fused D-side projection head: hidden states → linear → (normalize) → MaxSim.
 
-use super::core::MaxSimOp;
 use super::dense::{maxsim_with, maxsim_with_argmax};
+use super::maxsim::MaxSimOp;
 use super::normalize::l2_normalize;
 use super::normalize::l2_normalize_bwd;
 use crate::layout::{check_device, check_float, check_mask, check_rank, Pairing, Problem, Seqs};

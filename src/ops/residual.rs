@@ -1,8 +1,8 @@
 //! PLAID / ColBERTv2 compressed documents: residual decompression, exact
 //! MaxSim over decompressed tokens, and the centroid-only approximate score.
 
-use super::core::MaxSimOp;
 use super::dense::maybe_normalize;
+use super::maxsim::MaxSimOp;
 use crate::layout::{check_device, check_float, check_rank, Pairing, Problem, Seqs};
 use crate::options::Backward;
 use candle_core::{bail, DType, Result, Tensor};
@@ -26,6 +26,7 @@ pub struct ResidualCodec {
     pub bucket_weights: Tensor,
     /// 2, 4 or 8 bits per feature.
     pub nbits: usize,
+    /// How each feature's bucket index is packed into the residual bytes.
     pub bit_order: BitOrder,
 }
 

