@@ -3,6 +3,8 @@
 //! sm_80, nvcc directly for sm_90a), and
 //! `ptx.rs` in OUT_DIR exposes them as `<KERNEL>_SM<arch>` string constants.
 //! The crate picks the newest module the device can run at run time.
+//! `tiles.rs` in OUT_DIR is kernels/tiles.def (the forward's tile
+//! configurations, which the kernels instantiate) as a Rust table.
 
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");
@@ -82,5 +84,38 @@ mod cuda {
             .unwrap();
         }
         std::fs::write(out.join("ptx.rs"), rs).unwrap();
+        std::fs::write(out.join("tiles.rs"), tiles_table()).unwrap();
+    }
+
+    /// `pub const TILES: &[TileRow]` from the MAXSIM_TILE rows of kernels/tiles.def.
+    fn tiles_table() -> String {
+        let def = std::fs::read_to_string("kernels/tiles.def").expect("kernels/tiles.def");
+        let mut rs = String::from("pub const TILES: &[TileRow] = &[\n");
+        for (i, line) in def.lines().enumerate() {
+            let Some(rest) = line.trim().strip_prefix("MAXSIM_TILE(") else { continue };
+            let args = rest.split(')').next().unwrap_or("");
+            let f: Vec<&str> = args.split(',').map(str::trim).collect();
+            let num = |k: usize| -> usize {
+                f.get(k).and_then(|x| x.parse().ok()).unwrap_or_else(|| {
+                    panic!("kernels/tiles.def:{}: field {k} of MAXSIM_TILE is not a number: {line}", i + 1)
+                })
+            };
+            assert!(f.len() == 8, "kernels/tiles.def:{}: MAXSIM_TILE takes 8 fields: {line}", i + 1);
+            writeln!(
+                rs,
+                "    TileRow {{ name: {:?}, family: {:?}, wm: {}, wn: {}, mt: {}, nt: {}, stages: {}, res_stages: {} }},",
+                f[0],
+                f[1],
+                num(2),
+                num(3),
+                num(4),
+                num(5),
+                num(6),
+                num(7)
+            )
+            .unwrap();
+        }
+        rs.push_str("];\n");
+        rs
     }
 }

@@ -44,38 +44,14 @@ template <typename T, int DPAD_> struct HiddenConfig {
     static_assert((STAGE_ELEMS * sizeof(T)) % 1024 == 0, "stages stay 1024-aligned for the swizzle");
 };
 
-// Element offset of 16-byte chunk `ch` of row `r` in a tile of ROWS rows
-// stored as [ROWS, 64] panels, 128-byte swizzled (see wgmma_desc_sw128).
-template <int ROWS> __device__ __forceinline__ int swz(int r, int ch) {
-    return (ch / 8) * (ROWS * 64) + r * 64 + ((ch % 8) ^ (r % 8)) * 8;
-}
-
 // cp.async of rows [row0, row0 + ROWS) x columns [col0, col0 + 8 * NCH) of a
-// row-major [*, stride] matrix into a swizzled tile; rows >= nrows and
-// columns >= ncols are zero-filled (ncols % 8 == 0). A thread always copies
-// the same chunk of rows RPP apart (RPP % 8 == 0: the same swizzle phase),
-// so each copy is two adds past the first.
+// row-major [*, stride] matrix into a 128-byte swizzled tile; rows >= nrows
+// and columns >= ncols are zero-filled (ncols % 8 == 0).
 template <typename C, int ROWS, int NCH, typename T>
 __device__ __forceinline__ void load_tile(T* dst, const T* src, int stride, int row0, int nrows, int col0, int ncols) {
-    constexpr int RPP = C::NTHREADS / NCH;
-    static_assert(C::NTHREADS % NCH == 0 && ROWS % RPP == 0 && RPP % 8 == 0, "tile shape");
-    const int ch = threadIdx.x % NCH, r = threadIdx.x / NCH, col = col0 + ch * 8;
-    const bool col_ok = col < ncols;
-    const uint32_t d = (uint32_t)__cvta_generic_to_shared(dst + swz<ROWS>(r, ch));
-    const T* g = src + (size_t)(row0 + r) * stride + col;
-    const size_t step = (size_t)RPP * stride;
-#pragma unroll
-    for (int i = 0; i < ROWS / RPP; ++i, g += step) {
-        const bool ok = col_ok && r + i * RPP < nrows;
-        cp_async16_s(d + i * RPP * 64 * (int)sizeof(T), ok ? g : src, ok ? 16 : 0);
-    }
-}
-
-__device__ __forceinline__ uint32_t pack2(float a, float b, __half) {
-    return (uint32_t)__half_as_ushort(__float2half(a)) | ((uint32_t)__half_as_ushort(__float2half(b)) << 16);
-}
-__device__ __forceinline__ uint32_t pack2(float a, float b, __nv_bfloat16) {
-    return (uint32_t)__bfloat16_as_ushort(__float2bfloat16(a)) | ((uint32_t)__bfloat16_as_ushort(__float2bfloat16(b)) << 16);
+    static_assert((C::NTHREADS / NCH) % 8 == 0, "each thread keeps its swizzle phase");
+    const auto swz = [](int r, int ch) { return swizzle128<ROWS>(r, ch); };
+    cp_async_tile<C::NTHREADS, ROWS, NCH, 64>(dst, swz, src, stride, row0, nrows, col0, ncols);
 }
 
 // Bulk prefetch of `bytes` (a multiple of 16) at byte offset `off` of `base` into L2.
@@ -169,9 +145,7 @@ __device__ __forceinline__ void hidden_fwd(const HiddenParams& p) {
                         m4[(2 * k + e) % 4] = (valid >> (2 * k + e)) & 1u ? fmaxf(m4[(2 * k + e) % 4], acc[4 * k + 2 * h + e])
                                                                           : m4[(2 * k + e) % 4];
             }
-            float m = fmaxf(fmaxf(m4[0], m4[1]), fmaxf(m4[2], m4[3]));
-            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
-            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+            const float m = lane_max<3>(fmaxf(fmaxf(m4[0], m4[1]), fmaxf(m4[2], m4[3])));
             const int rl = qs * BQ + wg * 64 + warp * 16 + h * 8 + g;
             if (c == 0 && qr0 + rl < qr1) runmax[rl] = fmaxf(runmax[rl], m);
         }
@@ -242,13 +216,12 @@ __device__ __forceinline__ void hidden_fwd(const HiddenParams& p) {
                     pacc[4 * k + 2 * h + e] = v;
                     ss += v * v;
                 }
-            ss += __shfl_xor_sync(0xffffffffu, ss, 1);
-            ss += __shfl_xor_sync(0xffffffffu, ss, 2);
-            const float inv = p.normalize ? 1.f / fmaxf(sqrtf(ss), 1e-12f) : 1.f;
+            ss = lane_sum<4>(ss);
+            const float inv = p.normalize ? inv_l2norm(ss) : 1.f;
 #pragma unroll
             for (int k = 0; k < DPAD / 8; ++k)
-                *reinterpret_cast<uint32_t*>(dchunk + swz<BD>(row, k) + 2 * c) =
-                    pack2(pacc[4 * k + 2 * h] * inv, pacc[4 * k + 2 * h + 1] * inv, T());
+                *reinterpret_cast<uint32_t*>(dchunk + swizzle128<BD>(row, k) + 2 * c) =
+                    pack2<T>(pacc[4 * k + 2 * h] * inv, pacc[4 * k + 2 * h + 1] * inv);
         }
         static_assert(BD / 8 * 2 == 32, "one bit per column of this thread");
         uint32_t valid = 0;
@@ -288,8 +261,7 @@ __device__ __forceinline__ void hidden_fwd(const HiddenParams& p) {
             const float v = runmax[qi * p.lq - qr0 + r];
             sum += v > MAXSIM_NEG_INF ? v : 0.f;
         }
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+        sum = warp_sum(sum);
         if (lane == 0) p.out[(size_t)qi * p.nd + j] = sum;
     }
 }

@@ -140,7 +140,7 @@ __device__ __forceinline__ void store_chunk(T* p, const Acc (&a)[VEC]) {
     } else if constexpr (sizeof(T) == 2) {
         uint32_t w[4];
 #pragma unroll
-        for (int k = 0; k < 4; ++k) w[k] = Elem<T>::bits(a[2 * k]) | (Elem<T>::bits(a[2 * k + 1]) << 16);
+        for (int k = 0; k < 4; ++k) w[k] = pack2<T>(a[2 * k], a[2 * k + 1]);
         *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
     } else if constexpr (sizeof(T) == 4) {
         *reinterpret_cast<float4*>(p) = make_float4(a[0], a[1], a[2], a[3]);
@@ -606,8 +606,7 @@ __device__ void bwd_cast(const BwdParams& b) {
     const int64_t tid = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     for (int64_t k = tid; k < n4; k += stride) {
         const float4 v = reinterpret_cast<const float4*>(src)[k];
-        reinterpret_cast<uint2*>(dst)[k] = make_uint2(Elem<T>::bits(v.x) | (Elem<T>::bits(v.y) << 16),
-                                                      Elem<T>::bits(v.z) | (Elem<T>::bits(v.w) << 16));
+        reinterpret_cast<uint2*>(dst)[k] = make_uint2(pack2<T>(v.x, v.y), pack2<T>(v.z, v.w));
     }
     for (int64_t k = 4 * n4 + tid; k < n; k += stride) dst[k] = Elem<T>::from(src[k]);
 }

@@ -50,7 +50,7 @@ struct TileConfig {
     static constexpr int SMEM_BYTES = ALIGN_SLACK + (Q_ELEMS + STAGES * TILE_ELEMS) * (int)sizeof(T) + STAGES * BD;
     // Element offset of 16-byte chunk `ch` of tile row `r`.
     static __device__ __forceinline__ int offset(int r, int ch) {
-        if (HOPPER) return (ch / 8) * (BD * 64) + r * 64 + ((ch % 8) ^ (r % 8)) * 8;
+        if (HOPPER) return swizzle128<BD>(r, ch);
         return r * SROW + ch * EPC;
     }
     static_assert(NT % 2 == 0, "ldmatrix.x4 loads two n8 tiles");
@@ -71,17 +71,8 @@ __device__ __forceinline__ void load_rows(T* smem, const T* g, int row0, int n, 
     static_assert(C::NTHREADS % CHUNKS == 0 && ROWS % RPP == 0, "tile shape");
     static_assert(!C::HOPPER || RPP % 8 == 0, "each thread keeps its swizzle phase");
     if (vec_ok) {
-        // Few instructions per copy: the pointer walks by a precomputed stride.
-        const int ch = threadIdx.x % CHUNKS, col = ch * C::EPC, r0 = threadIdx.x / CHUNKS;
-        const bool col_ok = col < dim;
-        const T* src = g + ((size_t)row0 + r0) * dim + col;
-        const size_t step = (size_t)RPP * dim;
-        const uint32_t dst = (uint32_t)__cvta_generic_to_shared(smem + C::offset(r0, ch));
-#pragma unroll
-        for (int i = 0; i < ROWS / RPP; ++i, src += step) {
-            const bool ok = col_ok && r0 + i * RPP < n;
-            cp_async16_s(dst + i * RPP * C::ROW_STEP * (int)sizeof(T), ok ? src : g, ok ? 16 : 0);
-        }
+        const auto offset = [](int r, int ch) { return C::offset(r, ch); };
+        cp_async_tile<C::NTHREADS, ROWS, CHUNKS, C::ROW_STEP>(smem, offset, g, dim, row0, n, 0, dim);
     } else {
         for (int k = threadIdx.x; k < ROWS * C::DPAD; k += C::NTHREADS) {
             const int r = k / C::DPAD, col = k % C::DPAD;
@@ -92,80 +83,171 @@ __device__ __forceinline__ void load_rows(T* smem, const T* g, int row0, int n, 
     }
 }
 
-// PLAID-compressed tiles (dim % 8 == 0, residual rows a multiple of 4 bytes)
-// in three steps, each thread always on the same (row, 16-byte chunk) slots:
-//   residual_codes:   the tile's codes into registers (plain loads, a step early);
-//   residual_gather:  cp.async of each row's centroid chunk straight into the
-//                     tile slot and of its packed residual bytes into `sres`;
-//   residual_finish:  once landed, centroid + bucket weight per feature in
-//                     place, optionally L2-normalized across the row's lanes.
-template <typename C> struct ResidualTile {
-    static constexpr int CHUNKS = C::DPAD / 8, RPP = C::NTHREADS / CHUNKS, IT = C::BD / RPP;
-    // Residual bytes staged per tile: a row's reads stay within DPAD * nbits / 8.
-    static __device__ __forceinline__ int stage_bytes(int nbits) { return C::BD * C::DPAD * nbits / 8; }
-    static_assert(C::NTHREADS % CHUNKS == 0 && C::BD % RPP == 0 && 32 % CHUNKS == 0, "tile shape");
+// ---------------------------------------------------------------------------
+// The pipeline's steps: (document, tile of BD rows) of a block's non-empty
+// documents, in order.
+// ---------------------------------------------------------------------------
+template <typename C> struct DocSteps {
+    int j, k;    // document, tile within it
+    int end;     // one past the block's last document
+    __device__ __forceinline__ DocSteps(const MaxSimParams& p, int begin, int end_) : k(0), end(end_) {
+        j = nonempty(p, begin);
+    }
+    __device__ __forceinline__ bool more() const { return j < end; }
+    __device__ __forceinline__ int nonempty(const MaxSimParams& p, int from) const {
+        while (from < end) {
+            const Range dr = d_rows(p, from);
+            if (dr.end > dr.begin) break;
+            ++from;
+        }
+        return from;
+    }
+    __device__ __forceinline__ void advance(const MaxSimParams& p) {
+        const Range dr = d_rows(p, j);
+        if (++k * C::BD >= dr.end - dr.begin) j = nonempty(p, j + 1), k = 0;
+    }
+    // The step's document rows: [start, start + n).
+    __device__ __forceinline__ void rows(const MaxSimParams& p, int& start, int& n) const {
+        const Range dr = d_rows(p, j);
+        start = dr.begin + k * C::BD, n = min(C::BD, dr.end - start);
+    }
 };
 
-template <typename C>
-__device__ __forceinline__ void residual_codes(uint32_t (&code)[ResidualTile<C>::IT], const MaxSimParams& p, int row0,
-                                               int n) {
-    using R = ResidualTile<C>;
-    const int r0 = threadIdx.x / R::CHUNKS;
-#pragma unroll
-    for (int i = 0; i < R::IT; ++i) code[i] = r0 + i * R::RPP < n ? __ldg(p.res_codes + row0 + r0 + i * R::RPP) : 0u;
-}
+// ---------------------------------------------------------------------------
+// Loader policies: how a step's document tile reaches its pipeline stage. The
+// mainloop calls, in order:
+//   init()              block-wide setup before the kernel's first barrier
+//   begin(steps)        prologue work before the first tile is issued
+//   issue(stage, start, n) cp.async of the step's rows into a stage (then a commit)
+//   issued()            after each issue and commit
+//   first_ready()       the prologue's wait for the first tile
+//   prepare_next(stage) work overlapped with a step's MMA
+// end() is one past the last shared-memory byte it uses.
+// and waits for a step's tile with WAIT cp.async groups still in flight.
+// A new document format is a new loader.
+// ---------------------------------------------------------------------------
 
-template <typename C, typename T>
-__device__ __forceinline__ void residual_gather(T* tile, uint8_t* sres, const MaxSimParams& p,
-                                                const uint32_t (&code)[ResidualTile<C>::IT], int row0, int n) {
-    using R = ResidualTile<C>;
-    const int ch = threadIdx.x % R::CHUNKS, col = ch * 8, r0 = threadIdx.x / R::CHUNKS;
-    const T* cents = static_cast<const T*>(p.res_centroids);
-    const uint32_t dst = (uint32_t)__cvta_generic_to_shared(tile + C::offset(r0, ch));
-#pragma unroll
-    for (int i = 0; i < R::IT; ++i) {
-        const bool ok = col < p.dim && r0 + i * R::RPP < n;
-        cp_async16_s(dst + i * R::RPP * C::ROW_STEP * (int)sizeof(T), ok ? cents + (size_t)code[i] * p.dim + col : cents,
-                     ok ? 16 : 0);
+// Dense [Td, dim] rows, copied by cp.async STAGES-1 steps ahead.
+template <typename C, typename T> struct DenseLoader {
+    static constexpr int WAIT = C::STAGES - 2;
+    const MaxSimParams& p;
+    T* tiles;
+    unsigned char* after_masks;
+    __device__ __forceinline__ DenseLoader(const MaxSimParams& p_, T* tiles_, unsigned char* after_masks_)
+        : p(p_), tiles(tiles_), after_masks(after_masks_) {}
+    __device__ __forceinline__ const unsigned char* end() const { return after_masks; }
+    __device__ __forceinline__ void init() {}
+    __device__ __forceinline__ void begin(const DocSteps<C>&) {}
+    __device__ __forceinline__ void issue(int stage, int start, int n) {
+        load_rows<C, C::BD>(tiles + stage * C::TILE_ELEMS, static_cast<const T*>(p.d), start, n, p.dim, p.vec_ok);
     }
-    const int w4 = p.dim * p.res_nbits / 32; // 4-byte words per residual row
-    const uint32_t* res = reinterpret_cast<const uint32_t*>(p.res_residuals) + (size_t)row0 * w4;
-    uint32_t* dres = reinterpret_cast<uint32_t*>(sres);
-    for (int e = threadIdx.x; e < C::BD * w4; e += C::NTHREADS) {
-        const bool ok = e < n * w4;
-        cp_async4(dres + e, ok ? res + e : res, ok ? 4 : 0);
-    }
-}
+    __device__ __forceinline__ void issued() {}
+    __device__ __forceinline__ void first_ready() { cp_async_wait<C::STAGES - 1>(); }
+    __device__ __forceinline__ void prepare_next(int) {}
+};
 
-template <typename C, typename T>
-__device__ __forceinline__ void residual_finish(T* tile, const uint8_t* sres, const MaxSimParams& p,
-                                                const float* buckets, int n) {
-    using R = ResidualTile<C>;
-    const int ch = threadIdx.x % R::CHUNKS, col = ch * 8, r0 = threadIdx.x / R::CHUNKS;
-    const int w = p.dim * p.res_nbits / 8, nb = p.res_nbits;
+// PLAID-compressed tiles (dim % 8 == 0, residual rows a multiple of 4 bytes)
+// in three steps, each thread always on the same (row, 16-byte chunk) slots:
+//   codes:   the tile's codes into registers (plain loads, STAGES steps ahead);
+//   gather:  cp.async of each row's centroid chunk straight into the tile
+//            slot and of its packed residual bytes into `sres` (STAGES-1 ahead);
+//   finish:  once landed, centroid + bucket weight per feature in place,
+//            optionally L2-normalized across the row's lanes (one step ahead,
+//            overlapped with the current step's MMA on Hopper).
+// The residual loader's bucket weights (a named shared array, so that its
+// reads are LDS and only the residual kernels allocate it).
+__shared__ float res_tile_buckets[256];
+
+template <typename C, typename T> struct ResidualLoader {
+    static constexpr int CHUNKS = C::DPAD / 8, RPP = C::NTHREADS / CHUNKS, IT = C::BD / RPP;
+    static_assert(C::NTHREADS % CHUNKS == 0 && C::BD % RPP == 0 && 32 % CHUNKS == 0, "tile shape");
+    static_assert(C::STAGES >= 3, "residual pipeline: gathers 2+ steps ahead, finish 1 ahead");
+    static constexpr int WAIT = C::STAGES - 3; // the next step's gathers have landed too
+    const MaxSimParams& p;
+    T* tiles;
+    uint8_t* sres;     // residual bytes of each stage
+    uint32_t code[IT]; // codes of the next tile to gather
+    DocSteps<C> codes_at, finish_at;
+
+    __device__ __forceinline__ ResidualLoader(const MaxSimParams& p_, T* tiles_, unsigned char* after_masks)
+        : p(p_), tiles(tiles_), sres(after_masks), codes_at(p_, 0, 0), finish_at(p_, 0, 0) {}
+    // Residual bytes staged per tile: a row's reads stay within DPAD * nbits / 8.
+    __device__ __forceinline__ int stage_bytes() const { return C::BD * C::DPAD * p.res_nbits / 8; }
+    __device__ __forceinline__ const unsigned char* end() const { return sres + C::STAGES * stage_bytes(); }
+    __device__ __forceinline__ void init() { stage_buckets(res_tile_buckets, p.res_buckets, p.res_nbits); }
+    __device__ __forceinline__ void load_codes() {
+        int start, n;
+        codes_at.rows(p, start, n);
+        const int r0 = threadIdx.x / CHUNKS;
 #pragma unroll
-    for (int i = 0; i < R::IT; ++i) {
-        const int r = r0 + i * R::RPP;
-        const bool ok = col < p.dim && r < n;
-        uint4* slot = reinterpret_cast<uint4*>(tile + C::offset(r, ch));
-        // Rows past n and columns past dim read zero-filled or neighbouring
-        // bytes (in bounds) and are zeroed by a select, not a branch.
-        float v[8], ss = 0.f;
-        decode8<T>(*slot, chunk_bits<false>(sres + r * w + ch * nb, nb), nb, p.res_colbert_order, buckets, v);
-#pragma unroll
-        for (int f = 0; f < 8; ++f) {
-            v[f] = ok ? v[f] : 0.f;
-            ss += v[f] * v[f];
-        }
-        if (p.res_normalize) {
-            // As l2_normalize: x / max(|x|, 1e-12).
-            const float inv = 1.f / fmaxf(sqrtf(row_sum<R::CHUNKS>(ss)), 1e-12f);
-#pragma unroll
-            for (int f = 0; f < 8; ++f) v[f] *= inv;
-        }
-        *slot = pack8<T>(v);
+        for (int i = 0; i < IT; ++i) code[i] = r0 + i * RPP < n ? __ldg(p.res_codes + start + r0 + i * RPP) : 0u;
+        codes_at.advance(p);
     }
-}
+    __device__ __forceinline__ void begin(const DocSteps<C>& first) {
+        codes_at = finish_at = first;
+        if (codes_at.more()) load_codes();
+    }
+    __device__ __forceinline__ void issue(int stage, int start, int n) {
+        T* tile = tiles + stage * C::TILE_ELEMS;
+        const int ch = threadIdx.x % CHUNKS, col = ch * 8, r0 = threadIdx.x / CHUNKS;
+        const T* cents = static_cast<const T*>(p.res_centroids);
+        const uint32_t dst = (uint32_t)__cvta_generic_to_shared(tile + C::offset(r0, ch));
+#pragma unroll
+        for (int i = 0; i < IT; ++i) {
+            const bool ok = col < p.dim && r0 + i * RPP < n;
+            cp_async16_s(dst + i * RPP * C::ROW_STEP * (int)sizeof(T), ok ? cents + (size_t)code[i] * p.dim + col : cents,
+                         ok ? 16 : 0);
+        }
+        const int w4 = p.dim * p.res_nbits / 32; // 4-byte words per residual row
+        const uint32_t* res = reinterpret_cast<const uint32_t*>(p.res_residuals) + (size_t)start * w4;
+        uint32_t* dres = reinterpret_cast<uint32_t*>(sres + stage * stage_bytes());
+        for (int e = threadIdx.x; e < C::BD * w4; e += C::NTHREADS) {
+            const bool ok = e < n * w4;
+            cp_async4(dres + e, ok ? res + e : res, ok ? 4 : 0);
+        }
+    }
+    __device__ __forceinline__ void issued() {
+        if (codes_at.more()) load_codes();
+    }
+    __device__ __forceinline__ void finish(int stage) {
+        int start, n;
+        finish_at.rows(p, start, n);
+        T* tile = tiles + stage * C::TILE_ELEMS;
+        const uint8_t* sr = sres + stage * stage_bytes();
+        const int ch = threadIdx.x % CHUNKS, col = ch * 8, r0 = threadIdx.x / CHUNKS;
+        const int w = p.dim * p.res_nbits / 8, nb = p.res_nbits;
+#pragma unroll
+        for (int i = 0; i < IT; ++i) {
+            const int r = r0 + i * RPP;
+            const bool ok = col < p.dim && r < n;
+            uint4* slot = reinterpret_cast<uint4*>(tile + C::offset(r, ch));
+            // Rows past n and columns past dim read zero-filled or neighbouring
+            // bytes (in bounds) and are zeroed by a select, not a branch.
+            float v[8], ss = 0.f;
+            decode8<T>(*slot, chunk_bits<false>(sr + r * w + ch * nb, nb), nb, p.res_colbert_order, res_tile_buckets, v);
+#pragma unroll
+            for (int f = 0; f < 8; ++f) {
+                v[f] = ok ? v[f] : 0.f;
+                ss += v[f] * v[f];
+            }
+            if (p.res_normalize) {
+                const float inv = inv_l2norm(lane_sum<CHUNKS>(ss)); // the row's lanes
+#pragma unroll
+                for (int f = 0; f < 8; ++f) v[f] *= inv;
+            }
+            *slot = pack8<T>(v);
+        }
+        finish_at.advance(p);
+    }
+    __device__ __forceinline__ void first_ready() {
+        cp_async_wait<0>();
+        __syncthreads();
+        if (finish_at.more()) finish(0);
+    }
+    __device__ __forceinline__ void prepare_next(int stage) {
+        if (finish_at.more()) finish(stage);
+    }
+};
 
 // Two consecutive elements (col, col + 1) of Q row `row` as one A-fragment
 // register, zero past the chunk's rows and past dim.
@@ -179,6 +261,51 @@ __device__ __forceinline__ uint32_t q_pair(const T* Q, int row, int row_end, int
     memcpy(&lo, &v, 2);
     if (col + 1 < dim) v = x[1], memcpy(&hi, &v, 2);
     return (uint32_t)lo | ((uint32_t)hi << 16);
+}
+
+// ---------------------------------------------------------------------------
+// The MMA step: S = Q_tile . D_tile^T into acc. Hopper: one wgmma per 16
+// columns of dim (the first overwrites the accumulators), `overlap` run
+// between issue and wait; mma.sync: `overlap` first, then the MMAs.
+// ---------------------------------------------------------------------------
+template <typename C, typename T, typename Overlap>
+__device__ __forceinline__ void mma_step(float (&acc)[C::MT][C::NT][4], const uint32_t (&a)[C::MT][C::KSTEPS][Frag<T>::AREGS],
+                                         const T* sd, int wn, int lane, Overlap overlap) {
+#ifdef MAXSIM_HOPPER
+    if constexpr (C::HOPPER) {
+        float* d = &acc[0][0][0];
+        const uint32_t sd_addr = (uint32_t)__cvta_generic_to_shared(sd);
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < C::KSTEPS; ++ks)
+            Wgmma<T, C::BD>::run(d, a[0][ks], wgmma_desc_sw128(sd_addr + (ks / 4) * C::BD * 128 + (ks % 4) * 32), ks > 0);
+        wgmma_commit();
+        overlap();
+        wgmma_wait<0>();
+        fence_regs<C::NT * 4>(d);
+    } else
+#endif
+    {
+    overlap();
+#pragma unroll
+    for (int mt = 0; mt < C::MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < C::NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < C::KSTEPS; ++ks) {
+#pragma unroll
+        for (int nt = 0; nt < C::NT; nt += 2) {
+            uint32_t b[4];
+            const int mi = lane / 8;
+            const int row = wn * C::NT * 8 + nt * 8 + (mi / 2) * 8 + lane % 8;
+            ldmatrix_x4(b, sd + row * C::SROW + ks * Frag<T>::K + (mi % 2) * (Frag<T>::K / 2));
+#pragma unroll
+            for (int mt = 0; mt < C::MT; ++mt) Frag<T>::mma2(acc[mt][nt], acc[mt][nt + 1], a[mt][ks], b);
+        }
+    }
+    }
 }
 
 // Max over a thread's 2 * NT values of one row of a tile, value(i) for
@@ -196,14 +323,181 @@ template <int NT, typename F> __device__ __forceinline__ float row_max(F value) 
     return v[0];
 }
 
-template <typename C, typename T, bool ARGMAX, bool RESIDUAL>
-__device__ __forceinline__ void maxsim_fwd_mma(const MaxSimParams& p) {
+// ---------------------------------------------------------------------------
+// The epilogue of a tile: each thread's running (max, argmax) of its rows
+// over the tile's valid columns. Branch-free: full unmasked tiles skip the
+// validity test altogether.
+// ---------------------------------------------------------------------------
+template <typename C, typename T, bool ARGMAX> struct RowMax {
     // The argmax of 16-bit inputs rides in the similarities' low mantissa
     // bits (see argmax_pack); F32 keeps exact compare-and-select.
-    constexpr bool PACKED = ARGMAX && sizeof(T) == 2;
-    constexpr int PBITS = C::NT * 2 <= 8 ? 3 : C::NT * 2 <= 16 ? 4 : 5;
-    constexpr int PLOW = (1 << PBITS) - 1;
+    static constexpr bool PACKED = ARGMAX && sizeof(T) == 2;
+    static constexpr int PBITS = C::NT * 2 <= 8 ? 3 : C::NT * 2 <= 16 ? 4 : 5;
+    static constexpr int PLOW = (1 << PBITS) - 1;
     static_assert(C::NT * 2 <= 32, "a thread's columns of a row fit in 5 bits");
+    float m[C::MT][2];
+    int idx[C::MT][2];
+
+    __device__ __forceinline__ void reset(int mt, int h) { m[mt][h] = MAXSIM_NEG_INF, idx[mt][h] = -1; }
+
+    // col0: doc-local index of this thread's first column; sm: its first
+    // column's validity byte; keep: ~PLOW in a register (not an immediate),
+    // so that a pack is a single LOP3.
+    __device__ __forceinline__ void update(const float (&acc)[C::MT][C::NT][4], int col0, bool full, const uint8_t* sm,
+                                           uint32_t keep) {
+        if constexpr (PACKED) {
+            // One LOP3 + one FMNMX per similarity: the low PBITS mantissa
+            // bits carry (PLOW - position among the thread's columns), so
+            // the float max of a row's packed values is its first best
+            // column. A negative float orders those bits the other way (a
+            // larger code is more negative), so this is exact only where
+            // a negative maximum cannot matter: every row of the warp
+            // already above zero, or holding a similarity >= 0 in this
+            // tile. Otherwise compare and select on the truncated values.
+            bool above = true;
+#pragma unroll
+            for (int mt = 0; mt < C::MT; ++mt) above &= m[mt][0] > 0.f && m[mt][1] > 0.f;
+            auto scan = [&](auto masked_t, auto packed_t) {
+                constexpr bool MASKED = decltype(masked_t)::value, PACK = decltype(packed_t)::value;
+                if (!PACK) {
+#pragma unroll
+                    for (int nt = 0; nt < C::NT; ++nt) {
+                        const bool ok0 = !MASKED || sm[nt * 8], ok1 = !MASKED || sm[nt * 8 + 1];
+#pragma unroll
+                        for (int mt = 0; mt < C::MT; ++mt)
+#pragma unroll
+                            for (int e = 0; e < 4; ++e) {
+                                const float v = __uint_as_float(__float_as_uint(acc[mt][nt][e]) & keep);
+                                const bool u = (e % 2 ? ok1 : ok0) && v > m[mt][e / 2]; // strict: ties keep the lower index
+                                m[mt][e / 2] = u ? v : m[mt][e / 2];
+                                idx[mt][e / 2] = u ? col0 + nt * 8 + e % 2 : idx[mt][e / 2];
+                            }
+                    }
+                } else {
+#pragma unroll
+                    for (int mt = 0; mt < C::MT; ++mt)
+#pragma unroll
+                        for (int h = 0; h < 2; ++h) {
+                            const float pm = row_max<C::NT>([&](int i) {
+                                const float v = argmax_pack(acc[mt][i / 2][h * 2 + i % 2], keep, PLOW - i);
+                                return !MASKED || sm[(i / 2) * 8 + i % 2] ? v : MAXSIM_NEG_INF;
+                            });
+                            const uint32_t bits = __float_as_uint(pm);
+                            const float tv = __uint_as_float(bits & keep);
+                            const int pos = PLOW - (int)(bits & PLOW);
+                            const bool u = tv > m[mt][h]; // strict: ties keep the earlier tile
+                            m[mt][h] = u ? tv : m[mt][h];
+                            idx[mt][h] = u ? col0 + (pos >> 1) * 8 + (pos & 1) : idx[mt][h];
+                        }
+                }
+            };
+            // Not yet above zero (a document's first tile): packing is
+            // still exact unless some row's valid similarities are all
+            // negative (or all masked), which an AND of their sign bits
+            // finds cheaply (a masked column counts as negative).
+            bool packable = __all_sync(0xffffffffu, above);
+            if (!packable) {
+                bool negative_row = false;
+                auto signs = [&](auto masked_t) {
+                    constexpr bool MASKED = decltype(masked_t)::value;
+#pragma unroll
+                    for (int mt = 0; mt < C::MT; ++mt)
+#pragma unroll
+                        for (int h = 0; h < 2; ++h) {
+                            uint32_t all = ~0u;
+#pragma unroll
+                            for (int nt = 0; nt < C::NT; ++nt)
+#pragma unroll
+                                for (int e = 0; e < 2; ++e)
+                                    all &= !MASKED || sm[nt * 8 + e] ? __float_as_uint(acc[mt][nt][h * 2 + e]) : ~0u;
+                            negative_row |= (int)all < 0;
+                        }
+                };
+                if (full) signs(std::false_type{});
+                else signs(std::true_type{});
+                packable = !__any_sync(0xffffffffu, negative_row);
+            }
+            if (packable) {
+                if (full) scan(std::false_type{}, std::true_type{});
+                else scan(std::true_type{}, std::true_type{});
+            } else {
+                if (full) scan(std::false_type{}, std::false_type{});
+                else scan(std::true_type{}, std::false_type{});
+            }
+        } else if constexpr (!ARGMAX) {
+            // Scores only: each row's tile max as a tree (log depth, not a
+            // 2 * NT-long chain before the next barrier).
+            auto tile_max = [&](auto masked_t) {
+                constexpr bool MASKED = decltype(masked_t)::value;
+#pragma unroll
+                for (int mt = 0; mt < C::MT; ++mt)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h)
+                        m[mt][h] = fmaxf(m[mt][h], row_max<C::NT>([&](int i) {
+                                             const float v = acc[mt][i / 2][h * 2 + i % 2];
+                                             return !MASKED || sm[(i / 2) * 8 + i % 2] ? v : MAXSIM_NEG_INF;
+                                         }));
+            };
+            if (full) tile_max(std::false_type{});
+            else tile_max(std::true_type{});
+        } else {
+            // F32 argmax: exact compare and select, in column order.
+            auto step = [&](float& mv, int& iv, float v, int col) {
+                const bool u = v > mv; // strict: ties keep the lower index
+                mv = u ? v : mv;
+                iv = u ? col : iv;
+            };
+            if (full) {
+#pragma unroll
+                for (int mt = 0; mt < C::MT; ++mt)
+#pragma unroll
+                    for (int nt = 0; nt < C::NT; ++nt)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e)
+                            step(m[mt][e / 2], idx[mt][e / 2], acc[mt][nt][e], col0 + nt * 8 + e % 2);
+            } else {
+#pragma unroll
+                for (int nt = 0; nt < C::NT; ++nt) {
+                    const bool ok0 = sm[nt * 8], ok1 = sm[nt * 8 + 1];
+#pragma unroll
+                    for (int mt = 0; mt < C::MT; ++mt)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            const float v = (e % 2 ? ok1 : ok0) ? acc[mt][nt][e] : MAXSIM_NEG_INF;
+                            step(m[mt][e / 2], idx[mt][e / 2], v, col0 + nt * 8 + e % 2);
+                        }
+                }
+            }
+        }
+    }
+
+    // End of a document: each row reduced over its quad into red_m / red_i
+    // [WN][BQ] (this warp's slot along N), and the running values reset.
+    __device__ __forceinline__ void finish_doc(float (*red_m)[C::BQ], int (*red_i)[C::BQ], int wm, int wn, int g, int c) {
+#pragma unroll
+        for (int mt = 0; mt < C::MT; ++mt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                float mv = m[mt][h];
+                int iv = idx[mt][h];
+                quad_max<ARGMAX>(mv, iv);
+                if (c == 0) {
+                    const int r = (wm * C::MT + mt) * 16 + h * 8 + g;
+                    red_m[wn][r] = mv;
+                    if (ARGMAX) red_i[wn][r] = iv;
+                }
+                reset(mt, h);
+            }
+    }
+};
+
+// ---------------------------------------------------------------------------
+// The kernel: a block's query chunks against its documents, through the
+// Loader's pipeline of STAGES tiles, mma_step, and the RowMax epilogue.
+// ---------------------------------------------------------------------------
+template <typename C, typename T, bool ARGMAX, template <typename, typename> class Loader>
+__device__ __forceinline__ void maxsim_fwd_mma(const MaxSimParams& p) {
+    using Epilogue = RowMax<C, T, ARGMAX>;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     unsigned char* base = smem_raw;
     if (C::HOPPER) base = reinterpret_cast<unsigned char*>(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
@@ -214,13 +508,17 @@ __device__ __forceinline__ void maxsim_fwd_mma(const MaxSimParams& p) {
     __shared__ float rowval[C::BQ];
     __shared__ int row_q[C::BQ], row_s[C::BQ]; // query of each tile row (-1: padding or masked), position
     __shared__ int q_lo[C::BQ], q_hi[C::BQ];   // tile rows of each query of the group
-    __shared__ float buckets[RESIDUAL ? 256 : 1]; // residual bucket weights
-    static_assert(!RESIDUAL || C::STAGES >= 3, "residual pipeline: gathers 2+ steps ahead, finish 1 ahead");
-    // Residual bytes of each stage, after the tiles' masks.
-    uint8_t* sres = smask + ((C::STAGES * C::BD + 15) & ~15);
+    T* sq = sbuf;               // [BQ, SROW] query staging (mma.sync only)
+    T* sd0 = sbuf + C::Q_ELEMS; // STAGES document tiles
+    // Loader state after the tiles' masks.
+    Loader<C, T> loader(p, sd0, smask + ((C::STAGES * C::BD + 15) & ~15));
 
+    {   // src/cuda/maxsim_fwd.rs sizes this layout from kernels/tiles.def; a mismatch must fail loudly.
+        uint32_t dyn;
+        asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
+        if (loader.end() > smem_raw + dyn) __trap();
+    }
     const T* Q = static_cast<const T*>(p.q);
-    const T* D = static_cast<const T*>(p.d);
     const BlockWork w = block_work(p, blockIdx.x);
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int wm = warp / C::WN, wn = warp % C::WN;
@@ -235,8 +533,7 @@ __device__ __forceinline__ void maxsim_fwd_mma(const MaxSimParams& p) {
         for (int k = tid; k < nqg * ndb; k += C::NTHREADS)
             p.out[(size_t)(w.q_begin + k / ndb) * p.nd + w.d_begin + k % ndb] = 0.f;
     }
-    if (RESIDUAL)
-        for (int k = tid; k < (1 << p.res_nbits); k += C::NTHREADS) buckets[k] = p.res_buckets[k];
+    loader.init();
     __syncthreads();
     const int grow0 = q_rows(p, w.q_begin).begin, grow1 = q_rows(p, w.q_end - 1).end;
     const int nchunks = (grow1 - grow0 + C::BQ - 1) / C::BQ;
@@ -257,53 +554,12 @@ __device__ __forceinline__ void maxsim_fwd_mma(const MaxSimParams& p) {
                 row_s[r] = r0 + r - rr.begin;
             }
         }
-        // Document pipeline over (doc, tile) steps of the block's non-empty documents.
-        auto first_nonempty = [&](int j) {
-            while (j < w.d_end) {
-                const Range dr = d_rows(p, j);
-                if (dr.end > dr.begin) break;
-                ++j;
-            }
-            return j;
-        };
-        auto advance = [&](int& j, int& k) {
-            const Range dr = d_rows(p, j);
-            if (++k * C::BD >= dr.end - dr.begin) j = first_nonempty(j + 1), k = 0;
-        };
-        T* sq = sbuf;                 // [BQ, SROW] query staging (mma.sync only)
-        T* sd0 = sbuf + C::Q_ELEMS;   // STAGES document tiles
-        // Dense documents: tiles copied by cp.async STAGES-1 steps ahead.
-        // Residual documents: codes loaded STAGES steps ahead, centroid chunks
-        // and residual bytes gathered by cp.async STAGES-1 steps ahead (the
-        // tile slots themselves), finished in place one step ahead.
-        uint32_t gcode[RESIDUAL ? ResidualTile<C>::IT : 1];
-        auto step_rows = [&](int j, int k, int& start, int& n) {
-            const Range dr = d_rows(p, j);
-            start = dr.begin + k * C::BD, n = min(C::BD, dr.end - start);
-        };
-        auto load_codes = [&](int j, int k) {
-            if constexpr (RESIDUAL) {
-                int start, n;
-                step_rows(j, k, start, n);
-                residual_codes<C>(gcode, p, start, n);
-            }
-        };
-        auto finish_tile = [&](int stage, int j, int k) {
-            if constexpr (RESIDUAL) {
-                int start, n;
-                step_rows(j, k, start, n);
-                residual_finish<C>(sd0 + stage * C::TILE_ELEMS, sres + stage * ResidualTile<C>::stage_bytes(p.res_nbits), p,
-                                   buckets, n);
-            }
-        };
-        auto load_tile = [&](int stage, int j, int k) {
-            const Range dr = d_rows(p, j);
-            const int start = dr.begin + k * C::BD, n = min(C::BD, dr.end - start);
-            if constexpr (RESIDUAL)
-                residual_gather<C>(sd0 + stage * C::TILE_ELEMS, sres + stage * ResidualTile<C>::stage_bytes(p.res_nbits), p,
-                                   gcode, start, n);
-            else load_rows<C, C::BD>(sd0 + stage * C::TILE_ELEMS, D, start, n, p.dim, p.vec_ok);
-            // Column validity, read by the epilogue only for masked or partial tiles.
+        // A step's tile, and the validity of its columns (read by the epilogue
+        // only for masked or partial tiles).
+        auto issue = [&](int stage, const DocSteps<C>& s) {
+            int start, n;
+            s.rows(p, start, n);
+            loader.issue(stage, start, n);
             if (p.d_valid || n < C::BD)
                 for (int r = tid; r < C::BD; r += C::NTHREADS)
                     smask[stage * C::BD + r] = r < n && (!p.d_valid || p.d_valid[start + r]);
@@ -312,14 +568,13 @@ __device__ __forceinline__ void maxsim_fwd_mma(const MaxSimParams& p) {
         // Prologue: Q (group 0) and the first STAGES-1 document tiles in flight together.
         if (!C::HOPPER) load_rows<C, C::BQ>(sq, Q, r0, r1 - r0, p.dim, p.vec_ok);
         cp_async_commit();
-        int lj = first_nonempty(w.d_begin), lk = 0; // load cursor
-        int cj = lj, ck = 0, dj = lj, dk = 0;        // residual: code and finish cursors
-        if (RESIDUAL && cj < w.d_end) load_codes(cj, ck), advance(cj, ck);
+        DocSteps<C> load_at(p, w.d_begin, w.d_end);
+        loader.begin(load_at);
 #pragma unroll
         for (int s = 0; s < C::STAGES - 1; ++s) {
-            if (lj < w.d_end) load_tile(s, lj, lk), advance(lj, lk);
+            if (load_at.more()) issue(s, load_at), load_at.advance(p);
             cp_async_commit(); // possibly empty: keeps the group count uniform
-            if (RESIDUAL && cj < w.d_end) load_codes(cj, ck), advance(cj, ck);
+            loader.issued();
         }
         uint32_t a[C::MT][C::KSTEPS][Frag<T>::AREGS];
         if (C::HOPPER) {
@@ -337,13 +592,7 @@ __device__ __forceinline__ void maxsim_fwd_mma(const MaxSimParams& p) {
                 }
             }
         }
-        if (RESIDUAL) {
-            cp_async_wait<0>();
-            __syncthreads();
-            if (dj < w.d_end) finish_tile(0, dj, dk), advance(dj, dk);
-        } else {
-            cp_async_wait<C::STAGES - 1>();
-        }
+        loader.first_ready();
         __syncthreads();
         if (!C::HOPPER) {
 #pragma unroll
@@ -353,236 +602,40 @@ __device__ __forceinline__ void maxsim_fwd_mma(const MaxSimParams& p) {
                     Frag<T>::load_a(a[mt][ks], sq, C::SROW, (wm * C::MT + mt) * 16 + g, ks * Frag<T>::K, c);
         }
 
-        float m[C::MT][2];
-        int idx[C::MT][2];
+        Epilogue epi;
 #pragma unroll
         for (int mt = 0; mt < C::MT; ++mt)
 #pragma unroll
-            for (int h = 0; h < 2; ++h) m[mt][h] = MAXSIM_NEG_INF, idx[mt][h] = -1;
-        // Packed argmax (16-bit inputs): `keep` clears the position bits; held
-        // in a register (not an immediate) so that pack is a single LOP3.
-        const uint32_t keep = p.dim >= 0 ? ~(uint32_t)PLOW : 0u;
+            for (int h = 0; h < 2; ++h) epi.reset(mt, h);
+        const uint32_t keep = p.dim >= 0 ? ~(uint32_t)Epilogue::PLOW : 0u;
 
-        int j = first_nonempty(w.d_begin), k = 0;
-        for (int it = 0; j < w.d_end; ++it) {
-            const int stage = it % C::STAGES;
+        DocSteps<C> at(p, w.d_begin, w.d_end);
+        for (int it = 0; at.more(); ++it) {
+            const int stage = it % C::STAGES, j = at.j, k = at.k;
             const Range dr = d_rows(p, j);
             const int ntiles = (dr.end - dr.begin + C::BD - 1) / C::BD;
             const int n = min(C::BD, dr.end - dr.begin - k * C::BD);
-            // This step's tile has landed (residual: the next step's gathers have).
-            if (RESIDUAL) cp_async_wait<C::STAGES - 3>();
-            else cp_async_wait<C::STAGES - 2>();
+            cp_async_wait<Loader<C, T>::WAIT>(); // this step's tile has landed
 #ifdef MAXSIM_HOPPER
             if (C::HOPPER) fence_proxy_async(); // ... and is visible to the tensor cores' reads
 #endif
             __syncthreads();                // ... for every thread; and the stage refilled below is free
             // The copies STAGES-1 steps ahead run in the background.
-            if (lj < w.d_end) load_tile((it + C::STAGES - 1) % C::STAGES, lj, lk), advance(lj, lk);
+            if (load_at.more()) issue((it + C::STAGES - 1) % C::STAGES, load_at), load_at.advance(p);
             cp_async_commit();
-            if (RESIDUAL && cj < w.d_end) load_codes(cj, ck), advance(cj, ck);
-            // Residual: the next step's tile finished in place (on Hopper while
-            // this step's wgmma runs).
-            auto decompress_next = [&]() {
-                if (dj < w.d_end) finish_tile((it + 1) % C::STAGES, dj, dk), advance(dj, dk);
-            };
-            if (RESIDUAL && !C::HOPPER) decompress_next();
+            loader.issued();
 
-            // S = Q_tile . D_tile^T on tensor cores.
             float acc[C::MT][C::NT][4];
-            const T* sd = sd0 + stage * C::TILE_ELEMS;
-#ifdef MAXSIM_HOPPER
-            if constexpr (C::HOPPER) {
-                // One wgmma per 16 columns of dim; the first overwrites the accumulators.
-                float* d = &acc[0][0][0];
-                const uint32_t sd_addr = (uint32_t)__cvta_generic_to_shared(sd);
-                wgmma_fence();
-#pragma unroll
-                for (int ks = 0; ks < C::KSTEPS; ++ks)
-                    Wgmma<T, C::BD>::run(d, a[0][ks], wgmma_desc_sw128(sd_addr + (ks / 4) * C::BD * 128 + (ks % 4) * 32),
-                                         ks > 0);
-                wgmma_commit();
-                if (RESIDUAL) decompress_next();
-                wgmma_wait<0>();
-                fence_regs<C::NT * 4>(d);
-            } else
-#endif
-            {
-#pragma unroll
-            for (int mt = 0; mt < C::MT; ++mt)
-#pragma unroll
-                for (int nt = 0; nt < C::NT; ++nt)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.f;
-#pragma unroll
-            for (int ks = 0; ks < C::KSTEPS; ++ks) {
-#pragma unroll
-                for (int nt = 0; nt < C::NT; nt += 2) {
-                    uint32_t b[4];
-                    const int mi = lane / 8;
-                    const int row = wn * C::NT * 8 + nt * 8 + (mi / 2) * 8 + lane % 8;
-                    ldmatrix_x4(b, sd + row * C::SROW + ks * Frag<T>::K + (mi % 2) * (Frag<T>::K / 2));
-#pragma unroll
-                    for (int mt = 0; mt < C::MT; ++mt) Frag<T>::mma2(acc[mt][nt], acc[mt][nt + 1], a[mt][ks], b);
-                }
-            }
-            }
+            mma_step<C, T>(acc, a, sd0 + stage * C::TILE_ELEMS, wn, lane,
+                           [&] { loader.prepare_next((it + 1) % C::STAGES); });
 
-            // Running max (and argmax) over this tile's valid columns. Branch-free:
-            // full unmasked tiles skip the validity test altogether.
             const int col0 = k * C::BD + wn * C::NT * 8 + 2 * c; // doc-local index of this thread's first column
             const bool full = n == C::BD && !p.d_valid;
-            const uint8_t* sm = smask + stage * C::BD + wn * C::NT * 8 + 2 * c;
-            if constexpr (PACKED) {
-                // One LOP3 + one FMNMX per similarity: the low PBITS mantissa
-                // bits carry (PLOW - position among the thread's columns), so
-                // the float max of a row's packed values is its first best
-                // column. A negative float orders those bits the other way (a
-                // larger code is more negative), so this is exact only where
-                // a negative maximum cannot matter: every row of the warp
-                // already above zero, or holding a similarity >= 0 in this
-                // tile. Otherwise compare and select on the truncated values.
-                bool above = true;
-#pragma unroll
-                for (int mt = 0; mt < C::MT; ++mt) above &= m[mt][0] > 0.f && m[mt][1] > 0.f;
-                auto scan = [&](auto masked_t, auto packed_t) {
-                    constexpr bool MASKED = decltype(masked_t)::value, PACK = decltype(packed_t)::value;
-                    if (!PACK) {
-#pragma unroll
-                        for (int nt = 0; nt < C::NT; ++nt) {
-                            const bool ok0 = !MASKED || sm[nt * 8], ok1 = !MASKED || sm[nt * 8 + 1];
-#pragma unroll
-                            for (int mt = 0; mt < C::MT; ++mt)
-#pragma unroll
-                                for (int e = 0; e < 4; ++e) {
-                                    const float v = __uint_as_float(__float_as_uint(acc[mt][nt][e]) & keep);
-                                    const bool u = (e % 2 ? ok1 : ok0) && v > m[mt][e / 2]; // strict: ties keep the lower index
-                                    m[mt][e / 2] = u ? v : m[mt][e / 2];
-                                    idx[mt][e / 2] = u ? col0 + nt * 8 + e % 2 : idx[mt][e / 2];
-                                }
-                        }
-                    } else {
-#pragma unroll
-                        for (int mt = 0; mt < C::MT; ++mt)
-#pragma unroll
-                            for (int h = 0; h < 2; ++h) {
-                                const float pm = row_max<C::NT>([&](int i) {
-                                    const float v = argmax_pack(acc[mt][i / 2][h * 2 + i % 2], keep, PLOW - i);
-                                    return !MASKED || sm[(i / 2) * 8 + i % 2] ? v : MAXSIM_NEG_INF;
-                                });
-                                const uint32_t bits = __float_as_uint(pm);
-                                const float tv = __uint_as_float(bits & keep);
-                                const int pos = PLOW - (int)(bits & PLOW);
-                                const bool u = tv > m[mt][h]; // strict: ties keep the earlier tile
-                                m[mt][h] = u ? tv : m[mt][h];
-                                idx[mt][h] = u ? col0 + (pos >> 1) * 8 + (pos & 1) : idx[mt][h];
-                            }
-                    }
-                };
-                // Not yet above zero (a document's first tile): packing is
-                // still exact unless some row's valid similarities are all
-                // negative (or all masked), which an AND of their sign bits
-                // finds cheaply (a masked column counts as negative).
-                bool packable = __all_sync(0xffffffffu, above);
-                if (!packable) {
-                    bool negative_row = false;
-                    auto signs = [&](auto masked_t) {
-                        constexpr bool MASKED = decltype(masked_t)::value;
-#pragma unroll
-                        for (int mt = 0; mt < C::MT; ++mt)
-#pragma unroll
-                            for (int h = 0; h < 2; ++h) {
-                                uint32_t all = ~0u;
-#pragma unroll
-                                for (int nt = 0; nt < C::NT; ++nt)
-#pragma unroll
-                                    for (int e = 0; e < 2; ++e)
-                                        all &= !MASKED || sm[nt * 8 + e] ? __float_as_uint(acc[mt][nt][h * 2 + e]) : ~0u;
-                                negative_row |= (int)all < 0;
-                            }
-                    };
-                    if (full) signs(std::false_type{});
-                    else signs(std::true_type{});
-                    packable = !__any_sync(0xffffffffu, negative_row);
-                }
-                if (packable) {
-                    if (full) scan(std::false_type{}, std::true_type{});
-                    else scan(std::true_type{}, std::true_type{});
-                } else {
-                    if (full) scan(std::false_type{}, std::false_type{});
-                    else scan(std::true_type{}, std::false_type{});
-                }
-            } else if constexpr (!ARGMAX) {
-                // Scores only: each row's tile max as a tree (log depth, not a
-                // 2 * NT-long chain before the next barrier).
-                auto tile_max = [&](auto masked_t) {
-                    constexpr bool MASKED = decltype(masked_t)::value;
-#pragma unroll
-                    for (int mt = 0; mt < C::MT; ++mt)
-#pragma unroll
-                        for (int h = 0; h < 2; ++h)
-                            m[mt][h] = fmaxf(m[mt][h], row_max<C::NT>([&](int i) {
-                                                 const float v = acc[mt][i / 2][h * 2 + i % 2];
-                                                 return !MASKED || sm[(i / 2) * 8 + i % 2] ? v : MAXSIM_NEG_INF;
-                                             }));
-                };
-                if (full) tile_max(std::false_type{});
-                else tile_max(std::true_type{});
-            } else {
-                // F32 argmax: exact compare and select, in column order.
-                auto update = [&](float& mv, int& iv, float v, int col) {
-                    const bool u = v > mv; // strict: ties keep the lower index
-                    mv = u ? v : mv;
-                    iv = u ? col : iv;
-                };
-                if (full) {
-#pragma unroll
-                    for (int mt = 0; mt < C::MT; ++mt)
-#pragma unroll
-                        for (int nt = 0; nt < C::NT; ++nt)
-#pragma unroll
-                            for (int e = 0; e < 4; ++e)
-                                update(m[mt][e / 2], idx[mt][e / 2], acc[mt][nt][e], col0 + nt * 8 + e % 2);
-                } else {
-#pragma unroll
-                    for (int nt = 0; nt < C::NT; ++nt) {
-                        const bool ok0 = sm[nt * 8], ok1 = sm[nt * 8 + 1];
-#pragma unroll
-                        for (int mt = 0; mt < C::MT; ++mt)
-#pragma unroll
-                            for (int e = 0; e < 4; ++e) {
-                                const float v = (e % 2 ? ok1 : ok0) ? acc[mt][nt][e] : MAXSIM_NEG_INF;
-                                update(m[mt][e / 2], idx[mt][e / 2], v, col0 + nt * 8 + e % 2);
-                            }
-                    }
-                }
-            }
+            epi.update(acc, col0, full, smask + stage * C::BD + wn * C::NT * 8 + 2 * c, keep);
 
             if (k == ntiles - 1) {
                 // End of document j: rows reduced over the quad, then over the warps along N.
-#pragma unroll
-                for (int mt = 0; mt < C::MT; ++mt)
-#pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        float mv = m[mt][h];
-                        int iv = idx[mt][h];
-#pragma unroll
-                        for (int off = 1; off <= 2; off <<= 1) {
-                            const float om = __shfl_xor_sync(0xffffffffu, mv, off);
-                            if (ARGMAX) {
-                                const int oi = __shfl_xor_sync(0xffffffffu, iv, off);
-                                merge_max(mv, iv, om, oi);
-                            } else {
-                                mv = fmaxf(mv, om);
-                            }
-                        }
-                        if (c == 0) {
-                            const int r = (wm * C::MT + mt) * 16 + h * 8 + g;
-                            red_m[wn][r] = mv;
-                            if (ARGMAX) red_i[wn][r] = iv;
-                        }
-                        m[mt][h] = MAXSIM_NEG_INF;
-                        idx[mt][h] = -1;
-                    }
+                epi.finish_doc(red_m, red_i, wm, wn, g, c);
                 __syncthreads();
                 for (int r = tid; r < C::BQ; r += C::NTHREADS) {
                     float mv = red_m[0][r];
@@ -602,88 +655,74 @@ __device__ __forceinline__ void maxsim_fwd_mma(const MaxSimParams& p) {
                 for (int qi = warp; qi < nqg; qi += C::NWARPS) {
                     float s = 0.f;
                     for (int r = q_lo[qi] + lane; r < q_hi[qi]; r += 32) s += rowval[r];
-#pragma unroll
-                    for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+                    s = warp_sum(s);
                     if (lane == 0 && q_hi[qi] > q_lo[qi]) p.out[out_index(p, w, w.q_begin + qi, j)] += s;
                 }
             }
-            advance(j, k);
+            at.advance(p);
         }
         cp_async_wait<0>();
         __syncthreads(); // the next chunk restages Q and the tiles
     }
 }
 
-// Entry points: maxsim_mma_<dtype>_<config>_d<DPAD>_<nograd|argmax>.
-//   large: 4 warps x 32 rows, BQ = 128 query rows, BD = 64 doc rows per stage, 4 stages
-//   small: 4 warps along the documents, BQ = 32, BD = 128, 2 stages (few query rows: rerank, scan)
-//   narrow: BQ = 32, BD = 64, 4 stages: more document bytes in flight for bandwidth-bound reranking
-//   wide : dims 129..256, 16 rows per warp so the A fragments fit in registers
-//   compact: 2 x 2 warps, BQ = 64, BD = 64, 2 stages: within the 64 KB of Turing (sm_75, F16)
-//   flarge / fsmall: F32 (split TF32), 16 rows per warp (the split A fragments take 2x the
-//            registers); fsmall's 2 stages fit the 99 KB of sm_86 / sm_89
-#define MAXSIM_MMA_KERNEL(NAME, T, ARGMAX, RESIDUAL, ...)                                         \
+// Entry points: maxsim_mma_<dtype>_<config>_d<width>_<nograd|argmax|res>, one per
+// row of kernels/tiles.def, dtype and width.
+#define MAXSIM_MMA_KERNEL(NAME, T, ARGMAX, LOADER, ...)                                           \
     extern "C" __global__ void __launch_bounds__(TileConfig<T, __VA_ARGS__>::NTHREADS,           \
                                                  TileConfig<T, __VA_ARGS__>::MIN_BLOCKS)         \
         NAME(const MaxSimParams p) {                                                              \
-        maxsim_fwd_mma<TileConfig<T, __VA_ARGS__>, T, ARGMAX, RESIDUAL>(p);                      \
+        maxsim_fwd_mma<TileConfig<T, __VA_ARGS__>, T, ARGMAX, LOADER>(p);                        \
     }
-#define MAXSIM_MMA_ENTRY(NAME, T, ...)                                 \
-    MAXSIM_MMA_KERNEL(NAME##_nograd, T, false, false, __VA_ARGS__)     \
-    MAXSIM_MMA_KERNEL(NAME##_argmax, T, true, false, __VA_ARGS__)
+#define MAXSIM_MMA_ENTRY(NAME, T, ...)                                        \
+    MAXSIM_MMA_KERNEL(NAME##_nograd, T, false, DenseLoader, __VA_ARGS__)      \
+    MAXSIM_MMA_KERNEL(NAME##_argmax, T, true, DenseLoader, __VA_ARGS__)
 // Residual-compressed documents (inference): maxsim_mma_<dtype>_<config>_d<DPAD>_res.
-#define MAXSIM_RES_ENTRY(NAME, T, ...) MAXSIM_MMA_KERNEL(NAME##_res, T, false, true, __VA_ARGS__)
+#define MAXSIM_RES_ENTRY(NAME, T, ...) MAXSIM_MMA_KERNEL(NAME##_res, T, false, ResidualLoader, __VA_ARGS__)
 // One config at every width: d<W> = DPAD 64 / 128 with KDIM 48 / 64 / 96 / 128.
 #define MAXSIM_MMA_WIDTHS(NAME, T, WM, WN, MT, NT, ST, HOP)                    \
     MAXSIM_MMA_ENTRY(NAME##_d48, T, 64, WM, WN, MT, NT, ST, HOP, 48)           \
     MAXSIM_MMA_ENTRY(NAME##_d64, T, 64, WM, WN, MT, NT, ST, HOP, 64)           \
     MAXSIM_MMA_ENTRY(NAME##_d96, T, 128, WM, WN, MT, NT, ST, HOP, 96)          \
     MAXSIM_MMA_ENTRY(NAME##_d128, T, 128, WM, WN, MT, NT, ST, HOP, 128)
-//                                                            WM WN MT NT STAGES
-#define MAXSIM_MMA_DTYPE(TNAME, T)                                                    \
-    MAXSIM_MMA_WIDTHS(maxsim_mma_##TNAME##_large, T, 4, 1, 2, 8, 4, false)          \
-    MAXSIM_MMA_WIDTHS(maxsim_mma_##TNAME##_small, T, 1, 4, 2, 4, 2, false)          \
-    MAXSIM_MMA_WIDTHS(maxsim_mma_##TNAME##_narrow, T, 1, 4, 2, 2, 4, false)         \
-    MAXSIM_MMA_ENTRY(maxsim_mma_##TNAME##_wide_d256, T, 256, 4, 1, 1, 8, 3)
-#if __CUDA_ARCH__ >= 800
-MAXSIM_MMA_DTYPE(f16, __half)
-MAXSIM_MMA_DTYPE(bf16, __nv_bfloat16)
-MAXSIM_MMA_WIDTHS(maxsim_mma_f32_flarge, float, 4, 1, 1, 8, 3, false)
-MAXSIM_MMA_WIDTHS(maxsim_mma_f32_fsmall, float, 2, 2, 1, 4, 2, false)
-#else // sm_75 module: F16 (Turing has no BF16 / TF32 MMA)
-MAXSIM_MMA_WIDTHS(maxsim_mma_f16_compact, __half, 2, 2, 2, 4, 2, false)
-#endif
+// Residual kernels at the stored widths 64 and 128 (a thread decompresses 8 rows per tile).
+#define MAXSIM_RES_WIDTHS(NAME, T, WM, WN, MT, NT, ST, HOP)          \
+    MAXSIM_RES_ENTRY(NAME##_d64, T, 64, WM, WN, MT, NT, ST, HOP)     \
+    MAXSIM_RES_ENTRY(NAME##_d128, T, 128, WM, WN, MT, NT, ST, HOP)
+#define MAXSIM_RES_STAGES_0(NAME, T, WM, WN, MT, NT, HOP)
+#define MAXSIM_RES_STAGES_3(NAME, T, WM, WN, MT, NT, HOP) MAXSIM_RES_WIDTHS(NAME, T, WM, WN, MT, NT, 3, HOP)
+#define MAXSIM_RES_STAGES_4(NAME, T, WM, WN, MT, NT, HOP) MAXSIM_RES_WIDTHS(NAME, T, WM, WN, MT, NT, 4, HOP)
+// A 16-bit configuration for f16 and bf16: dense kernels, and residual ones where RES > 0.
+#define MAXSIM_TILE_16(NAME, WM, WN, MT, NT, ST, RES, HOP)                                            \
+    MAXSIM_MMA_WIDTHS(maxsim_mma_f16_##NAME, __half, WM, WN, MT, NT, ST, HOP)                          \
+    MAXSIM_MMA_WIDTHS(maxsim_mma_bf16_##NAME, __nv_bfloat16, WM, WN, MT, NT, ST, HOP)                  \
+    MAXSIM_RES_STAGES_##RES(maxsim_mma_f16_##NAME, __half, WM, WN, MT, NT, HOP)                        \
+    MAXSIM_RES_STAGES_##RES(maxsim_mma_bf16_##NAME, __nv_bfloat16, WM, WN, MT, NT, HOP)
 
+// kernels/tiles.def, instantiated by family in the module that can run it.
 #if __CUDA_ARCH__ >= 800
-// Residual scoring on the 64-row document tiles (a thread decompresses 8 rows per tile).
-#define MAXSIM_RES_DTYPE(TNAME, T)                                             \
-    MAXSIM_RES_ENTRY(maxsim_mma_##TNAME##_large_d64, T, 64, 4, 1, 2, 8, 4)    \
-    MAXSIM_RES_ENTRY(maxsim_mma_##TNAME##_large_d128, T, 128, 4, 1, 2, 8, 4)  \
-    MAXSIM_RES_ENTRY(maxsim_mma_##TNAME##_narrow_d64, T, 64, 1, 4, 2, 2, 4)   \
-    MAXSIM_RES_ENTRY(maxsim_mma_##TNAME##_narrow_d128, T, 128, 1, 4, 2, 2, 4)
-MAXSIM_RES_DTYPE(f16, __half)
-MAXSIM_RES_DTYPE(bf16, __nv_bfloat16)
+#define MAXSIM_FAMILY_mma16(NAME, WM, WN, MT, NT, ST, RES) MAXSIM_TILE_16(NAME, WM, WN, MT, NT, ST, RES, false)
+#define MAXSIM_FAMILY_wide16(NAME, WM, WN, MT, NT, ST, RES)                              \
+    MAXSIM_MMA_ENTRY(maxsim_mma_f16_##NAME##_d256, __half, 256, WM, WN, MT, NT, ST)      \
+    MAXSIM_MMA_ENTRY(maxsim_mma_bf16_##NAME##_d256, __nv_bfloat16, 256, WM, WN, MT, NT, ST)
+#define MAXSIM_FAMILY_f32(NAME, WM, WN, MT, NT, ST, RES) \
+    MAXSIM_MMA_WIDTHS(maxsim_mma_f32_##NAME, float, WM, WN, MT, NT, ST, false)
+#define MAXSIM_FAMILY_turing(NAME, WM, WN, MT, NT, ST, RES)
+#else // sm_75 module: F16 only (Turing has no BF16 / TF32 MMA)
+#define MAXSIM_FAMILY_mma16(NAME, WM, WN, MT, NT, ST, RES)
+#define MAXSIM_FAMILY_wide16(NAME, WM, WN, MT, NT, ST, RES)
+#define MAXSIM_FAMILY_f32(NAME, WM, WN, MT, NT, ST, RES)
+#define MAXSIM_FAMILY_turing(NAME, WM, WN, MT, NT, ST, RES) \
+    MAXSIM_MMA_WIDTHS(maxsim_mma_f16_##NAME, __half, WM, WN, MT, NT, ST, false)
 #endif
-
 #ifdef MAXSIM_HOPPER
-// Hopper tiles (sm_90a module only): warpgroups of 64 query rows, the whole document tile per wgmma.
-//   hlarge: 2 warpgroups, BQ = 128, BD = 128, 3 stages (in-batch shapes)
-//   hmid  : 1 warpgroup,  BQ = 64,  BD = 128, 3 stages (short queries)
-//   hsmall: 1 warpgroup,  BQ = 64,  BD = 64,  4 stages (few queries, many documents)
-//                                                                       DPAD WM WN MT NT STAGES HOPPER
-#define MAXSIM_WGMMA_DTYPE(TNAME, T)                                              \
-    MAXSIM_MMA_WIDTHS(maxsim_mma_##TNAME##_hlarge, T, 8, 1, 1, 16, 3, true)     \
-    MAXSIM_MMA_WIDTHS(maxsim_mma_##TNAME##_hmid, T, 4, 1, 1, 16, 3, true)       \
-    MAXSIM_MMA_WIDTHS(maxsim_mma_##TNAME##_hsmall, T, 4, 1, 1, 8, 4, true)
-MAXSIM_WGMMA_DTYPE(f16, __half)
-MAXSIM_WGMMA_DTYPE(bf16, __nv_bfloat16)
-// Residual hsmall: 3 stages, so that three blocks (12 warps) share an SM and hide the gathers' latency.
-#define MAXSIM_WGMMA_RES_DTYPE(TNAME, T)                                                 \
-    MAXSIM_RES_ENTRY(maxsim_mma_##TNAME##_hsmall_d64, T, 64, 4, 1, 1, 8, 3, true)       \
-    MAXSIM_RES_ENTRY(maxsim_mma_##TNAME##_hsmall_d128, T, 128, 4, 1, 1, 8, 3, true)
-MAXSIM_WGMMA_RES_DTYPE(f16, __half)
-MAXSIM_WGMMA_RES_DTYPE(bf16, __nv_bfloat16)
+#define MAXSIM_FAMILY_hopper(NAME, WM, WN, MT, NT, ST, RES) MAXSIM_TILE_16(NAME, WM, WN, MT, NT, ST, RES, true)
+#else
+#define MAXSIM_FAMILY_hopper(NAME, WM, WN, MT, NT, ST, RES)
 #endif
+#define MAXSIM_TILE(NAME, FAMILY, WM, WN, MT, NT, ST, RES) MAXSIM_FAMILY_##FAMILY(NAME, WM, WN, MT, NT, ST, RES)
+#include "tiles.def"
+#undef MAXSIM_TILE
 
 #endif // __CUDA_ARCH__ >= 750
 
@@ -737,7 +776,7 @@ __device__ void maxsim_fwd_simt(const MaxSimParams& p) {
         }
     }
     // Fixed-order block reduction (deterministic).
-    for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+    sum = warp_sum(sum);
     if (threadIdx.x % 32 == 0) partial[threadIdx.x / 32] = sum;
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -761,7 +800,7 @@ extern "C" __global__ void maxsim_fill_i32(int32_t* x, long long n, int32_t v) {
 template <typename T>
 __device__ void maxsim_decompress(const MaxSimParams& p, T* out, int n) {
     __shared__ float buckets[256];
-    for (int k = threadIdx.x; k < (1 << p.res_nbits); k += blockDim.x) buckets[k] = p.res_buckets[k];
+    stage_buckets(buckets, p.res_buckets, p.res_nbits);
     __syncthreads();
     const int chunks = p.dim / 8;
     int lanes = 1;
@@ -780,8 +819,8 @@ __device__ void maxsim_decompress(const MaxSimParams& p, T* out, int n) {
             if (has) decompress8<T>(p, buckets, code, r, c * 8, v);
 #pragma unroll
             for (int f = 0; f < 8; ++f) ss += has ? v[f] * v[f] : 0.f;
-            for (int o = lanes / 2; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-            inv = p.res_normalize ? 1.f / fmaxf(sqrtf(ss), 1e-12f) : 1.f;
+            ss = lane_sum_dyn(ss, lanes);
+            inv = p.res_normalize ? inv_l2norm(ss) : 1.f;
 #pragma unroll
             for (int f = 0; f < 8; ++f) v[f] *= inv;
             if (has) *reinterpret_cast<uint4*>(out + (size_t)r * p.dim + c * 8) = pack8<T>(v);
@@ -794,8 +833,7 @@ __device__ void maxsim_decompress(const MaxSimParams& p, T* out, int n) {
 #pragma unroll
                 for (int f = 0; f < 8; ++f) ss += v[f] * v[f];
             }
-            for (int o = lanes / 2; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-            inv = 1.f / fmaxf(sqrtf(ss), 1e-12f);
+            inv = inv_l2norm(lane_sum_dyn(ss, lanes));
         }
         for (int c = lane % lanes; ok && c < chunks; c += lanes) {
             decompress8<T>(p, buckets, code, r, c * 8, v);

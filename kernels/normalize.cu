@@ -4,13 +4,6 @@
 // elementwise / reduction ops forward and their autograd backward.
 #include "common.cuh"
 
-constexpr double L2_EPS = 1e-12;
-
-template <typename A> __device__ __forceinline__ A warp_sum(A x) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-    return x;
-}
 
 // Rows [0, rows) of [rows, dim]; a grid-stride loop over warps.
 template <typename T>
@@ -25,7 +18,7 @@ __device__ void l2norm_fwd(const T* x, T* y, long long rows, int dim) {
             const A v = Elem<T>::to_float(xr[k]);
             ss += v * v;
         }
-        const A inv = A(1) / max(sqrt(warp_sum(ss)), A(L2_EPS));
+        const A inv = inv_l2norm(warp_sum(ss));
         for (int k = lane; k < dim; k += 32) y[r * dim + k] = Elem<T>::from(Elem<T>::to_float(xr[k]) * inv);
     }
 }
@@ -47,8 +40,8 @@ __device__ void l2norm_bwd(const T* x, const T* g, T* dx, long long rows, int di
         const A n = sqrt(warp_sum(ss));
         xg = warp_sum(xg);
         // Below eps the norm is the constant eps: no term through |x|.
-        const bool tiny = n <= A(L2_EPS);
-        const A inv = A(1) / (tiny ? A(L2_EPS) : n);
+        const bool tiny = n <= A(MAXSIM_L2_EPS);
+        const A inv = A(1) / (tiny ? A(MAXSIM_L2_EPS) : n);
         const A proj = tiny ? A(0) : xg * inv * inv; // (y.g) / |x|
         for (int k = lane; k < dim; k += 32)
             dx[r * dim + k] =

@@ -18,14 +18,13 @@
 // Either sets `*bad` (a flag in page-locked host memory, so the host reads it
 // after the stream sync without a copy); the host then finds and reports the
 // first bad value as the CPU op does.
-#include <stdint.h>
+#include "reduce.cuh"
 
-#define PLAID_NEG_INF (__int_as_float(0xff800000))
 #define PLAID_WARPS 8
 #define PLAID_ROWS_WARPS 4
 #define PLAID_BAD_CODE 0xffffffffu
 
-// Mirrors `Params` in src/cuda/plaid.rs (same field order, C layout).
+// Mirrors `Params` in src/cuda/plaid_approx.rs (same field order, C layout).
 struct PlaidApproxParams {
     const float* qcs;          // [C, lq]
     const void* codes;         // [b, ld] uint32_t or int64_t
@@ -76,7 +75,7 @@ __device__ __forceinline__ void score_doc(const PlaidApproxParams& p, int doc, u
     const uint32_t stride = FULL ? G * 16 : (uint32_t)p.lq * 4;
     asm("mov.b64 %0, %0;" : "+l"(base));  // opaque, so a row address is one IMAD.WIDE on it
     const Code* codes = static_cast<const Code*>(p.codes) + (size_t)doc * p.ld;
-    float m0 = PLAID_NEG_INF, m1 = PLAID_NEG_INF, m2 = PLAID_NEG_INF, m3 = PLAID_NEG_INF;
+    float m0 = MAXSIM_NEG_INF, m1 = MAXSIM_NEG_INF, m2 = MAXSIM_NEG_INF, m3 = MAXSIM_NEG_INF;
     for (int t0 = 0; t0 < len; t0 += 32) {
         const int n = min(32, len - t0);
         Code raw = c0;
@@ -109,16 +108,8 @@ __device__ __forceinline__ void score_doc(const PlaidApproxParams& p, int doc, u
         }
     }
     // Merge the R row groups, then sum the query tokens over the G lanes of a group.
-#pragma unroll
-    for (int off = G; off < 32; off <<= 1) {
-        m0 = fmaxf(m0, __shfl_xor_sync(full, m0, off));
-        m1 = fmaxf(m1, __shfl_xor_sync(full, m1, off));
-        m2 = fmaxf(m2, __shfl_xor_sync(full, m2, off));
-        m3 = fmaxf(m3, __shfl_xor_sync(full, m3, off));
-    }
-    float total = FULL || g < nv ? (m0 + m1) + (m2 + m3) : 0.f;
-#pragma unroll
-    for (int off = G / 2; off > 0; off >>= 1) total += __shfl_xor_sync(full, total, off);
+    m0 = lane_max<32 - G>(m0), m1 = lane_max<32 - G>(m1), m2 = lane_max<32 - G>(m2), m3 = lane_max<32 - G>(m3);
+    const float total = lane_sum<G>(FULL || g < nv ? (m0 + m1) + (m2 + m3) : 0.f);
     if (lane == 0) p.out[doc] = len > 0 ? total : 0.f;
 }
 
@@ -156,7 +147,7 @@ template <int VEC> struct Row;
 template <> struct Row<4> {
     using V = float4;
     static __device__ __forceinline__ V load(const float* row, int v, bool ok) {
-        V x = make_float4(PLAID_NEG_INF, PLAID_NEG_INF, PLAID_NEG_INF, PLAID_NEG_INF);
+        V x = make_float4(MAXSIM_NEG_INF, MAXSIM_NEG_INF, MAXSIM_NEG_INF, MAXSIM_NEG_INF);
         if (ok) x = __ldg(reinterpret_cast<const float4*>(row) + v);
         return x;
     }
@@ -170,7 +161,7 @@ template <> struct Row<4> {
 template <> struct Row<1> {
     using V = float;
     static __device__ __forceinline__ V load(const float* row, int v, bool ok) {
-        return ok ? __ldg(row + v) : PLAID_NEG_INF;
+        return ok ? __ldg(row + v) : MAXSIM_NEG_INF;
     }
     static __device__ __forceinline__ void max_into(float (&m)[1], const V& x) { m[0] = fmaxf(m[0], x); }
 };
@@ -200,7 +191,7 @@ __device__ __forceinline__ void plaid_approx(const PlaidApproxParams& p) {
         const bool active = v < nvec;
         float m[VEC];
 #pragma unroll
-        for (int i = 0; i < VEC; ++i) m[i] = PLAID_NEG_INF;
+        for (int i = 0; i < VEC; ++i) m[i] = MAXSIM_NEG_INF;
         for (int t0 = 0; t0 < len; t0 += 32) {
             // 32 codes per coalesced load, validated once, broadcast by shuffles.
             const int t = t0 + lane;
@@ -226,15 +217,12 @@ __device__ __forceinline__ void plaid_approx(const PlaidApproxParams& p) {
         }
         // Merge the R row groups: afterwards every group holds the max over all tokens.
 #pragma unroll
-        for (int off = G; off < 32; off <<= 1)
-#pragma unroll
-            for (int i = 0; i < VEC; ++i) m[i] = fmaxf(m[i], __shfl_xor_sync(full, m[i], off));
+        for (int i = 0; i < VEC; ++i) m[i] = lane_max<32 - G>(m[i]);
         if (active && r == 0)
 #pragma unroll
             for (int i = 0; i < VEC; ++i) total += m[i];
     }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) total += __shfl_xor_sync(full, total, off);
+    total = warp_sum(total);
     if (lane == 0) p.out[doc] = total;
 }
 

@@ -93,16 +93,6 @@ template <int RW> __device__ __forceinline__ uint32_t bits_at(const uint32_t (&w
     return (w[pos / 32] >> (pos % 32)) & ((1u << width) - 1u);
 }
 
-template <typename T> __device__ __forceinline__ uint32_t pack_pair(float a, float b);
-template <> __device__ __forceinline__ uint32_t pack_pair<__half>(float a, float b) {
-    const __half2 h = __floats2half2_rn(a, b);
-    return *reinterpret_cast<const uint32_t*>(&h);
-}
-template <> __device__ __forceinline__ uint32_t pack_pair<__nv_bfloat16>(float a, float b) {
-    const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
-    return *reinterpret_cast<const uint32_t*>(&h);
-}
-
 template <typename T, typename CT, int DIM, int NBITS>
 __device__ __forceinline__ void res_score(const ResScoreParams& p, const float2* pair_tab, const float* tab) {
     using L = ResLane<CT, DIM, NBITS>;
@@ -222,8 +212,8 @@ __device__ __forceinline__ void res_score(const ResScoreParams& p, const float2*
                     }
 #pragma unroll
                     for (int e = 0; e < 4; ++e) ss[h] = fmaf(x[e], x[e], ss[h]);
-                    a[h] = pack_pair<T>(x[0], x[1]);     // columns 2c, 2c+1
-                    a[h + 2] = pack_pair<T>(x[2], x[3]); // columns 2c+8, 2c+9
+                    a[h] = pack2<T>(x[0], x[1]);     // columns 2c, 2c+1
+                    a[h + 2] = pack2<T>(x[2], x[3]); // columns 2c+8, 2c+9
                     // This vector is decoded: the next step's takes its registers.
                     if (off + 4 == VF && more) cen[h][v] = __ldg(cen_src(code_next[h]) + v);
                 }
@@ -233,11 +223,8 @@ __device__ __forceinline__ void res_score(const ResScoreParams& p, const float2*
             float inv[2];
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                float s = ss[h];
-                s += __shfl_xor_sync(0xffffffffu, s, 1);
-                s += __shfl_xor_sync(0xffffffffu, s, 2);
-                // As l2_normalize: x / max(|x|, 1e-12).
-                inv[h] = p.normalize ? 1.f / fmaxf(sqrtf(s), 1e-12f) : 1.f;
+                const float s = lane_sum<4>(ss[h]); // the quad holds the row's columns
+                inv[h] = p.normalize ? inv_l2norm(s) : 1.f;
                 code_next[h] = code_after[h];
             }
             // Rows past the document: -inf.
@@ -258,15 +245,11 @@ __device__ __forceinline__ void res_score(const ResScoreParams& p, const float2*
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
-                float m = run[nt][e];
-                m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 4));
-                m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 8));
-                m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 16));
+                const float m = lane_max<28>(run[nt][e]);
                 // Rows past lq, and every row of an empty document, add 0.
                 sum += nt * 8 + 2 * c + e < p.lq && m > MAXSIM_NEG_INF ? m : 0.f;
             }
-        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        sum = lane_sum<4>(sum);
         if (lane == 0) p.out[(size_t)i * p.nd + j] = sum;
     }
 }
@@ -277,11 +260,9 @@ __device__ __forceinline__ void res_score_entry(const ResScoreParams& p) {
     // high feature's bits << 2), and per feature.
     __shared__ float2 pair_tab[16];
     __shared__ float tab[256];
-    const int nb = 1 << p.nbits;
-    for (int k = threadIdx.x; k < 256; k += blockDim.x) {
-        if (k < nb) tab[k] = p.buckets[k];
-        if (p.nbits == 2 && k < 16) pair_tab[k] = make_float2(p.buckets[k % 4], p.buckets[k / 4]);
-    }
+    stage_buckets(tab, p.buckets, p.nbits);
+    if (p.nbits == 2)
+        for (int k = threadIdx.x; k < 16; k += blockDim.x) pair_tab[k] = make_float2(p.buckets[k % 4], p.buckets[k / 4]);
     __syncthreads();
     switch (p.nbits) {
     case 2: res_score<T, CT, DIM, 2>(p, pair_tab, tab); break;

@@ -51,25 +51,8 @@ __device__ __forceinline__ void decompress8(const MaxSimParams& p, const float* 
     decode8<T>(c, chunk_bits<true>(r, p.res_nbits), p.res_nbits, p.res_colbert_order, buckets, v);
 }
 
-// Sum over the `LANES` consecutive lanes holding one row (LANES divides 32).
-template <int LANES> __device__ __forceinline__ float row_sum(float x) {
-#pragma unroll
-    for (int o = LANES / 2; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-    return x;
-}
-
-template <typename T> __device__ __forceinline__ uint4 pack8(const float v[8]);
-template <> __device__ __forceinline__ uint4 pack8<__half>(const float v[8]) {
-    uint4 o;
-    __half2* h = reinterpret_cast<__half2*>(&o);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) h[i] = __floats2half2_rn(v[2 * i], v[2 * i + 1]);
-    return o;
-}
-template <> __device__ __forceinline__ uint4 pack8<__nv_bfloat16>(const float v[8]) {
-    uint4 o;
-    __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&o);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);
-    return o;
+// The 2^nbits bucket weights into shared memory, by the whole block (the
+// caller synchronizes before reading them).
+__device__ __forceinline__ void stage_buckets(float* dst, const float* src, int nbits) {
+    for (int k = threadIdx.x; k < (1 << nbits); k += blockDim.x) dst[k] = src[k];
 }

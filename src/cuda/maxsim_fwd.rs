@@ -11,111 +11,87 @@ use candle_core::{bail, CudaDevice, CudaStorage, DType, Layout, Result, Storage,
 use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock};
 
-/// Compiled tile configurations of the tensor-core kernel (see maxsim_fwd.cu).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum TileConfig {
-    /// 128 query rows x 64 doc rows per step, 4 warps of 32 rows: in-batch shapes.
-    Large,
-    /// 32 query rows x 128 doc rows, 4 warps along the documents: few query rows.
-    Small,
-    /// 32 query rows x 64 doc rows, 4 stages deep: bandwidth-bound reranking.
-    Narrow,
-    /// dims 129..=256: 64 query rows, 16 per warp.
-    Wide,
-    /// Hopper (sm_90a) wgmma tiles: 2 warpgroups, 128 query rows x 128 doc rows per step.
-    HLarge,
-    /// Hopper: 1 warpgroup, 64 query rows x 128 doc rows.
-    HMid,
-    /// Hopper: 1 warpgroup, 64 query rows x 64 doc rows, 4 stages deep.
-    HSmall,
-    /// Turing (sm_75 module, F16): 64 query rows x 64 doc rows, 2 stages, within 64 KB.
-    Compact,
-    /// F32 as split TF32: 64 query rows x 64 doc rows, 16 rows per warp, 3 stages.
-    FLarge,
-    /// F32: 32 query rows x 64 doc rows, 2 stages (fits the 99 KB of sm_86 / sm_89).
-    FSmall,
+/// One row of kernels/tiles.def: a tile configuration of the tensor-core
+/// forward, as the kernels instantiate it.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) struct TileRow {
+    name: &'static str,
+    /// `mma16`, `wide16`, `f32`, `turing` or `hopper` (see kernels/tiles.def).
+    family: &'static str,
+    wm: usize,
+    wn: usize,
+    mt: usize,
+    nt: usize,
+    stages: usize,
+    /// Pipeline depth of the residual kernels; 0: none.
+    res_stages: usize,
 }
 
-/// The configurations instantiated with the residual (PLAID) document loader.
-const RESIDUAL_CONFIGS: [TileConfig; 3] = [TileConfig::Large, TileConfig::Narrow, TileConfig::HSmall];
+/// kernels/tiles.def, parsed by build.rs.
+mod table {
+    use super::TileRow;
+    include!(concat!(env!("OUT_DIR"), "/tiles.rs"));
+}
 
-const ALL_CONFIGS: [TileConfig; 10] = [
-    TileConfig::Large,
-    TileConfig::Small,
-    TileConfig::Narrow,
-    TileConfig::Wide,
-    TileConfig::HLarge,
-    TileConfig::HMid,
-    TileConfig::HSmall,
-    TileConfig::Compact,
-    TileConfig::FLarge,
-    TileConfig::FSmall,
-];
+/// A tile configuration: a row of kernels/tiles.def.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct TileConfig(&'static TileRow);
+
+impl std::fmt::Debug for TileConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.0.name)
+    }
+}
+
+impl std::hash::Hash for TileRow {
+    fn hash<H: std::hash::Hasher>(&self, h: &mut H) {
+        self.name.hash(h)
+    }
+}
 
 impl TileConfig {
+    fn all() -> impl Iterator<Item = TileConfig> {
+        table::TILES.iter().map(TileConfig)
+    }
     fn name(self) -> &'static str {
-        match self {
-            TileConfig::Large => "large",
-            TileConfig::Small => "small",
-            TileConfig::Narrow => "narrow",
-            TileConfig::Wide => "wide",
-            TileConfig::HLarge => "hlarge",
-            TileConfig::HMid => "hmid",
-            TileConfig::HSmall => "hsmall",
-            TileConfig::Compact => "compact",
-            TileConfig::FLarge => "flarge",
-            TileConfig::FSmall => "fsmall",
-        }
+        self.0.name
     }
     fn parse(s: &str) -> Option<Self> {
-        ALL_CONFIGS.into_iter().find(|c| c.name() == s)
+        Self::all().find(|c| c.name() == s)
     }
     fn hopper(self) -> bool {
-        matches!(self, TileConfig::HLarge | TileConfig::HMid | TileConfig::HSmall)
+        self.0.family == "hopper"
     }
-    /// (query rows per block, doc rows per stage, threads), as instantiated in maxsim_fwd.cu.
+    /// (query rows per block, doc rows per stage, threads).
     fn shape(self) -> (usize, usize, u32) {
-        match self {
-            TileConfig::Large => (128, 64, 128),
-            TileConfig::Small => (32, 128, 128),
-            TileConfig::Narrow => (32, 64, 128),
-            TileConfig::Wide => (64, 64, 128),
-            TileConfig::HLarge => (128, 128, 256),
-            TileConfig::HMid => (64, 128, 128),
-            TileConfig::HSmall => (64, 64, 128),
-            TileConfig::Compact => (64, 64, 128),
-            TileConfig::FLarge => (64, 64, 128),
-            TileConfig::FSmall => (32, 64, 128),
-        }
+        let r = self.0;
+        (16 * r.wm * r.mt, 8 * r.wn * r.nt, (32 * r.wm * r.wn) as u32)
     }
-    /// Pipeline depth; the residual hsmall kernels run 3 stages (see maxsim_fwd.cu).
+    /// Pipeline depth of the dense or the residual kernels.
     fn stages(self, residual: bool) -> usize {
-        match self {
-            TileConfig::HSmall if residual => 3,
-            TileConfig::Large => 4,
-            TileConfig::Small => 2,
-            TileConfig::Narrow => 4,
-            TileConfig::Wide => 3,
-            TileConfig::HLarge | TileConfig::HMid => 3,
-            TileConfig::HSmall => 4,
-            TileConfig::Compact | TileConfig::FSmall => 2,
-            TileConfig::FLarge => 3,
+        if residual {
+            self.0.res_stages
+        } else {
+            self.0.stages
         }
     }
     /// The element types it is compiled for, and from which module (compute capability).
     fn runs(self, dtype: DType, cc: i32) -> bool {
-        match self {
-            TileConfig::FLarge | TileConfig::FSmall => dtype == DType::F32 && cc >= 80,
-            TileConfig::Compact => dtype == DType::F16 && cc < 80,
-            c if c.hopper() => matches!(dtype, DType::F16 | DType::BF16) && cc == 90,
-            _ => matches!(dtype, DType::F16 | DType::BF16) && cc >= 80,
+        let half = matches!(dtype, DType::F16 | DType::BF16);
+        match self.0.family {
+            "f32" => dtype == DType::F32 && cc >= 80,
+            "turing" => dtype == DType::F16 && cc < 80,
+            "hopper" => half && cc == 90,
+            _ => half && cc >= 80,
         }
     }
-    /// Dynamic shared memory (`TileConfig::SMEM_BYTES`): mma.sync stages Q and
-    /// the document tiles in rows padded by 16 bytes; Hopper tiles hold only the swizzled
-    /// document stages, plus 1024 bytes of alignment slack; then the stages' masks.
-    /// Residual kernels (`res_nbits` > 0) also stage each tile's packed
-    /// residual bytes (`dpad * res_nbits / 8` per row, after the masks rounded up to 16 bytes).
+    /// Dynamic shared memory of its kernels, as maxsim_fwd.cu lays it out
+    /// (the kernels trap when given less): mma.sync stages Q and the document
+    /// tiles in rows padded by 16 bytes; Hopper tiles hold only the swizzled
+    /// document stages, plus 1024 bytes of alignment slack; then the stages'
+    /// masks. Residual kernels (`res_nbits` > 0) also stage each tile's
+    /// packed residual bytes (`dpad * res_nbits / 8` per row, after the masks
+    /// rounded up to 16 bytes).
     fn smem(self, dpad: usize, elem: usize, res_nbits: usize) -> u32 {
         let residual = res_nbits > 0;
         let (bq, bd, _) = self.shape();
@@ -161,11 +137,10 @@ fn path_for(info: &DeviceInfo, dtype: DType, dim: usize) -> Path {
 /// less per block than sm_80 / sm_90); the Hopper tiles exist only in the
 /// sm_90a module, loaded on compute capability 9.0. Empty: the SIMT kernel.
 fn candidates(info: &DeviceInfo, dtype: DType, dpad: usize, res_nbits: usize) -> Vec<TileConfig> {
-    ALL_CONFIGS
-        .into_iter()
+    TileConfig::all()
         .filter(|c| c.runs(dtype, info.cc))
-        .filter(|c| (*c == TileConfig::Wide) == (dpad > 128))
-        .filter(|c| res_nbits == 0 || RESIDUAL_CONFIGS.contains(c))
+        .filter(|c| (c.0.family == "wide16") == (dpad > 128))
+        .filter(|c| res_nbits == 0 || c.stages(true) > 0)
         .filter(|c| c.smem(dpad, dtype.size_in_bytes(), res_nbits) as usize <= info.smem_optin)
         .collect()
 }
@@ -286,7 +261,8 @@ pub(crate) enum Variant {
     Residual,
 }
 
-fn kernel_name(dtype: DType, path: Path, cfg: TileConfig, v: Variant) -> String {
+/// The kernel of a path (a tile configuration for the tensor-core path).
+fn kernel_name(dtype: DType, path: Path, cfg: Option<TileConfig>, v: Variant) -> String {
     let suffix = match v {
         Variant::Nograd => "nograd",
         Variant::Argmax | Variant::ArgmaxCompact => "argmax",
@@ -296,7 +272,8 @@ fn kernel_name(dtype: DType, path: Path, cfg: TileConfig, v: Variant) -> String 
         // Residual kernels exist at the stored widths only.
         Path::Mma { dpad, width } => {
             let w = if v == Variant::Residual { dpad } else { width };
-            format!("maxsim_mma_{}_{}_d{w}_{suffix}", dtype_tag(dtype), cfg.name())
+            let cfg = cfg.map_or("", TileConfig::name);
+            format!("maxsim_mma_{}_{cfg}_d{w}_{suffix}", dtype_tag(dtype))
         }
         Path::Simt => format!("maxsim_simt_{}_{suffix}", dtype_tag(dtype)),
     }
@@ -426,12 +403,12 @@ pub(crate) fn fwd_launch(
                 // One block per pair, in pair order.
                 let smem = simt_smem(dtype, pb.dim)?;
                 let plan = Plan { params: base, grid: n_out as u32, _groups: None };
-                run(&dev, &kernel_name(dtype, Path::Simt, TileConfig::Large, variant), &plan, 128, smem)?;
+                run(&dev, &kernel_name(dtype, Path::Simt, None, variant), &plan, 128, smem)?;
             }
             Path::Mma { dpad, width } => {
                 let cfg = choose_config(&dev, &info, pb, base, dtype, (dpad, width), variant, argmax_at)?;
                 let (bq, _, threads) = cfg.shape();
-                let name = kernel_name(dtype, Path::Mma { dpad, width }, cfg, variant);
+                let name = kernel_name(dtype, Path::Mma { dpad, width }, Some(cfg), variant);
                 let smem = cfg.smem(dpad, dtype.size_in_bytes(), res_nbits(variant, &base));
                 let plan = plan(&dev, &info, pb, base, bq, per_sm(&dev, &name, variant, threads, smem)?)?;
                 run(&dev, &name, &plan, threads, smem)?;
@@ -505,11 +482,11 @@ fn choose_config(
     // argmax epilogue shifts the balance between tiles); the real launch
     // rewrites the scores, and the argmax is reset below.
     let stream = dev.cuda_stream();
-    let mut best = (f32::INFINITY, TileConfig::Large);
+    let mut best = (f32::INFINITY, fits[0]);
     let mut timed = Vec::with_capacity(fits.len());
     for cfg in fits {
         let (bq, _, threads) = cfg.shape();
-        let name = kernel_name(dtype, Path::Mma { dpad, width }, cfg, variant);
+        let name = kernel_name(dtype, Path::Mma { dpad, width }, Some(cfg), variant);
         let smem = cfg.smem(dpad, dtype.size_in_bytes(), res_nbits(variant, &base));
         let plan = plan(dev, info, pb, base, bq, per_sm(dev, &name, variant, threads, smem)?)?;
         run(dev, &name, &plan, threads, smem)?; // warm-up (module load)

@@ -73,13 +73,17 @@ impl TopK {
         Ok(())
     }
 
-    /// `(scores [Nq, k] F32, ids [Nq, k] U32)` on `device`.
+    /// `(scores [Nq, k'] F32, ids [Nq, k'] U32)` on `device`, where `k'` is
+    /// `k` or, if fewer ids were pushed, their number.
     pub fn finish(self, device: &candle_core::Device) -> Result<(Tensor, Tensor)> {
-        let (nq, k) = (self.best.len(), self.k);
+        // Every row saw the same ids, so every row holds the same count.
+        let nq = self.best.len();
+        let k = self.best.first().map_or(self.k, |t| t.len().min(self.k));
         if k == 0 || nq == 0 {
             // Empty results as zero-size views (CUDA allocates no empty buffer).
-            let z =
-                Tensor::zeros((nq.max(1), 1), candle_core::DType::F32, device)?.narrow(0, 0, nq)?.narrow(1, 0, k)?;
+            let z = Tensor::zeros((nq.max(1), k.max(1)), candle_core::DType::F32, device)?
+                .narrow(0, 0, nq)?
+                .narrow(1, 0, k)?;
             return Ok((z.clone(), z.to_dtype(candle_core::DType::U32)?));
         }
         let scores: Vec<f32> = self.best.iter().flat_map(|t| t.iter().map(|x| x.0)).collect();

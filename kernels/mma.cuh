@@ -1,0 +1,191 @@
+// Tensor-core MMA: mma.sync fragments (sm_75+), split-TF32 for F32 (sm_80+),
+// and Hopper warpgroup MMA (sm_90a).
+#pragma once
+#include "elem.cuh"
+
+#if __CUDA_ARCH__ >= 750
+template <typename T> struct Mma;
+// D[16x8] += A[16x16] (row) * B[16x8] (col), f32 accumulators.
+template <> struct Mma<__half> {
+    static __device__ __forceinline__ void run(float* c, const uint32_t* a, const uint32_t* b) {
+#if __CUDA_ARCH__ >= 800
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+            "{%0,%1,%2,%3};\n"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#else
+        // Turing has m16n8k8 only: the k16 fragments are two k8 halves.
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+            asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, "
+                         "{%0,%1,%2,%3};\n"
+                         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                         : "r"(a[2 * h]), "r"(a[2 * h + 1]), "r"(b[h]));
+#endif
+    }
+};
+#if __CUDA_ARCH__ >= 800
+template <> struct Mma<__nv_bfloat16> {
+    static __device__ __forceinline__ void run(float* c, const uint32_t* a, const uint32_t* b) {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+            "{%0,%1,%2,%3};\n"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+    }
+};
+#endif
+
+// ldmatrix: four 8x8 b16 matrices from shared memory, one row address per lane.
+__device__ __forceinline__ void ldmatrix_x4(uint32_t* r, const void* smem) {
+    const uint32_t s = (uint32_t)__cvta_generic_to_shared(smem);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(s));
+}
+
+// Tensor-core operands of one element type, as the mma.sync kernels use
+// them: K columns per MMA step, A registers per m16 x K fragment, the A
+// fragment read from a row-major shared-memory tile, and the two n8 MMAs fed
+// by one ldmatrix.x4 of B (rows = document tokens, K-major). ldmatrix reads
+// 16-byte row pieces, so the same B addressing serves 2- and 4-byte elements.
+template <typename T> struct Frag { // f16 / bf16: m16n8k16
+    static constexpr int K = 16, AREGS = 4;
+    static __device__ __forceinline__ void load_a(uint32_t* a, const T* s, int srow, int ra, int col0, int c) {
+        const T* p = s + ra * srow + col0 + 2 * c;
+        a[0] = *reinterpret_cast<const uint32_t*>(p);
+        a[1] = *reinterpret_cast<const uint32_t*>(p + 8 * srow);
+        a[2] = *reinterpret_cast<const uint32_t*>(p + 8);
+        a[3] = *reinterpret_cast<const uint32_t*>(p + 8 * srow + 8);
+    }
+    static __device__ __forceinline__ void mma2(float* c0, float* c1, const uint32_t* a, const uint32_t* b) {
+        Mma<T>::run(c0, a, b);
+        Mma<T>::run(c1, a, b + 2);
+    }
+};
+
+#if __CUDA_ARCH__ >= 800
+// F32 on tensor cores, split precision ("3xTF32"): x = hi + lo with both
+// parts TF32 (10-bit mantissa), and a.b ~ a_hi.b_hi + a_hi.b_lo + a_lo.b_hi.
+// The dropped a_lo.b_lo term is ~2^-22 of the product: F32-grade scores (and
+// argmax) at a third of the TF32 tensor-core rate, far above FMA units.
+__device__ __forceinline__ void split_tf32(float x, uint32_t& hi, uint32_t& lo) {
+    asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(hi) : "f"(x));
+    asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(lo) : "f"(x - __uint_as_float(hi)));
+}
+__device__ __forceinline__ void mma_tf32(float* c, const uint32_t* a, const uint32_t* b) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+template <> struct Frag<float> { // m16n8k8 tf32; A kept split: a[0..3] hi, a[4..7] lo
+    static constexpr int K = 8, AREGS = 8;
+    static __device__ __forceinline__ void load_a(uint32_t* a, const float* s, int srow, int ra, int col0, int c) {
+        const float* p = s + ra * srow + col0 + c;
+        const float x[4] = {p[0], p[8 * srow], p[4], p[8 * srow + 4]};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) split_tf32(x[i], a[i], a[4 + i]);
+    }
+    static __device__ __forceinline__ void mma2(float* c0, float* c1, const uint32_t* a, const uint32_t* b) {
+        uint32_t hi[4], lo[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) split_tf32(__uint_as_float(b[i]), hi[i], lo[i]);
+        float* c[2] = {c0, c1};
+#pragma unroll
+        for (int n = 0; n < 2; ++n) { // small terms first
+            mma_tf32(c[n], a + 4, hi + 2 * n);
+            mma_tf32(c[n], a, lo + 2 * n);
+            mma_tf32(c[n], a, hi + 2 * n);
+        }
+    }
+};
+#endif
+#endif // __CUDA_ARCH__ >= 750
+
+// ---------------------------------------------------------------------------
+// Hopper warpgroup MMA (sm_90a only): wgmma.mma_async with A in registers
+// (the same m16k16 fragment per warp as mma.sync) and B read by the tensor
+// cores straight from a 128-byte-swizzled shared-memory tile.
+// ---------------------------------------------------------------------------
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define MAXSIM_HOPPER 1
+
+// Swizzled tile of rows with 64 two-byte elements per 128-byte row (K-major
+// B operand): 16-byte chunk c of row r sits at chunk c ^ (r % 8). Wider rows
+// are stored as consecutive [rows, 64] panels. The tile base is 1024-aligned.
+__device__ __forceinline__ uint64_t wgmma_desc_sw128(uint32_t smem_addr) {
+    uint64_t d = 0;
+    d |= (uint64_t)((smem_addr & 0x3FFFF) >> 4);   // start address
+    d |= (uint64_t)1 << 16;                         // leading byte offset (unused with swizzle)
+    d |= (uint64_t)(1024 >> 4) << 32;               // stride byte offset: 8 rows x 128 B
+    d |= (uint64_t)1 << 62;                         // 128-byte swizzle
+    return d;
+}
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Writes by the generic proxy (cp.async, st.shared) made visible to the tensor cores.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// Keeps the compiler from moving accumulator accesses across wgmma issue/wait.
+template <int N> __device__ __forceinline__ void fence_regs(float* r) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+
+// Operand lists: N/2 f32 accumulators, 4 A registers, the B descriptor, scale-d.
+#define MAXSIM_WG_D8(o) "+f"(d[o]), "+f"(d[o + 1]), "+f"(d[o + 2]), "+f"(d[o + 3]), \
+                        "+f"(d[o + 4]), "+f"(d[o + 5]), "+f"(d[o + 6]), "+f"(d[o + 7])
+#define MAXSIM_WG_OPS_N64 MAXSIM_WG_D8(0), MAXSIM_WG_D8(8), MAXSIM_WG_D8(16), MAXSIM_WG_D8(24)
+#define MAXSIM_WG_OPS_N128 MAXSIM_WG_OPS_N64, MAXSIM_WG_D8(32), MAXSIM_WG_D8(40), MAXSIM_WG_D8(48), MAXSIM_WG_D8(56)
+#define MAXSIM_WG_REGS_N64 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define MAXSIM_WG_TAIL_N64 "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n"
+#define MAXSIM_WG_PRED_N64 "setp.ne.b32 p, %37, 0;\n"
+#define MAXSIM_WG_REGS_N128 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+#define MAXSIM_WG_TAIL_N128 "{%64, %65, %66, %67}, %68, p, 1, 1, 0;\n"
+#define MAXSIM_WG_PRED_N128 "setp.ne.b32 p, %69, 0;\n"
+
+// D[64 x N] (+)= A[64 x 16] (registers) * B[16 x N] (shared memory, K-major).
+template <typename T, int N> struct Wgmma;
+#define MAXSIM_WGMMA(T, TS, N)                                                                            \
+    template <> struct Wgmma<T, N> {                                                                      \
+        static __device__ __forceinline__ void run(float* d, const uint32_t* a, uint64_t desc, int acc) { \
+            asm volatile("{\n.reg .pred p;\n" MAXSIM_WG_PRED_N##N                                          \
+                         "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TS "." TS " "                  \
+                         MAXSIM_WG_REGS_N##N ", " MAXSIM_WG_TAIL_N##N "}\n"                               \
+                         : MAXSIM_WG_OPS_N##N                                                             \
+                         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(acc));              \
+        }                                                                                                 \
+    };
+// D[64 x N] (+)= A[64 x 16] * B[16 x N], both from 128-byte-swizzled K-major
+// shared-memory tiles (the fused projection head stages both through cp.async).
+template <typename T, int N> struct WgmmaSS;
+#define MAXSIM_WG_SS_TAIL_N64 "%32, %33, p, 1, 1, 0, 0;\n"
+#define MAXSIM_WG_SS_PRED_N64 "setp.ne.b32 p, %34, 0;\n"
+#define MAXSIM_WG_SS_TAIL_N128 "%64, %65, p, 1, 1, 0, 0;\n"
+#define MAXSIM_WG_SS_PRED_N128 "setp.ne.b32 p, %66, 0;\n"
+#define MAXSIM_WGMMA_SS(T, TS, N)                                                                          \
+    template <> struct WgmmaSS<T, N> {                                                                     \
+        static __device__ __forceinline__ void run(float* d, uint64_t desc_a, uint64_t desc_b, int acc) { \
+            asm volatile("{\n.reg .pred p;\n" MAXSIM_WG_SS_PRED_N##N                                       \
+                         "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TS "." TS " "                   \
+                         MAXSIM_WG_REGS_N##N ", " MAXSIM_WG_SS_TAIL_N##N "}\n"                            \
+                         : MAXSIM_WG_OPS_N##N                                                              \
+                         : "l"(desc_a), "l"(desc_b), "r"(acc));                                            \
+        }                                                                                                  \
+    };
+MAXSIM_WGMMA_SS(__half, "f16", 64)
+MAXSIM_WGMMA_SS(__half, "f16", 128)
+MAXSIM_WGMMA_SS(__nv_bfloat16, "bf16", 64)
+MAXSIM_WGMMA_SS(__nv_bfloat16, "bf16", 128)
+
+MAXSIM_WGMMA(__half, "f16", 64)
+MAXSIM_WGMMA(__half, "f16", 128)
+MAXSIM_WGMMA(__nv_bfloat16, "bf16", 64)
+MAXSIM_WGMMA(__nv_bfloat16, "bf16", 128)
+#endif // __CUDA_ARCH_FEAT_SM90_ALL
+
