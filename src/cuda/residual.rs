@@ -229,7 +229,7 @@ pub(crate) fn decompress(r: &ResidualDev, dtype: DType, dim: usize) -> Result<Te
         }
     };
     if n > 0 {
-        let name = format!("maxsim_decompress_{}", super::fwd::dtype_tag(dtype));
+        let name = format!("maxsim_decompress_{}", dtype_tag(dtype));
         let func = fwd_func(&dev, &name, 0)?;
         let rows_per_warp = 32 / (dim / 8).next_power_of_two().min(32);
         let warps = n.div_ceil(rows_per_warp);
