@@ -142,7 +142,7 @@ impl Pairing {
             }
         }
         if pair_q.dim(0)? != pair_d.dim(0)? {
-            bail!("pair_q / pair_d: lengths differ ({} vs {})", pair_q.dim(0)?, pair_d.dim(0)?)
+            bail!("pair_d: length {} differs from pair_q's {}", pair_d.dim(0)?, pair_q.dim(0)?)
         }
         let pq: Vec<u32> = pair_q.to_vec1()?;
         let pd: Vec<u32> = pair_d.to_vec1()?;

@@ -16,7 +16,8 @@ pub(crate) use maxsim_fwd::residual_supported;
 pub(crate) use maxsim_fwd::{maxsim_argmax, maxsim_fwd, Variant};
 pub(crate) use normalize::{l2norm_bwd, l2norm_fwd};
 pub(crate) use residual::{
-    decompress as decompress_residual, residual_scores, residual_scores_warp, ResidualDev, WarpDocs,
+    decompress as decompress_residual, residual_path, residual_scores, residual_scores_warp, ResidualDev, ResidualPath,
+    WarpDocs,
 };
 pub(crate) use rows::{add_bias, gather_rows};
 

@@ -3,13 +3,13 @@
 //! up to 32 rows, inside the MaxSim tile loader otherwise; never written to
 //! device memory) and a standalone decompression kernel for the gradient path.
 
-use super::maxsim_fwd::{fwd_launch, Variant};
+use super::maxsim_fwd::{fwd_launch, residual_supported, Variant};
 use super::params::{dtype_tag, Params};
 use super::{alloc_out, device_info, fwd_func, launch, load_func, storage_ptr, tensor_ptr, HostFlag, RESIDUAL};
 use crate::layout::{Pairing, Problem, Seqs};
 use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::WrapErr;
-use candle_core::{bail, CudaStorage, DType, Layout, Result, Storage, Tensor};
+use candle_core::{bail, CudaDevice, CudaStorage, DType, Layout, Result, Storage, Tensor};
 
 /// Mirror of `ResScoreParams` in kernels/residual.cu.
 #[repr(C)]
@@ -46,10 +46,58 @@ pub(crate) enum WarpDocs<'a> {
     Padded(&'a Tensor),
 }
 
-/// Fused residual scores `[Nq·Nd]` F32 by kernels/residual.cu (a warp per
-/// (query, document), tokens decoded into MMA fragments), or `None` where it
-/// does not apply: compute capability under 8.0, queries over 32 rows or
-/// with masks, dims other than 64 / 96 / 128, a pair list. `q` `[Nq·Lq, dim]`
+/// How residual scoring runs on a GPU.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum ResidualPath {
+    /// kernels/residual.cu: a warp per (query, document), tokens decoded
+    /// straight into MMA fragments (short unmasked queries, dims 64 / 96 / 128).
+    Warp,
+    /// The MaxSim tile kernels with the residual loader.
+    Tile,
+    /// The decompression kernel, then the dense MaxSim op (a gradient to q).
+    Dense,
+    /// No kernel covers this dtype / dim / nbits on this device: the host decompresses.
+    Host,
+}
+
+/// The path of a residual scoring problem: the one place where each
+/// condition is written. `q_dtype`: the queries' dtype; `grad`: q needs a
+/// gradient; `codes_dtype`, `n_centroids`: of the compressed documents;
+/// `padded`: documents laid out `[Nd, Ld]` with lengths (else packed by `pb.d`).
+pub(crate) fn residual_path(
+    dev: &CudaDevice,
+    pb: &Problem,
+    q_dtype: DType,
+    nbits: usize,
+    grad: bool,
+    (codes_dtype, n_codes, n_centroids): (DType, usize, usize),
+) -> Result<ResidualPath> {
+    if !residual_supported(dev, q_dtype, pb.dim, nbits)? {
+        return Ok(ResidualPath::Host);
+    }
+    if grad {
+        return Ok(ResidualPath::Dense);
+    }
+    let warp = match (&pb.q, &pb.pairs) {
+        (Seqs::Uniform { n: nq, len: lq }, Pairing::Cross { nd, .. }) => {
+            device_info(dev)?.cc >= 80
+                && !crate::knobs::knobs().residual_tile
+                && pb.q_valid.is_none()
+                && matches!(codes_dtype, DType::U32 | DType::I64)
+                && matches!(pb.dim, 64 | 96 | 128)
+                && (1..=32).contains(lq)
+                && nq * nd < i32::MAX as usize
+                && n_codes < i32::MAX as usize
+                // No centroids: every code is out of range, which the tile path reports.
+                && n_centroids > 0
+        }
+        _ => false,
+    };
+    Ok(if warp { ResidualPath::Warp } else { ResidualPath::Tile })
+}
+
+/// Fused residual scores `[Nq·Nd]` F32 by kernels/residual.cu, where
+/// [`residual_path`] chose [`ResidualPath::Warp`]. `q` `[Nq·Lq, dim]`
 /// F16/BF16, normalized by the caller if asked; `codes` U32 or I64 (any
 /// shape, one per token row), checked against the centroid count by the
 /// kernel itself (one 4-byte read-back, no separate pass over the codes).
@@ -63,30 +111,17 @@ pub(crate) fn residual_scores_warp(
     buckets: &Tensor,
     (nbits, colbert_order, normalize): (usize, bool, bool),
     docs: WarpDocs,
-) -> Result<Option<Tensor>> {
-    let candle_core::Device::Cuda(dev) = q.device() else { return Ok(None) };
+) -> Result<Tensor> {
+    let internal = || candle_core::Error::Msg("maxsim_residual: internal error, no warp-kernel problem".into());
+    let candle_core::Device::Cuda(dev) = q.device() else { return Err(internal()) };
     let (Seqs::Uniform { n: nq, len: lq }, Pairing::Cross { nd, .. }) = (&pb.q, &pb.pairs) else {
-        return Ok(None);
+        return Err(internal());
     };
     let (nq, lq, nd, dim) = (*nq, *lq, *nd, pb.dim);
-    if device_info(dev)?.cc < 80
-        || crate::knobs::knobs().residual_tile
-        || pb.q_valid.is_some()
-        || !matches!(q.dtype(), DType::F16 | DType::BF16)
-        || !matches!(codes.dtype(), DType::U32 | DType::I64)
-        || !matches!(dim, 64 | 96 | 128)
-        || !matches!(nbits, 2 | 4 | 8)
-        || lq == 0
-        || lq > 32
-        || nq * nd >= i32::MAX as usize
-        || codes.elem_count() >= i32::MAX as usize
-    {
-        return Ok(None);
-    }
     let (cu, lens, ld) = match (&docs, &pb.d) {
         (WarpDocs::Packed, Seqs::Packed { cu_dev, .. }) => (Some(cu_dev.contiguous()?), None, 0),
         (WarpDocs::Padded(l), Seqs::Uniform { len, .. }) => (None, Some(l.contiguous()?), *len),
-        _ => return Ok(None),
+        _ => return Err(internal()),
     };
     let aligned = |t: &Tensor, a: u64| -> Result<Tensor> {
         let t = t.contiguous()?;
@@ -105,9 +140,6 @@ pub(crate) fn residual_scores_warp(
     let work = Tensor::zeros(1, DType::U32, q.device())?;
     let bad = HostFlag::new(dev)?;
     let n_c = cents.dim(0)?;
-    if n_c == 0 {
-        return Ok(None); // every code is out of range: the checked path reports it
-    }
     let params = ResScoreParams {
         q: tensor_ptr(&q)?,
         centroids: tensor_ptr(&cents)?,
@@ -139,7 +171,7 @@ pub(crate) fn residual_scores_warp(
         bail!("codes: a code of a scored token is out of range for {n_c} centroids")
     }
     drop((q, codes, residuals, cents, buckets, cu, lens));
-    Ok(Some(Tensor::from((Storage::Cuda(out), nq * nd))))
+    Ok(Tensor::from((Storage::Cuda(out), nq * nd)))
 }
 
 /// Threads per block of kernels/residual.cu (its launch bounds).

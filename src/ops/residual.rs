@@ -276,17 +276,18 @@ fn max_u32(x: &Tensor) -> Result<u32> {
     Tensor::cat(&parts, 0)?.max(0)?.to_scalar::<u32>()
 }
 
-/// CUDA: decompression on the device, fused into the scoring kernel when `q`
-/// needs no gradient (the dense documents never reach device memory: a warp
-/// kernel for queries of up to 32 rows, the MaxSim tile loader otherwise), or
-/// by a decompression kernel feeding the dense op when it does. `None` where
-/// the fused kernels do not apply (F32 queries, dims not a multiple of 8 or
-/// over 128, dim·nbits not a multiple of 32): those take the host path. `valid` masks padded token slots,
-/// whose codes may hold anything; `doc_lens` gives the same for the warp kernel
-/// (padded layout). `q` is `[Tq, dim]`, not yet normalized.
+/// CUDA: the path [`crate::cuda::residual_path`] picks. Fused (no gradient
+/// to q): the dense documents never reach device memory (the warp kernel
+/// for short queries, the MaxSim tile loader otherwise). `Dense` (a gradient
+/// to q): a decompression kernel feeds the MaxSim op. `None`: no kernel
+/// covers this dtype / dim / nbits (the caller decompresses on the host).
+/// `valid` masks padded token slots, whose codes may hold anything;
+/// `doc_lens` gives the same for the warp kernel (padded layout). `q` is
+/// `[Tq, dim]`, not yet normalized.
 #[cfg(feature = "cuda")]
 #[allow(clippy::too_many_arguments)]
 fn residual_on_cuda(
+    dev: &candle_core::CudaDevice,
     q: &Tensor,
     codes: &Tensor,
     residuals: &Tensor,
@@ -296,36 +297,43 @@ fn residual_on_cuda(
     doc_lens: Option<&Tensor>,
     problem: Problem,
 ) -> Result<Option<Tensor>> {
-    let candle_core::Device::Cuda(dev) = q.device() else { return Ok(None) };
+    use crate::cuda::ResidualPath;
     let dim = problem.dim;
-    if !crate::cuda::residual_supported(dev, q.dtype(), dim, codec.nbits)? {
+    let t = codes.elem_count();
+    let n_c = codec.centroids.dim(0)?;
+    let path =
+        crate::cuda::residual_path(dev, &problem, q.dtype(), codec.nbits, q.track_op(), (codes.dtype(), t, n_c))?;
+    if path == ResidualPath::Host {
         return Ok(None);
     }
-    let t = codes.elem_count();
     check_residuals("residuals", residuals, t, codec.residual_width(dim))?;
     let n_out = problem.n_out();
     if t == 0 || n_out == 0 {
         return Tensor::zeros(n_out, DType::F32, q.device()).map(Some);
     }
     let q = if normalize { crate::l2_normalize(q)? } else { q.clone() };
-    if !q.track_op() {
-        let docs = match doc_lens {
-            Some(l) => crate::cuda::WarpDocs::Padded(l),
-            None => crate::cuda::WarpDocs::Packed,
-        };
-        let flags = (codec.nbits, codec.bit_order == BitOrder::ColBert, normalize);
-        let (c, b) = (&codec.centroids, &codec.bucket_weights);
-        if let Some(s) = crate::cuda::residual_scores_warp(&problem, &q, codes, residuals, c, b, flags, docs)? {
-            return Ok(Some(s));
+    let scores = match path {
+        ResidualPath::Warp => {
+            let docs = match doc_lens {
+                Some(l) => crate::cuda::WarpDocs::Padded(l),
+                None => crate::cuda::WarpDocs::Packed,
+            };
+            let flags = (codec.nbits, codec.bit_order == BitOrder::ColBert, normalize);
+            let (c, b) = (&codec.centroids, &codec.bucket_weights);
+            crate::cuda::residual_scores_warp(&problem, &q, codes, residuals, c, b, flags, docs)?
         }
-    }
-    let res = codec.on_device(codes, residuals, valid, q.dtype(), normalize)?;
-    if q.track_op() {
-        // Training: dense documents for the closed-form gradient to q.
-        let d = crate::cuda::decompress_residual(&res, q.dtype(), dim)?;
-        return MaxSimOp::new(problem, Backward::Unified).apply(&q, &d).map(Some);
-    }
-    crate::cuda::residual_scores(&problem, &q, &res).map(Some)
+        ResidualPath::Tile => {
+            let res = codec.on_device(codes, residuals, valid, q.dtype(), normalize)?;
+            crate::cuda::residual_scores(&problem, &q, &res)?
+        }
+        _ => {
+            // Training: dense documents for the closed-form gradient to q.
+            let res = codec.on_device(codes, residuals, valid, q.dtype(), normalize)?;
+            let d = crate::cuda::decompress_residual(&res, q.dtype(), dim)?;
+            MaxSimOp::new(problem, Backward::Unified).apply(&q, &d)?
+        }
+    };
+    Ok(Some(scores))
 }
 
 /// Exact MaxSim of `q [Nq, Lq, dim]` against padded compressed documents:
@@ -370,17 +378,12 @@ pub fn maxsim_residual(
         pairs: Pairing::Cross { nq, nd },
     };
     #[cfg(feature = "cuda")]
-    if let Some(s) = residual_on_cuda(
-        &q.reshape((nq * lq, dim))?,
-        codes,
-        residuals,
-        codec,
-        normalize,
-        Some(&d_valid),
-        Some(doc_lens),
-        problem.clone(),
-    )? {
-        return s.reshape((nq, nd));
+    if let candle_core::Device::Cuda(dev) = q.device() {
+        let qp = q.reshape((nq * lq, dim))?;
+        let (valid, lens) = (Some(&d_valid), Some(doc_lens));
+        if let Some(s) = residual_on_cuda(dev, &qp, codes, residuals, codec, normalize, valid, lens, problem.clone())? {
+            return s.reshape((nq, nd));
+        }
     }
     let codes_h = codes_host(codes, &valid)?;
     let res_h = residual_bytes("residuals", residuals, nd * ld, codec.residual_width(dim))?;
@@ -425,10 +428,11 @@ pub fn maxsim_residual_varlen(
         pairs: Pairing::Cross { nq, nd },
     };
     #[cfg(feature = "cuda")]
-    if let Some(s) =
-        residual_on_cuda(&q.reshape((nq * lq, dim))?, codes, residuals, codec, normalize, None, None, problem.clone())?
-    {
-        return s.reshape((nq, nd));
+    if let candle_core::Device::Cuda(dev) = q.device() {
+        let qp = q.reshape((nq * lq, dim))?;
+        if let Some(s) = residual_on_cuda(dev, &qp, codes, residuals, codec, normalize, None, None, problem.clone())? {
+            return s.reshape((nq, nd));
+        }
     }
     let d = codec.decompress_packed(codes, residuals, dim)?.to_dtype(q.dtype())?;
     let (q, d) = maybe_normalize(q, &d, normalize)?;

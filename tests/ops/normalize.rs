@@ -1,20 +1,21 @@
-//! `l2_normalize` (one op, closed-form backward) against the same function
-//! written as plain candle ops, whose autograd gives the Jacobian.
+//! `l2_normalize` (src/ops/normalize.rs: one op, closed-form backward)
+//! against the same function written as plain candle ops in F64 on the
+//! CPU, whose autograd gives the Jacobian.
 
-use super::{assert_close, randn};
+use crate::common::*;
 use candle_core::{DType, Device, Result, Tensor, Var, D};
 use candle_maxsim as ms;
 
 /// x / max(|x|, 1e-12) over the last axis, in F64, as plain candle ops.
-pub fn naive(x: &Tensor) -> Result<Tensor> {
+fn naive(x: &Tensor) -> Result<Tensor> {
     let x = x.to_dtype(DType::F64)?;
     let n = x.sqr()?.sum_keepdim(D::Minus1)?.sqrt()?.maximum(1e-12)?;
     x.broadcast_div(&n)
 }
 
-/// Forward and gradient (of sum(w * y)) on `dev` against the naive F64 version
-/// on the CPU, for inputs of dtype `dt` and shape `[rows, dim]` (3-D view).
-pub fn check(dev: &Device, rows: usize, dim: usize, dt: DType, tol: f64) -> Result<()> {
+/// Forward and gradient (of sum(w * y)) on `dev` against [`naive`] on the
+/// CPU, for inputs of dtype `dt` and shape `[rows, 1, dim]`.
+fn check(dev: &Device, rows: usize, dim: usize, dt: DType, tol: f64) -> Result<()> {
     let cpu = Device::Cpu;
     let x = randn(&[rows, 1, dim], dt, &cpu)?;
     // The upstream gradient reaches the op in `dt` (the backward of the cast
@@ -32,17 +33,42 @@ pub fn check(dev: &Device, rows: usize, dim: usize, dt: DType, tol: f64) -> Resu
     let xn = Var::from_tensor(&x.to_dtype(DType::F64)?)?;
     let yn = naive(xn.as_tensor())?;
     let gn = yn.mul(&w)?.sum_all()?.backward()?.get(xn.as_tensor()).expect("grad").clone();
-    assert_close(&format!("{what} forward"), &y.to_device(&cpu)?, &yn, tol)?;
+    assert_close(&format!("{what} forward"), &y, &yn, tol)?;
     assert_close(&format!("{what} grad"), &gx, &gn, tol)?;
     Ok(())
 }
 
-/// Zero rows normalize to exactly 0 (the norm is floored at 1e-12).
-pub fn zero_rows(dev: &Device) -> Result<()> {
+/// Every float dtype, dims within one and across several 32-lane passes of
+/// the CUDA kernel, more rows than its grid has warps.
+fn l2_normalize_matches_candle_ops(dev: &Device) -> Result<()> {
+    for (dt, tol) in [(DType::F32, 1e-6), (DType::F64, 1e-12), (DType::F16, 2e-3), (DType::BF16, 1e-2)] {
+        for (rows, dim) in [(37, 2), (37, 16), (37, 33), (37, 128), (5000, 128), (300, 768)] {
+            check(dev, rows, dim, dt, tol)?;
+        }
+    }
+    Ok(())
+}
+
+test_device!(
+    l2_normalize_matches_candle_ops,
+    l2_normalize_matches_candle_ops_cpu,
+    l2_normalize_matches_candle_ops_cuda
+);
+
+/// Zero rows normalize to exactly 0 (the norm is floored at 1e-12); others to unit norm.
+fn l2_normalize_maps_zero_rows_to_zero(dev: &Device) -> Result<()> {
     let x = Tensor::cat(&[randn(&[2, 8], DType::F32, dev)?, Tensor::zeros((1, 8), DType::F32, dev)?], 0)?;
     let y: Vec<Vec<f32>> = ms::l2_normalize(&x)?.to_vec2()?;
     assert!(y[2].iter().all(|&v| v == 0.0), "zero row: {:?}", y[2]);
-    let norm: f32 = y[0].iter().map(|v| v * v).sum::<f32>().sqrt();
-    assert!((norm - 1.0).abs() < 1e-6, "unit norm: {norm}");
+    for row in &y[..2] {
+        let norm: f32 = row.iter().map(|v| v * v).sum::<f32>().sqrt();
+        assert!((norm - 1.0).abs() < 1e-6, "unit norm: {norm}");
+    }
     Ok(())
 }
+
+test_device!(
+    l2_normalize_maps_zero_rows_to_zero,
+    l2_normalize_maps_zero_rows_to_zero_cpu,
+    l2_normalize_maps_zero_rows_to_zero_cuda
+);

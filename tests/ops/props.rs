@@ -1,4 +1,9 @@
-//! Property test: random shapes, masks and dims against `reference`.
+//! Property test on the CPU: random shapes (empty batches, one-token and
+//! long queries, odd dims), masks and the KD layout against `reference` in
+//! F64. Past failures are replayed from tests/proptest-regressions/props.txt
+//! (proptest's default location for this file: the folder beside the
+//! target's root, tests/ops, named after the file).
+
 use crate::common::*;
 use candle_core::{DType, Device, Result, Tensor};
 use candle_maxsim::{self as ms, reference as r};
@@ -29,8 +34,8 @@ fn term_magnitude(q: &Tensor, d: &Tensor, qm: Option<&Tensor>, dm: Option<&Tenso
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(48))]
     #[test]
-    fn dense_matches_reference(nq in 0usize..5, nd in 0usize..6, lq in 1usize..140, ld in 0usize..40,
-                               dim in 1usize..70, masks in any::<bool>(), kd in any::<bool>()) {
+    fn dense_matches_reference_on_random_shapes(nq in 0usize..5, nd in 0usize..6, lq in 1usize..140, ld in 0usize..40,
+                                                dim in 1usize..70, masks in any::<bool>(), kd in any::<bool>()) {
         let dev = Device::Cpu;
         let q = randn(&[nq, lq, dim], DType::F32, &dev).unwrap();
         let d = if kd { randn(&[nq, nd, ld, dim], DType::F32, &dev) } else { randn(&[nd, ld, dim], DType::F32, &dev) }.unwrap();

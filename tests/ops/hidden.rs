@@ -1,0 +1,238 @@
+//! The fused D-side projection head (src/ops/hidden.rs):
+//! `maxsim_from_hidden` and `maxsim_from_hidden_value_and_grads` against
+//! `reference` on the CPU, forward and closed-form backward.
+
+use crate::common::*;
+use candle_core::{DType, Device, IndexOp, Result, Tensor, Var};
+use candle_maxsim::{self as ms, reference as r};
+
+/// One problem: (nq, nd, lq, ld, dmodel, dout, normalize, mask, bias).
+type HeadCase = (usize, usize, usize, usize, usize, usize, bool, bool, bool);
+
+/// The CUDA cases: partial 128-row chunks, dmodel not a multiple of 64,
+/// dout 48 / 96 / 128, masks with an all-masked document, no bias, and
+/// enough queries to need two query chunks per document.
+const CUDA_CASES: [HeadCase; 5] = [
+    (3, 5, 7, 300, 136, 128, true, true, true),
+    (2, 4, 32, 128, 768, 96, false, false, true),
+    (5, 3, 9, 70, 64, 48, true, true, false),
+    (600, 3, 32, 64, 64, 128, true, false, true),
+    (1, 9, 32, 257, 256, 64, false, true, true),
+];
+
+/// Every dtype with and without normalization, bias and a document mask;
+/// the training forward (w tracks a gradient) gives the same scores. On
+/// CUDA also [`CUDA_CASES`] in F16 / BF16 against the reference on the same
+/// rounded inputs in F32, an all-masked document scoring 0, and the fused
+/// kernel running exactly on compute capability 9.0.
+fn from_hidden_matches_reference(dev: &Device) -> Result<()> {
+    let cpu = Device::Cpu;
+    let g = |t: &Tensor| t.to_device(dev);
+    for dt in DTYPES {
+        for normalize in [false, true] {
+            let q = randn(&[3, 5, 24], dt, &cpu)?;
+            let h = randn(&[4, 9, 40], dt, &cpu)?;
+            let w = (randn(&[24, 40], dt, &cpu)? * 0.2)?;
+            let b = randn(&[24], dt, &cpu)?;
+            let dm = rand_mask(&[4, 9], 0.2, &cpu)?;
+            let what = format!("from_hidden {dt:?} norm={normalize}");
+            let want = r::maxsim_from_hidden(&q, &h, &w, Some(&b), Some(&dm), normalize)?;
+            // Half precision rounds the projected tokens: allow for the extra rounding.
+            let tol = if dt == DType::F32 { score_tol(dev, dt).max(1e-5) } else { 3e-2 };
+            let (qg, hg, wg, bg, dmg) = (g(&q)?, g(&h)?, g(&w)?, g(&b)?, g(&dm)?);
+            let out = ms::maxsim_from_hidden(&qg, &hg, &wg, Some(&bg), Some(&dmg), normalize)?;
+            assert_close(&what, &out, &want, tol)?;
+            let wv = Var::from_tensor(&wg)?;
+            let tr = ms::maxsim_from_hidden(&qg, &hg, wv.as_tensor(), Some(&bg), Some(&dmg), normalize)?;
+            assert_close(&format!("{what} training forward"), &tr, &want, tol)?;
+        }
+    }
+    if gpu_cases(dev) {
+        cuda_cases_match_reference(dev)?;
+    }
+    Ok(())
+}
+
+test_device!(from_hidden_matches_reference, from_hidden_matches_reference_cpu, from_hidden_matches_reference_cuda);
+
+fn cuda_cases_match_reference(dev: &Device) -> Result<()> {
+    let cpu = Device::Cpu;
+    let cc90 = {
+        let (q, h, w) = (
+            randn(&[1, 2, 64], DType::BF16, dev)?,
+            randn(&[1, 2, 64], DType::BF16, dev)?,
+            randn(&[64, 64], DType::BF16, dev)?,
+        );
+        ms::maxsim_from_hidden_fused(&q, &h, &w, None, None, false)?.is_some()
+    };
+    for dt in [DType::BF16, DType::F16] {
+        for &(nq, nd, lq, ld, dmodel, dout, normalize, mask, bias) in &CUDA_CASES {
+            let q = randn(&[nq, lq, dout], dt, &cpu)?;
+            let h = randn(&[nd, ld, dmodel], dt, &cpu)?;
+            let w = (randn(&[dout, dmodel], dt, &cpu)? * (1.0 / (dmodel as f64).sqrt()))?;
+            let b = bias.then(|| randn(&[dout], dt, &cpu)).transpose()?;
+            let dm = if mask {
+                // Document 1 entirely masked: scores 0.
+                let m = rand_mask(&[nd, ld], 0.3, &cpu)?;
+                Some(Tensor::cat(&[&m.i(..1)?, &m.i(1..2)?.zeros_like()?, &m.i(2..)?], 0)?)
+            } else {
+                None
+            };
+            let g = |t: &Tensor| t.to_device(dev);
+            let (qg, hg, wg) = (g(&q)?, g(&h)?, g(&w)?);
+            let bg = b.as_ref().map(g).transpose()?;
+            let dmg = dm.as_ref().map(g).transpose()?;
+            let what = format!("from_hidden {nq}x{nd} lq{lq} ld{ld} dmodel{dmodel} dout{dout} {dt:?} norm={normalize}");
+            let f32c = |t: &Tensor| t.to_dtype(DType::F32);
+            let want = r::maxsim_from_hidden(
+                &f32c(&q)?,
+                &f32c(&h)?,
+                &f32c(&w)?,
+                b.as_ref().map(f32c).transpose()?.as_ref(),
+                dm.as_ref(),
+                normalize,
+            )?;
+            let out = ms::maxsim_from_hidden(&qg, &hg, &wg, bg.as_ref(), dmg.as_ref(), normalize)?;
+            assert_close(&what, &out, &want, gpu_tol(dt))?;
+            if mask {
+                let empty = out.i((.., 1))?.abs()?.sum_all()?.to_scalar::<f32>()?;
+                assert_eq!(empty, 0.0, "{what}: an all-masked document scores 0");
+            }
+            let fused = ms::maxsim_from_hidden_fused(&qg, &hg, &wg, bg.as_ref(), dmg.as_ref(), normalize)?;
+            assert_eq!(fused.is_some(), cc90, "{what}: the fused kernel runs exactly on compute capability 9.0");
+            if let Some(f) = fused {
+                assert_close(&format!("{what} fused"), &f, &want, gpu_tol(dt))?;
+            }
+            // Training takes the argmax forward; its scores agree.
+            let wv = Var::from_tensor(&wg)?;
+            let tr = ms::maxsim_from_hidden(&qg, &hg, wv.as_tensor(), bg.as_ref(), dmg.as_ref(), normalize)?;
+            assert_close(&format!("{what} training forward"), &tr, &want, gpu_tol(dt))?;
+        }
+    }
+    Ok(())
+}
+
+/// Gradients of Σ w8 ⊙ scores for (q, h_d, w[, b]), on the CPU: the op on
+/// `dev` (`ours`) or autograd through `reference` on the CPU.
+fn head_grads(
+    dev: &Device,
+    ours: bool,
+    ins: &[Tensor; 4],
+    (bias, normalize): (bool, bool),
+    dm: Option<&Tensor>,
+    w8: &Tensor,
+) -> Result<Vec<Tensor>> {
+    let dev = if ours { dev } else { &Device::Cpu };
+    let v: Vec<Var> = ins.iter().map(|x| Var::from_tensor(&x.to_device(dev)?)).collect::<Result<_>>()?;
+    let t: Vec<Tensor> = v.iter().map(|v| v.as_tensor().clone()).collect();
+    let b = bias.then_some(&t[3]);
+    let m = opt_to(dev, dm)?;
+    let s = if ours {
+        ms::maxsim_from_hidden(&t[0], &t[1], &t[2], b, m.as_ref(), normalize)?
+    } else {
+        r::maxsim_from_hidden(&t[0], &t[1], &t[2], b, m.as_ref(), normalize)?
+    };
+    let g = (s * w8.to_device(dev)?)?.sum_all()?.backward()?;
+    let n = if bias { 4 } else { 3 };
+    t[..n].iter().map(|x| g.get(x).expect("a gradient").to_device(&Device::Cpu)).collect()
+}
+
+/// The closed-form backward against autograd through `reference` in F32,
+/// on random (tie-free) inputs: with the winners gathered into slots (few
+/// query rows) and with every row, with and without bias, normalization and
+/// a document mask; the same gradients outside autograd
+/// (`maxsim_from_hidden_value_and_grads`); a frozen encoder (h_d tracks no
+/// gradient) gets none. On CUDA also [`CUDA_CASES`].
+fn from_hidden_backward_matches_reference(dev: &Device) -> Result<()> {
+    let cpu = Device::Cpu;
+    let tol = if dev.is_cuda() { 2e-2 } else { 1e-4 };
+    let mut cases: Vec<HeadCase> = Vec::new();
+    //          nq nd lq ld dmodel dout
+    for (nq, nd, lq, ld, dmodel, dout) in [(2, 3, 4, 20, 12, 8), (3, 2, 5, 6, 10, 6), (1, 4, 3, 9, 16, 16)] {
+        for (bias, normalize, mask) in
+            [(true, true, true), (false, false, false), (true, false, true), (false, true, false)]
+        {
+            cases.push((nq, nd, lq, ld, dmodel, dout, normalize, mask, bias));
+        }
+    }
+    let n_small = cases.len();
+    if gpu_cases(dev) {
+        cases.extend(CUDA_CASES);
+    }
+    for (k, &(nq, nd, lq, ld, dmodel, dout, normalize, mask, bias)) in cases.iter().enumerate() {
+        let what = format!(
+            "from_hidden grads {nq}x{nd} lq{lq} ld{ld} d{dmodel}->{dout} bias={bias} norm={normalize} mask={mask}"
+        );
+        let ins = [
+            randn(&[nq, lq, dout], DType::F32, &cpu)?,
+            randn(&[nd, ld, dmodel], DType::F32, &cpu)?,
+            (randn(&[dout, dmodel], DType::F32, &cpu)? * (1.0 / (dmodel as f64).sqrt()))?,
+            randn(&[dout], DType::F32, &cpu)?,
+        ];
+        let dm = mask.then(|| rand_mask(&[nd, ld], 0.3, &cpu)).transpose()?;
+        // Upstream weights in [0.5, 1.5): the bias gradient is (Σ_j w8[i,j]) ·
+        // Σ_s q[i,s] per query, and with signed weights the Σ_j of a short row
+        // can cancel to rounding noise, which has no relative error to check.
+        // The CUDA cases keep signed weights (their rows are longer).
+        let w8 = if k < n_small {
+            (Tensor::rand(0f32, 1f32, (nq, nd), &cpu)? + 0.5)?
+        } else {
+            randn(&[nq, nd], DType::F32, &cpu)?
+        };
+        let got = head_grads(dev, true, &ins, (bias, normalize), dm.as_ref(), &w8)?;
+        let want = head_grads(dev, false, &ins, (bias, normalize), dm.as_ref(), &w8)?;
+        for (k, (a, b)) in got.iter().zip(&want).enumerate() {
+            assert_close(&format!("{what}: grad of input {k}"), a, b, tol)?;
+        }
+        // The same gradients outside autograd.
+        let g = |t: &Tensor| t.to_device(dev);
+        let bg = if bias { Some(g(&ins[3])?) } else { None };
+        let dmg = opt_to(dev, dm.as_ref())?;
+        let w8g = g(&w8)?;
+        let (s, vg) = ms::maxsim_from_hidden_value_and_grads(
+            &g(&ins[0])?,
+            &g(&ins[1])?,
+            &g(&ins[2])?,
+            bg.as_ref(),
+            dmg.as_ref(),
+            normalize,
+            |s| Ok(w8g.broadcast_as(s.shape())?.clone()),
+        )?;
+        let b = bias.then_some(&ins[3]);
+        let want_s = r::maxsim_from_hidden(&ins[0], &ins[1], &ins[2], b, dm.as_ref(), normalize)?;
+        assert_close(&format!("{what}: value_and_grads scores"), &s, &want_s, score_tol(dev, DType::F32).max(1e-5))?;
+        let vg = [Some(vg.q), Some(vg.h_d), Some(vg.w), vg.b];
+        for (k, (a, b)) in vg.iter().flatten().zip(&want).enumerate() {
+            assert_close(&format!("{what}: value_and_grads grad of input {k}"), a, b, tol)?;
+        }
+        assert_eq!(vg.iter().flatten().count(), want.len(), "{what}: one gradient per input");
+    }
+    // A frozen encoder: h_d tracks no gradient, so none is computed for it;
+    // q's and w's still match the reference.
+    let (q, h, w) =
+        (randn(&[2, 3, 4], DType::F32, &cpu)?, randn(&[3, 9, 6], DType::F32, &cpu)?, randn(&[4, 6], DType::F32, &cpu)?);
+    let w8 = (Tensor::rand(0f32, 1f32, (2, 3), &cpu)? + 0.5)?;
+    let frozen = |ours: bool| -> Result<(Tensor, Tensor, bool)> {
+        let d = if ours { dev } else { &cpu };
+        let (qv, wv, h) = (Var::from_tensor(&q.to_device(d)?)?, Var::from_tensor(&w.to_device(d)?)?, h.to_device(d)?);
+        let s = if ours {
+            ms::maxsim_from_hidden(qv.as_tensor(), &h, wv.as_tensor(), None, None, true)?
+        } else {
+            r::maxsim_from_hidden(qv.as_tensor(), &h, wv.as_tensor(), None, None, true)?
+        };
+        let g = (s * w8.to_device(d)?)?.sum_all()?.backward()?;
+        let get = |t: &Tensor| g.get(t).expect("a gradient").to_device(&Device::Cpu);
+        Ok((get(qv.as_tensor())?, get(wv.as_tensor())?, g.get(&h).is_some()))
+    };
+    let ((gq, gw, has_h), (rq, rw, _)) = (frozen(true)?, frozen(false)?);
+    assert!(!has_h, "no gradient for a frozen h_d");
+    assert_close("frozen h_d: grad q", &gq, &rq, tol)?;
+    assert_close("frozen h_d: grad w", &gw, &rw, tol)?;
+    Ok(())
+}
+
+test_device!(
+    from_hidden_backward_matches_reference,
+    from_hidden_backward_matches_reference_cpu,
+    from_hidden_backward_matches_reference_cuda
+);

@@ -1,0 +1,163 @@
+//! PLAID's centroid-only approximate score (src/ops/plaid_approx.rs)
+//! against `reference` on the CPU.
+
+use crate::common::*;
+use candle_core::{DType, Device, Result, Tensor};
+use candle_maxsim::{self as ms, reference as r};
+
+/// The op on `dev` (inputs on the CPU), returned on the CPU.
+fn approx_on(dev: &Device, qcs: &Tensor, codes: &Tensor, lens: &Tensor) -> Result<Tensor> {
+    ms::plaid_approx_score(&qcs.to_device(dev)?, &codes.to_device(dev)?, &lens.to_device(dev)?)?.to_device(&Device::Cpu)
+}
+
+/// Empty and full documents, U32 and I64 codes, a narrowed (offset)
+/// doc_lens view, an empty batch. On CUDA also query lengths that take
+/// every kernel variant (the row kernel with full and partial lane groups;
+/// the general kernel's 16-byte and scalar row loads, 8/16/32 lanes per
+/// row, chunks of query tokens), rows that are not 16-byte aligned,
+/// transposed codes, padding codes that are never read, and the benchmark
+/// shape.
+fn plaid_approx_matches_reference(dev: &Device) -> Result<()> {
+    let cpu = Device::Cpu;
+    let qcs = randn(&[40, 8], DType::F32, &cpu)?;
+    let codes = Tensor::rand(0f32, 40., (9, 16), &cpu)?.to_dtype(DType::U32)?;
+    let lens = Tensor::new(&[16u32, 3, 0, 1, 16, 9, 12, 2, 5], &cpu)?;
+    let want = r::plaid_approx_score(&qcs, &codes, &lens)?;
+    let out = approx_on(dev, &qcs, &codes, &lens)?;
+    assert_close("plaid approx", &out, &want, 1e-6)?;
+    assert_eq!(out.to_vec1::<f32>()?[2], 0.0, "an empty document scores exactly 0");
+    let out64 = approx_on(dev, &qcs, &codes.to_dtype(DType::I64)?, &lens)?;
+    assert_close("plaid approx i64", &out64, &want, 1e-6)?;
+    // A narrowed (offset) doc_lens view.
+    let qcs = randn(&[10, 3], DType::F32, &cpu)?;
+    let codes = Tensor::new(&[[1u32, 2, 3], [4, 5, 6]], &cpu)?;
+    let lens = Tensor::new(&[9u32, 3, 1], &cpu)?;
+    let out =
+        ms::plaid_approx_score(&qcs.to_device(dev)?, &codes.to_device(dev)?, &lens.to_device(dev)?.narrow(0, 1, 2)?)?;
+    assert_close("narrowed doc_lens", &out, &r::plaid_approx_score(&qcs, &codes, &lens.narrow(0, 1, 2)?)?, 1e-6)?;
+    // An empty batch.
+    let e = ms::plaid_approx_score(
+        &qcs.to_device(dev)?,
+        &codes.to_device(dev)?.narrow(0, 0, 0)?,
+        &lens.to_device(dev)?.narrow(0, 0, 0)?,
+    )?;
+    assert_eq!(e.dims(), &[0]);
+    if gpu_cases(dev) {
+        kernel_variants_match_reference(dev)?;
+        bench_shape_matches_reference(dev)?;
+    }
+    Ok(())
+}
+
+test_device!(plaid_approx_matches_reference, plaid_approx_matches_reference_cpu, plaid_approx_matches_reference_cuda);
+
+fn kernel_variants_match_reference(dev: &Device) -> Result<()> {
+    let cpu = Device::Cpu;
+    for (n_c, lq, b, ld) in [
+        (300, 32, 67, 64),
+        (50, 7, 33, 20),
+        (1000, 128, 40, 100),
+        (200, 64, 50, 40),
+        (64, 33, 21, 5),
+        (9, 1, 10, 3),
+        // The row kernel with lanes left out of each group (Lq / 4 = 1, 3, 5, 15).
+        (100, 4, 30, 33),
+        (500, 12, 40, 70),
+        (70, 20, 25, 40),
+        (100, 60, 30, 40),
+    ] {
+        for (lq, misaligned) in [(lq, false), (lq, true), (lq + 68, false)] {
+            // A view that starts one element into its buffer: rows are not 16-byte aligned.
+            let qcs = if misaligned {
+                randn(&[n_c * lq + 1], DType::F32, &cpu)?.narrow(0, 1, n_c * lq)?.reshape((n_c, lq))?
+            } else {
+                randn(&[n_c, lq], DType::F32, &cpu)?
+            };
+            let mut lens: Vec<u32> = (0..b as u32).map(|i| (i * 7919) % (ld as u32 + 1)).collect();
+            lens[0] = 0;
+            lens[1] = ld as u32;
+            let codes = Tensor::rand(0f32, n_c as f32, (b, ld), &cpu)?.to_dtype(DType::U32)?;
+            // I64 codes with -1 past each length (fast-plaid's padding): never read.
+            let padded: Vec<i64> = codes
+                .flatten_all()?
+                .to_vec1::<u32>()?
+                .iter()
+                .enumerate()
+                .map(|(k, &c)| if (k % ld) as u32 >= lens[k / ld] { -1 } else { c as i64 })
+                .collect();
+            let codes64 = Tensor::from_vec(padded, (b, ld), &cpu)?;
+            let lens = Tensor::new(lens, &cpu)?;
+            let what = format!("plaid approx C{n_c} lq{lq} b{b} ld{ld} misaligned={misaligned}");
+            let want = r::plaid_approx_score(&qcs, &codes, &lens)?;
+            for c in [&codes, &codes64] {
+                let out = approx_on(dev, &qcs, c, &lens)?;
+                assert_close(&format!("{what} {:?}", c.dtype()), &out, &want, 1e-4)?;
+                assert_eq!(out.to_vec1::<f32>()?[0], 0.0, "{what}: an empty document scores exactly 0");
+            }
+            // Non-contiguous codes: a transposed view.
+            let ct = codes.t()?.contiguous()?.t()?;
+            assert_close(&format!("{what} transposed codes"), &approx_on(dev, &qcs, &ct, &lens)?, &want, 1e-4)?;
+        }
+    }
+    Ok(())
+}
+
+/// The benchmark shape: 65 536 centroids, Lq 32, 100 000 documents of up
+/// to 64 codes. Documents score independently: the reference scores every
+/// 5th (20 000 of them) and the last.
+fn bench_shape_matches_reference(dev: &Device) -> Result<()> {
+    let cpu = Device::Cpu;
+    let (n_c, lq, b, ld) = (65536, 32, 100_000, 64);
+    let qcs = randn(&[n_c, lq], DType::F32, &cpu)?;
+    let codes = Tensor::rand(0f32, n_c as f32, (b, ld), &cpu)?.to_dtype(DType::U32)?.to_dtype(DType::I64)?;
+    let lens = Tensor::rand(0f32, ld as f32 + 1.0, b, &cpu)?.to_dtype(DType::U32)?.clamp(0u32, ld as u32)?;
+    let out = approx_on(dev, &qcs, &codes, &lens)?;
+    let pick: Vec<u32> = (0..b as u32).step_by(5).chain([b as u32 - 1]).collect();
+    let pick = Tensor::new(pick, &cpu)?;
+    let want = r::plaid_approx_score(&qcs, &codes.index_select(&pick, 0)?, &lens.index_select(&pick, 0)?)?;
+    assert_close("plaid approx bench shape", &out.index_select(&pick, 0)?, &want, 1e-4)
+}
+
+/// Inputs full of near-ties: many scores a hair apart, exact ties, repeated
+/// codes, documents of up to 200 codes, query lengths from 16 to 520, a
+/// table of one value, and a table whose range overflows f32 (in a row no
+/// document uses): a hard parity test of the gather kernels.
+fn plaid_approx_near_ties_match_reference(dev: &Device) -> Result<()> {
+    let cpu = Device::Cpu;
+    for (n_c, lq, b, ld) in [
+        (40, 16, 300, 200),
+        (64, 20, 200, 64),
+        (50, 40, 100, 130),
+        (30, 100, 60, 33),
+        (20, 300, 20, 9),
+        (16, 520, 10, 7),
+    ] {
+        // Few levels, each with nearby distinct values: the same byte, different floats.
+        let levels = (randn(&[n_c, lq], DType::F32, &cpu)? * 2.0)?.round()?;
+        let jitter = (randn(&[n_c, lq], DType::F32, &cpu)? * 1e-3)?;
+        let ties = Tensor::rand(0f32, 1., (n_c, lq), &cpu)?.ge(0.5)?.to_dtype(DType::F32)?;
+        let tables = [
+            ("levels", (&levels + jitter.mul(&ties)?)?),
+            ("one value", Tensor::full(0.25f32, (n_c, lq), &cpu)?),
+            ("overflowing range", levels.slice_assign(&[0..1, 0..2], &Tensor::new(&[[3e38f32, -3e38]], &cpu)?)?),
+        ];
+        let lens: Vec<u32> = (0..b as u32).map(|i| 1 + (i * 7919) % ld as u32).collect();
+        let lens = Tensor::new(lens, &cpu)?;
+        // Few centroids for many tokens: repeated codes. Code 0 is never used.
+        let codes = Tensor::rand(1f32, n_c as f32, (b, ld), &cpu)?.to_dtype(DType::U32)?.clamp(1u32, n_c as u32 - 1)?;
+        for (what, qcs) in &tables {
+            let want = r::plaid_approx_score(qcs, &codes, &lens)?;
+            for c in [codes.clone(), codes.to_dtype(DType::I64)?] {
+                let out = approx_on(dev, qcs, &c, &lens)?;
+                assert_close(&format!("{what} C{n_c} lq{lq} b{b} ld{ld} {:?}", c.dtype()), &out, &want, 1e-4)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+test_device!(
+    plaid_approx_near_ties_match_reference,
+    plaid_approx_near_ties_match_reference_cpu,
+    plaid_approx_near_ties_match_reference_cuda
+);

@@ -1,0 +1,275 @@
+//! PLAID / ColBERTv2 compressed documents (src/ops/residual.rs): bucket
+//! packing in both bit orders, `maxsim_residual` and
+//! `maxsim_residual_varlen` against `reference`, and the gradient to q.
+
+use crate::common::*;
+use candle_core::{DType, Device, Result, Tensor};
+use candle_maxsim::{self as ms, reference as r, BitOrder, ResidualCodec};
+
+#[test]
+fn bucket_indices_pack_as_computed_by_hand() -> Result<()> {
+    assert_eq!(ms::pack_bucket_indices(&[1, 2, 3, 0], 2, BitOrder::ColBert)?, vec![156]);
+    assert_eq!(ms::pack_bucket_indices(&[1, 8], 4, BitOrder::ColBert)?, vec![0x81]);
+    assert_eq!(ms::pack_bucket_indices(&[1, 2, 3, 0], 2, BitOrder::Lsb)?, vec![0b00_11_10_01]);
+    assert_eq!(ms::pack_bucket_indices(&[1, 8], 4, BitOrder::Lsb)?, vec![0x81]);
+    assert_eq!(ms::pack_bucket_indices(&[0xA5], 8, BitOrder::ColBert)?, vec![0xA5]);
+    assert_eq!(ms::unpack_bucket_indices(&[156], 2, BitOrder::ColBert)?, vec![1, 2, 3, 0]);
+    Ok(())
+}
+
+#[test]
+fn bucket_indices_round_trip() -> Result<()> {
+    for nbits in [2usize, 4, 8] {
+        for order in [BitOrder::Lsb, BitOrder::ColBert] {
+            let idx: Vec<u8> = (0..96u32).map(|k| ((k * 7 + 3) % (1 << nbits)) as u8).collect();
+            let packed = ms::pack_bucket_indices(&idx, nbits, order)?;
+            assert_eq!(packed.len(), 96 * nbits / 8);
+            assert_eq!(ms::unpack_bucket_indices(&packed, nbits, order)?, idx, "nbits {nbits} {order:?}");
+        }
+    }
+    Ok(())
+}
+
+/// A codec on the CPU: `n_c` F16 centroids, evenly spaced bucket weights (`step` apart).
+fn codec(nbits: usize, order: BitOrder, dim: usize, n_c: usize, step: f32) -> Result<ResidualCodec> {
+    let bw: Vec<f32> = (0..1 << nbits).map(|k| (k as f32 - (1 << nbits) as f32 / 2.0) * step).collect();
+    Ok(ResidualCodec {
+        centroids: randn(&[n_c, dim], DType::F16, &Device::Cpu)?,
+        bucket_weights: Tensor::new(bw, &Device::Cpu)?,
+        nbits,
+        bit_order: order,
+    })
+}
+
+/// The codec's tensors moved to `dev`.
+pub fn codec_on(c: &ResidualCodec, dev: &Device) -> Result<ResidualCodec> {
+    Ok(ResidualCodec {
+        centroids: c.centroids.to_device(dev)?,
+        bucket_weights: c.bucket_weights.to_device(dev)?,
+        nbits: c.nbits,
+        bit_order: c.bit_order,
+    })
+}
+
+/// Random compressed documents on the CPU: (codec of 97 centroids, codes
+/// `[Nd, Ld]` U32 with garbage past each length, residual bytes
+/// `[Nd, Ld, dim·nbits/8]`, doc_lens `[Nd]` with document 1 empty and
+/// document 2 full).
+pub fn residual_docs(
+    nd: usize,
+    ld: usize,
+    dim: usize,
+    nbits: usize,
+    order: BitOrder,
+    seed: u64,
+) -> Result<(ResidualCodec, Tensor, Tensor, Tensor)> {
+    let cpu = Device::Cpu;
+    let n_c = 97;
+    let codec = codec(nbits, order, dim, n_c, 0.04)?;
+    let mut x = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    let mut next = move || {
+        x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (x >> 33) as u32
+    };
+    let lens: Vec<u32> = (0..nd)
+        .map(|j| match j {
+            1 => 0,
+            2 => ld as u32,
+            _ => next() % (ld as u32 + 1),
+        })
+        .collect();
+    let codes: Vec<u32> = (0..nd * ld)
+        .map(|t| if (t % ld) < lens[t / ld] as usize { next() % n_c as u32 } else { 4_000_000_000 })
+        .collect();
+    let w = dim * nbits / 8;
+    let bytes: Vec<u8> = (0..nd * ld * w).map(|_| next() as u8).collect();
+    Ok((
+        codec,
+        Tensor::from_vec(codes, (nd, ld), &cpu)?,
+        Tensor::from_vec(bytes, (nd, ld, w), &cpu)?,
+        Tensor::from_vec(lens, nd, &cpu)?,
+    ))
+}
+
+/// Both layouts, nbits 2 / 4 / 8, both bit orders, with and without
+/// normalization, U32 and I64 codes, an empty document (scores 0). On CUDA
+/// also the warp kernel (queries of up to 32 rows at dims 64 / 96 / 128)
+/// and the tile kernels (40 rows, dim 48), F16 and BF16.
+fn residual_matches_reference(dev: &Device) -> Result<()> {
+    let cpu = Device::Cpu;
+    let dim = 32;
+    for nbits in [2usize, 4, 8] {
+        for order in [BitOrder::Lsb, BitOrder::ColBert] {
+            for dt in [DType::F32, DType::BF16] {
+                let c = codec(nbits, order, dim, 50, 0.05)?;
+                let cg = codec_on(&c, dev)?;
+                let (nd, ld) = (6, 11);
+                let codes = Tensor::rand(0f32, 50., (nd, ld), &cpu)?.to_dtype(DType::U32)?;
+                let res = Tensor::rand(0f32, 256., (nd, ld, dim * nbits / 8), &cpu)?.to_dtype(DType::U8)?;
+                let lens = Tensor::new(&[11u32, 0, 5, 1, 11, 7], &cpu)?;
+                let q = randn(&[3, 8, dim], dt, &cpu)?;
+                // Normalized half-precision tokens on CUDA: as for the kernels' own shapes below.
+                let tol = |normalize: bool| match (dev.is_cuda() && normalize, dt) {
+                    (true, DType::F16 | DType::BF16) => 3e-2,
+                    _ => score_tol(dev, dt).max(1e-5),
+                };
+                for normalize in [false, true] {
+                    let what = format!("residual nb{nbits} {order:?} {dt:?} norm={normalize}");
+                    let tol = tol(normalize);
+                    let want = r::maxsim_residual(&q, &codes, &res, &lens, &c, normalize)?;
+                    for codes in [codes.clone(), codes.to_dtype(DType::I64)?] {
+                        let g = |t: &Tensor| t.to_device(dev);
+                        let out = ms::maxsim_residual(&g(&q)?, &g(&codes)?, &g(&res)?, &g(&lens)?, &cg, normalize)?;
+                        assert_close(&format!("{what} {:?} codes", codes.dtype()), &out, &want, tol)?;
+                        assert_eq!(out.to_vec2::<f32>()?[0][1], 0.0, "{what}: an empty document scores 0");
+                    }
+                }
+                // Packed (varlen) form, I64 codes as fast-plaid writes them.
+                let (cu, longest) = rand_offsets(7, 12, nbits as u64);
+                let t = *cu.last().unwrap() as usize;
+                let codes = Tensor::rand(0f32, 50., t, &cpu)?.to_dtype(DType::U32)?.to_dtype(DType::I64)?;
+                let res = Tensor::rand(0f32, 256., (t, dim * nbits / 8), &cpu)?.to_dtype(DType::U8)?;
+                let cu = Tensor::new(cu, &cpu)?;
+                let g = |t: &Tensor| t.to_device(dev);
+                let out = ms::maxsim_residual_varlen(&g(&q)?, &g(&codes)?, &g(&res)?, &g(&cu)?, longest, &cg, true)?;
+                let want = r::maxsim_residual_varlen(&q, &codes, &res, &cu, longest, &c, true)?;
+                assert_close(&format!("residual varlen nb{nbits} {order:?} {dt:?}"), &out, &want, tol(true))?;
+            }
+        }
+    }
+    if gpu_cases(dev) {
+        residual_kernel_variants_match_reference(dev)?;
+    }
+    Ok(())
+}
+
+test_device!(residual_matches_reference, residual_matches_reference_cpu, residual_matches_reference_cuda);
+
+/// The CUDA kernels' shapes: queries of up to 32 rows at dims 64 / 96 / 128
+/// take the warp kernel (kernels/residual.cu); 40 rows and dim 48 the tile
+/// kernels. Padded and packed documents, F16 and BF16 queries.
+fn residual_kernel_variants_match_reference(dev: &Device) -> Result<()> {
+    let cpu = Device::Cpu;
+    for (dim, nq, lq, nd, ld) in
+        [(128, 3, 32, 40, 150), (64, 2, 20, 33, 70), (96, 1, 32, 25, 300), (48, 4, 8, 9, 64), (128, 2, 40, 20, 90)]
+    {
+        for nbits in [2usize, 4, 8] {
+            for order in [BitOrder::ColBert, BitOrder::Lsb] {
+                let (c, codes, res, lens) = residual_docs(nd, ld, dim, nbits, order, (dim * nbits) as u64)?;
+                let cg = codec_on(&c, dev)?;
+                let g = |t: &Tensor| t.to_device(dev);
+                for dt in [DType::BF16, DType::F16] {
+                    let q = randn(&[nq, lq, dim], dt, &cpu)?;
+                    for normalize in [false, true] {
+                        let what = format!("residual d{dim} nb{nbits} {order:?} {dt:?} norm={normalize}");
+                        let want = r::maxsim_residual(&q, &codes, &res, &lens, &c, normalize)?;
+                        let tol = if normalize { 3e-2 } else { score_tol(dev, dt) };
+                        for codes_t in [codes.clone(), codes.to_dtype(DType::I64)?] {
+                            let out =
+                                ms::maxsim_residual(&g(&q)?, &g(&codes_t)?, &g(&res)?, &g(&lens)?, &cg, normalize)?;
+                            assert_close(&format!("{what} {:?} codes", codes_t.dtype()), &out, &want, tol)?;
+                        }
+                    }
+                    // Varlen: the valid tokens packed, cu_d from the lengths (one empty document).
+                    let lv: Vec<u32> = lens.to_vec1()?;
+                    let keep: Vec<u32> =
+                        (0..nd * ld).filter(|t| (t % ld) < lv[t / ld] as usize).map(|t| t as u32).collect();
+                    let keep = Tensor::new(keep, &cpu)?;
+                    let pcodes = codes.flatten_all()?.index_select(&keep, 0)?;
+                    let pres = res.reshape((nd * ld, dim * nbits / 8))?.index_select(&keep, 0)?;
+                    let mut cu = vec![0u32];
+                    for l in &lv {
+                        cu.push(cu.last().unwrap() + l);
+                    }
+                    let cu = Tensor::new(cu, &cpu)?;
+                    let want = r::maxsim_residual_varlen(&q, &pcodes, &pres, &cu, ld, &c, true)?;
+                    let out = ms::maxsim_residual_varlen(&g(&q)?, &g(&pcodes)?, &g(&pres)?, &g(&cu)?, ld, &cg, true)?;
+                    assert_close(&format!("varlen d{dim} nb{nbits} {order:?} {dt:?}"), &out, &want, 3e-2)?;
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// fast-plaid pads codes with -1: codes past a document's length are never read.
+fn padding_codes_are_never_read(dev: &Device) -> Result<()> {
+    let cpu = Device::Cpu;
+    let c = codec(2, BitOrder::ColBert, 16, 10, 0.05)?;
+    let codes = Tensor::new(&[[3i64, 4, -1], [5, -1, -1]], &cpu)?;
+    let res = Tensor::rand(0f32, 256., (2, 3, 4), &cpu)?.to_dtype(DType::U8)?;
+    let lens = Tensor::new(&[2u32, 1], &cpu)?;
+    let q = randn(&[2, 4, 16], DType::F32, &cpu)?;
+    let g = |t: &Tensor| t.to_device(dev);
+    let out = ms::maxsim_residual(&g(&q)?, &g(&codes)?, &g(&res)?, &g(&lens)?, &codec_on(&c, dev)?, false)?;
+    let want = r::maxsim_residual(&q, &codes.clamp(0i64, 9i64)?, &res, &lens, &c, false)?;
+    assert_close("padding codes", &out, &want, score_tol(dev, DType::F32).max(1e-5))
+}
+
+test_device!(padding_codes_are_never_read, padding_codes_are_never_read_cpu, padding_codes_are_never_read_cuda);
+
+/// Codes, residuals and a codec whose decompressed tokens are exact in F16
+/// (centroids multiples of 1/16, bucket weights of 1/32): the op, which
+/// decompresses in the queries' dtype, and the reference, in F32, score the
+/// same documents, so both pick the same winners.
+fn exact_f16_docs(nd: usize, ld: usize, dim: usize) -> Result<(ResidualCodec, Tensor, Tensor, Tensor)> {
+    let (c, codes, res, lens) = residual_docs(nd, ld, dim, 4, BitOrder::ColBert, 7)?;
+    let centroids = ((c.centroids.to_dtype(DType::F32)? * 16.0)?.round()? / 16.0)?.to_dtype(DType::F16)?;
+    let bw: Vec<f32> = (0..16).map(|k| (k as f32 - 8.0) / 32.0).collect();
+    let c = ResidualCodec { centroids, bucket_weights: Tensor::new(bw, &Device::Cpu)?, ..c };
+    Ok((c, codes, res, lens))
+}
+
+/// Gradients flow to q only (the documents are data), through the
+/// decompression and the dense op: F32 with normalization, and F16.
+fn residual_grad_to_q_matches_reference(dev: &Device) -> Result<()> {
+    let cpu = Device::Cpu;
+    // F32, normalized: documents as in the reference.
+    let c = ResidualCodec {
+        centroids: randn(&[10, 16], DType::F32, &cpu)?,
+        bucket_weights: Tensor::new(&[-0.1f32, -0.03, 0.03, 0.1], &cpu)?,
+        nbits: 2,
+        bit_order: BitOrder::ColBert,
+    };
+    let codes = Tensor::new(&[[1u32, 4, 9, 0], [3, 3, 7, 2]], &cpu)?;
+    let res = Tensor::rand(0f32, 255., (2, 4, 4), &cpu)?.to_dtype(DType::U8)?;
+    let lens = Tensor::new(&[4u32, 2], &cpu)?;
+    let q = randn(&[2, 5, 16], DType::F32, &cpu)?;
+    check_q_grad("residual F32 normalized", dev, &q, &codes, &res, &lens, &c, true, 1e-4)?;
+    // F16 queries against documents of up to 80 tokens at dim 128.
+    let (c, codes, res, lens) = exact_f16_docs(12, 80, 128)?;
+    let q = randn(&[3, 16, 128], DType::F16, &cpu)?;
+    check_q_grad("residual F16", dev, &q, &codes, &res, &lens, &c, false, 1e-2)
+}
+
+/// The op's gradient to q on `dev` against autograd through `reference` on the CPU in F32.
+#[allow(clippy::too_many_arguments)]
+fn check_q_grad(
+    what: &str,
+    dev: &Device,
+    q: &Tensor,
+    codes: &Tensor,
+    res: &Tensor,
+    lens: &Tensor,
+    c: &ResidualCodec,
+    normalize: bool,
+    tol: f64,
+) -> Result<()> {
+    let cpu = Device::Cpu;
+    let w = Tensor::rand(0.5f32, 1.5, (q.dim(0)?, codes.dim(0)?), &cpu)?;
+    let g = |t: &Tensor| t.to_device(dev);
+    let qv = candle_core::Var::from_tensor(&g(q)?)?;
+    let s = ms::maxsim_residual(qv.as_tensor(), &g(codes)?, &g(res)?, &g(lens)?, &codec_on(c, dev)?, normalize)?;
+    let got = (s * g(&w)?)?.sum_all()?.backward()?.get(qv.as_tensor()).expect("grad of q").to_device(&cpu)?;
+    assert_eq!(got.dtype(), q.dtype(), "{what}");
+    let rv = candle_core::Var::from_tensor(&q.to_dtype(DType::F32)?)?;
+    let s = r::maxsim_residual(rv.as_tensor(), codes, res, lens, c, normalize)?;
+    let want = (s * &w)?.sum_all()?.backward()?.get(rv.as_tensor()).expect("reference grad of q").clone();
+    assert_close(&format!("{what} grad q"), &got, &want, tol)
+}
+
+test_device!(
+    residual_grad_to_q_matches_reference,
+    residual_grad_to_q_matches_reference_cpu,
+    residual_grad_to_q_matches_reference_cuda
+);

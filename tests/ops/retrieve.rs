@@ -1,0 +1,72 @@
+//! Streaming top-k retrieval (src/ops/retrieve.rs) against `reference` on the CPU.
+
+use crate::common::*;
+use candle_core::{DType, Device, Result, Tensor};
+use candle_maxsim::{self as ms, reference as r};
+
+/// `retrieve` on `dev` against `reference::retrieve`: identical indices, close scores.
+fn check(dev: &Device, q: &Tensor, d: &Tensor, dm: Option<&Tensor>, k: usize, chunk: usize) -> Result<()> {
+    let dmg = opt_to(dev, dm)?;
+    let (s, i) = ms::retrieve(&q.to_device(dev)?, &d.to_device(dev)?, None, dmg.as_ref(), k, chunk)?;
+    let (ws, wi) = r::retrieve(q, d, None, dm, k)?;
+    let what = format!("retrieve {:?} k={k} chunk={chunk}", d.dims());
+    assert_eq!(s.dims(), ws.dims(), "{what}");
+    assert_eq!(i.to_device(&Device::Cpu)?.to_vec2::<u32>()?, wi.to_vec2::<u32>()?, "{what}");
+    assert_close(&what, &s, &ws, score_tol(dev, DType::F32).max(1e-5))
+}
+
+/// Top-k with k below, at and above the number of documents, chunks that
+/// do and do not divide it, a document mask; on CUDA also 300 documents of
+/// 64 tokens at dim 128.
+fn retrieve_matches_reference(dev: &Device) -> Result<()> {
+    let cpu = Device::Cpu;
+    let q = randn(&[3, 6, 32], DType::F32, &cpu)?;
+    let d = randn(&[50, 10, 32], DType::F32, &cpu)?;
+    let dm = rand_mask(&[50, 10], 0.2, &cpu)?;
+    for (k, chunk) in [(5, 7), (50, 16), (80, 50), (1, 1)] {
+        check(dev, &q, &d, Some(&dm), k, chunk)?;
+    }
+    if gpu_cases(dev) {
+        let q = randn(&[4, 32, 128], DType::F32, &cpu)?;
+        let d = randn(&[300, 64, 128], DType::F32, &cpu)?;
+        let dm = rand_mask(&[300, 64], 0.2, &cpu)?;
+        check(dev, &q, &d, Some(&dm), 10, 64)?;
+    }
+    Ok(())
+}
+
+test_device!(retrieve_matches_reference, retrieve_matches_reference_cpu, retrieve_matches_reference_cuda);
+
+/// Identical documents score exactly alike (grid values: exact in any
+/// summation order, in every chunk): the lower document index comes first.
+fn retrieve_ties_keep_lower_index(dev: &Device) -> Result<()> {
+    let q = grid(&[3, 6, 32], DType::F32)?.to_device(dev)?;
+    let d = grid(&[1, 10, 32], DType::F32)?.repeat((6, 1, 1))?.to_device(dev)?;
+    for (k, chunk) in [(4, 4), (6, 1), (3, 6)] {
+        let (s, i) = ms::retrieve(&q, &d, None, None, k, chunk)?;
+        let (s, i): (Vec<Vec<f32>>, Vec<Vec<u32>>) = (s.to_vec2()?, i.to_vec2()?);
+        for (row, ids) in s.iter().zip(&i) {
+            assert_eq!(ids, &(0..k as u32).collect::<Vec<_>>(), "k={k} chunk={chunk}");
+            assert!(row.iter().all(|&v| v == row[0]), "k={k} chunk={chunk}: {row:?}");
+        }
+    }
+    Ok(())
+}
+
+test_device!(retrieve_ties_keep_lower_index, retrieve_ties_keep_lower_index_cpu, retrieve_ties_keep_lower_index_cuda);
+
+/// No documents: `[Nq, 0]` scores and indices.
+fn retrieve_without_documents_is_empty(dev: &Device) -> Result<()> {
+    let q = randn(&[2, 4, 16], DType::F32, dev)?;
+    let none = randn(&[1, 5, 16], DType::F32, dev)?.narrow(0, 0, 0)?;
+    let (s, i) = ms::retrieve(&q, &none, None, None, 3, 8)?;
+    assert_eq!((s.dims(), i.dims()), (&[2usize, 0][..], &[2usize, 0][..]));
+    assert_eq!((s.dtype(), i.dtype()), (DType::F32, DType::U32));
+    Ok(())
+}
+
+test_device!(
+    retrieve_without_documents_is_empty,
+    retrieve_without_documents_is_empty_cpu,
+    retrieve_without_documents_is_empty_cuda
+);
