@@ -100,7 +100,8 @@ pub(crate) fn plaid_approx(
         launch(&dev, &func, b.div_ceil(WARPS as usize) as u32, 32 * WARPS, 0, &params)?;
     }
     // The one host sync: the caller looks for the first bad input only when the kernel flagged one.
-    Ok((CudaStorage::wrap_cuda_slice(out, dev), bad.is_set(&dev)?))
+    let bad = bad.is_set(&dev)?;
+    Ok((CudaStorage::wrap_cuda_slice(out, dev), bad))
 }
 
 /// Host copies of `doc_lens [B]` and `codes [B, Ld]` (as I64), for the op's error report.
