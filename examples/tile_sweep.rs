@@ -4,10 +4,11 @@
 //! heuristic (src/cuda/maxsim_fwd.rs, `default_config`) is derived from;
 //! rerun this on a new GPU before changing it.
 //!
-//!   cargo run --release --features cuda --example tile_sweep -- [--dtype bf16] > sweep.jsonl
+//!   CANDLE_MAXSIM_LOG=1 cargo run --release --features cuda --example tile_sweep -- [--dtype bf16] > sweep.txt 2>&1
 //!
-//! Each problem prints one JSON line to stdout (`{"shape": ..., "dtype": ...}`);
-//! the autotuner's decision with all candidates' times follows on stderr.
+//! Each problem prints one JSON line to stdout (layout, sizes, dtype,
+//! variant); with `CANDLE_MAXSIM_LOG=1` the autotuner's decision, with every
+//! candidate's time, follows on stderr.
 
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
@@ -70,6 +71,8 @@ fn shapes() -> Vec<Shape> {
 
 fn main() -> Result<()> {
     let args = Args::parse();
+    // Time every candidate (the decisions and their timings go to stderr).
+    candle_maxsim::set_tile_selection(candle_maxsim::TileSelection::Autotune);
     let dev = Device::new_cuda(0)?;
     for dt in &args.dtype {
         let dtype = match dt.as_str() {

@@ -55,4 +55,4 @@ pub use ops::residual::{
 };
 pub use ops::retrieve::{retrieve, TopK};
 pub use ops::varlen::{maxsim_varlen, score_pairs_packed};
-pub use options::{Backward, MaxSimOptions};
+pub use options::{set_tile_selection, tile_selection, Backward, MaxSimOptions, TileSelection};

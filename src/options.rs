@@ -44,3 +44,37 @@ pub struct MaxSimOptions {
     /// How the backward computes `grad_D`.
     pub backward: Backward,
 }
+
+/// How the CUDA forward picks its tile configuration (kernels/tiles.def),
+/// for the whole process: see [`set_tile_selection`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum TileSelection {
+    /// A fixed rule of the problem's shape, derived from measurements on an
+    /// H200 (`static_config` in src/cuda/maxsim_fwd.rs): no timing, the same
+    /// kernel on every run.
+    #[default]
+    Static,
+    /// Time every configuration that fits on the first call of each problem
+    /// class (on its inputs, three runs each) and keep the fastest for the
+    /// process: may beat the rule on a GPU it was not measured on, at the
+    /// cost of that first call and of a kernel choice that can differ
+    /// between runs.
+    Autotune,
+}
+
+static AUTOTUNE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Sets how the CUDA forward picks its tiles from now on, for every entry
+/// point of this process (default [`TileSelection::Static`]).
+pub fn set_tile_selection(s: TileSelection) {
+    AUTOTUNE.store(s == TileSelection::Autotune, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// The tile selection in force.
+pub fn tile_selection() -> TileSelection {
+    if AUTOTUNE.load(std::sync::atomic::Ordering::Relaxed) {
+        TileSelection::Autotune
+    } else {
+        TileSelection::Static
+    }
+}

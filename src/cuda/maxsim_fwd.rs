@@ -439,8 +439,46 @@ fn per_sm(dev: &CudaDevice, name: &str, v: Variant, threads: u32, smem: u32) -> 
     Ok((f.occupancy_max_active_blocks_per_multiprocessor(threads, smem as usize, None).w()? as usize).max(1))
 }
 
-/// The tile configuration for this problem: pinned by env, cached, or
-/// measured now on the real inputs (each candidate timed with CUDA events).
+/// The static tile choice, FlashAttention's tile_size.h style: one line per
+/// decision with the measurement behind it (examples/tile_sweep.rs on an
+/// H200, bf16 and f16, dims 48 to 128). `fits`: the configurations of this
+/// dtype and width that the device runs, in kernels/tiles.def order (never empty).
+fn static_config(pb: &Problem, fits: &[TileConfig]) -> TileConfig {
+    let pick = |name: &str| fits.iter().copied().find(|c| c.name() == name);
+    let list = matches!(pb.pairs, Pairing::List { .. });
+    // Query rows that meet each document, documents, their longest length.
+    let rows = if list { pb.q.max_len() } else { pb.q.rows() };
+    let (nd, ld) = (pb.d.n(), pb.d.max_len());
+    let choice = if fits.iter().any(|c| c.hopper()) {
+        // Hopper, f16 / bf16.
+        if list {
+            "narrow" // KD lists of 32-token queries: narrow best or within 7 % (K 8 and 32, Ld 180)
+        } else if ld <= 64 && rows <= 64 {
+            "hsmall" // 64-row document tiles: a 128-row tile would be half padding
+        } else if ld <= 64 {
+            "large" // grids of short documents: large best at 16x16 to 256x256, Lq 32, Ld 64 (hlarge 1.45-1.7x)
+        } else if rows <= 64 || (rows <= 128 && nd * ld < 50_000) {
+            "hmid" // one or two 32-token queries (rerank, scan): hmid best at 1000 and 10 000 documents
+        } else {
+            "hlarge" // in-batch and long queries: hlarge best from 4 queries x 1000 documents up to ColPali pages
+        }
+    } else if list {
+        "narrow" // mma.sync set on KD lists: narrow best (small within 5 %)
+    } else if rows <= 32 {
+        "small" // one 32-token query: small best of the mma.sync set (large 1.3-1.6x)
+    } else {
+        "large" // 64 query rows and more: large best of the mma.sync set
+    };
+    // F32 follows the same split between its two tiles (not measured apart);
+    // a set of one (wide, compact) is its only member.
+    let f32_choice = if rows <= 32 { "fsmall" } else { "flarge" };
+    pick(choice).or_else(|| pick(f32_choice)).unwrap_or(fits[0])
+}
+
+/// The tile configuration for this problem: pinned by a debug knob, the
+/// static rule, or (with [`crate::TileSelection::Autotune`]) measured on the
+/// first call of each problem class on its inputs (each candidate timed with
+/// CUDA events) and cached.
 #[allow(clippy::too_many_arguments)]
 fn choose_config(
     dev: &CudaDevice,
@@ -457,6 +495,13 @@ fn choose_config(
         return Ok(fits[0]);
     }
     if let Some(c) = pinned_config().filter(|c| fits.contains(c)) {
+        return Ok(c);
+    }
+    if crate::options::tile_selection() == crate::options::TileSelection::Static {
+        let c = static_config(pb, &fits);
+        if crate::knobs::knobs().log {
+            eprintln!("candle-maxsim: static tile {c:?} of {fits:?}");
+        }
         return Ok(c);
     }
     let lq = pb.q.max_len();

@@ -80,11 +80,10 @@ impl TopK {
         let nq = self.best.len();
         let k = self.best.first().map_or(self.k, |t| t.len().min(self.k));
         if k == 0 || nq == 0 {
-            // Empty results as zero-size views (CUDA allocates no empty buffer).
-            let z = Tensor::zeros((nq.max(1), k.max(1)), candle_core::DType::F32, device)?
-                .narrow(0, 0, nq)?
-                .narrow(1, 0, k)?;
-            return Ok((z.clone(), z.to_dtype(candle_core::DType::U32)?));
+            // Empty results as zero-size views (CUDA allocates no empty
+            // buffer, and launches no kernel over one: no cast of them).
+            let empty = |dt| Tensor::zeros((nq.max(1), k.max(1)), dt, device)?.narrow(0, 0, nq)?.narrow(1, 0, k);
+            return Ok((empty(candle_core::DType::F32)?, empty(candle_core::DType::U32)?));
         }
         let scores: Vec<f32> = self.best.iter().flat_map(|t| t.iter().map(|x| x.0)).collect();
         let ids: Vec<u32> = self.best.iter().flat_map(|t| t.iter().map(|x| x.1)).collect();
