@@ -440,27 +440,40 @@ fn per_sm(dev: &CudaDevice, name: &str, v: Variant, threads: u32, smem: u32) -> 
 }
 
 /// The static tile choice, FlashAttention's tile_size.h style: one line per
-/// decision with the measurement behind it (examples/tile_sweep.rs on an
-/// H200, bf16 and f16, dims 48 to 128). `fits`: the configurations of this
-/// dtype and width that the device runs, in kernels/tiles.def order (never empty).
-fn static_config(pb: &Problem, fits: &[TileConfig]) -> TileConfig {
+/// decision with the measurement behind it (an H200, bf16 and f16: every
+/// configuration timed on 336 problem classes by examples/tile_sweep.rs, dims
+/// 48 to 128, and pinned one by one on the benchmark shapes of
+/// examples/bench.rs). `fits`: the configurations of this dtype and width
+/// that the device runs, in kernels/tiles.def order (never empty).
+fn static_config(info: &DeviceInfo, pb: &Problem, fits: &[TileConfig]) -> TileConfig {
     let pick = |name: &str| fits.iter().copied().find(|c| c.name() == name);
     let list = matches!(pb.pairs, Pairing::List { .. });
     // Query rows that meet each document, documents, their longest length.
     let rows = if list { pb.q.max_len() } else { pb.q.rows() };
-    let (nd, ld) = (pb.d.n(), pb.d.max_len());
+    let (nd, ld) = (pb.d.n(), pb.d.max_len().max(1));
+    // Padded rows per real row with document tiles of `bd` rows.
+    let waste = |bd: usize| ld.div_ceil(bd) * bd * 100 / ld;
+    // Blocks of a 128-row query tile: under a few waves, tile efficiency matters less than filling the SMs.
+    let blocks = rows.div_ceil(128) * nd;
+    let sms = info.sm_count as usize;
     let choice = if fits.iter().any(|c| c.hopper()) {
         // Hopper, f16 / bf16.
         if list {
-            "narrow" // KD lists of 32-token queries: narrow best or within 7 % (K 8 and 32, Ld 180)
+            "narrow" // KD lists of 32-token queries: narrow best or within 8 % (K 8 and 32, Ld 180)
         } else if ld <= 64 && rows <= 64 {
             "hsmall" // 64-row document tiles: a 128-row tile would be half padding
         } else if ld <= 64 {
-            "large" // grids of short documents: large best at 16x16 to 256x256, Lq 32, Ld 64 (hlarge 1.45-1.7x)
-        } else if rows <= 64 || (rows <= 128 && nd * ld < 50_000) {
-            "hmid" // one or two 32-token queries (rerank, scan): hmid best at 1000 and 10 000 documents
+            "large" // grids of short documents: large best from 16x16 to 256x256 and 32 x 10 000, Lq 32, Ld 64
+        } else if rows <= 64 && waste(128) > waste(64) * 11 / 10 {
+            "hsmall" // one query against documents 64-row tiles fit better (Ld 300: hsmall best, hmid 1.03-1.06x)
+        } else if rows <= 64 {
+            "hmid" // one or two 32-token queries (rerank, scan): hmid best at 1000 and 10 000 documents of 128
+        } else if blocks < 8 * sms && waste(128) > waste(64) * 115 / 100 {
+            "large" // small grids of documents that pad a 128-row tile (32x32 Ld 300, 48x48 Ld 180: large best)
+        } else if blocks < 4 * sms {
+            "hmid" // too few hlarge blocks to fill the SMs twice (longdoc 16 x 32 x 8192: hmid 1.13x faster)
         } else {
-            "hlarge" // in-batch and long queries: hlarge best from 4 queries x 1000 documents up to ColPali pages
+            "hlarge" // in-batch grids, scans and long queries: hlarge best on every benchmark shape above
         }
     } else if list {
         "narrow" // mma.sync set on KD lists: narrow best (small within 5 %)
@@ -498,7 +511,7 @@ fn choose_config(
         return Ok(c);
     }
     if crate::options::tile_selection() == crate::options::TileSelection::Static {
-        let c = static_config(pb, &fits);
+        let c = static_config(info, pb, &fits);
         if crate::knobs::knobs().log {
             eprintln!("candle-maxsim: static tile {c:?} of {fits:?}");
         }
