@@ -468,8 +468,8 @@ fn static_config(info: &DeviceInfo, pb: &Problem, fits: &[TileConfig]) -> TileCo
             "hsmall" // one query against documents 64-row tiles fit better (Ld 300: hsmall best, hmid 1.03-1.06x)
         } else if rows <= 64 {
             "hmid" // one or two 32-token queries (rerank, scan): hmid best at 1000 and 10 000 documents of 128
-        } else if blocks < 8 * sms && waste(128) > waste(64) * 115 / 100 {
-            "large" // small grids of documents that pad a 128-row tile (32x32 Ld 300, 48x48 Ld 180: large best)
+        } else if blocks < 6 * sms && waste(128) > waste(64) * 115 / 100 {
+            "large" // small grids of documents that pad a 128-row tile (32x32 Ld 300, 48x48 Ld 180: large best; 1000x4 Ld 300: hlarge)
         } else if blocks < 4 * sms {
             "hmid" // too few hlarge blocks to fill the SMs twice (longdoc 16 x 32 x 8192: hmid 1.13x faster)
         } else {
