@@ -1,5 +1,5 @@
-//! Forward launch of kernels/maxsim_fwd.cu: tile-config choice (autotuned once
-//! per problem class and cached), query grouping, and the grid.
+//! Forward launch of kernels/maxsim_fwd.cu: tile-config choice (a static rule,
+//! or autotuned once per problem class and cached), query grouping, and the grid.
 
 use super::params::{dtype_tag, layout_params, Params};
 use super::{device_info, fill_words, fwd_func, launch, slice_ptr, storage_ptr, tensor_ptr, DeviceInfo};
