@@ -482,10 +482,17 @@ fn static_config(info: &DeviceInfo, pb: &Problem, fits: &[TileConfig]) -> TileCo
     } else {
         "large" // 64 query rows and more: large best of the mma.sync set
     };
-    // F32 follows the same split between its two tiles (not measured apart);
-    // a set of one (wide, compact) is its only member.
+    // The residual kernels exist for large, narrow and hsmall only: the
+    // nearest of those by tile shape (not measured apart). F32 follows the
+    // same split between its two tiles (not measured apart either); a set
+    // of one (wide, compact) is its only member.
+    let nearest = match choice {
+        "hlarge" => "large",
+        "hmid" => "hsmall",
+        _ => "narrow",
+    };
     let f32_choice = if rows <= 32 { "fsmall" } else { "flarge" };
-    pick(choice).or_else(|| pick(f32_choice)).unwrap_or(fits[0])
+    pick(choice).or_else(|| pick(nearest)).or_else(|| pick(f32_choice)).unwrap_or(fits[0])
 }
 
 /// The tile configuration for this problem: pinned by a debug knob, the
