@@ -70,3 +70,48 @@ test_device!(
     retrieve_without_documents_is_empty_cpu,
     retrieve_without_documents_is_empty_cuda
 );
+
+/// `TopK` merged chunk by chunk equals a full sort of every score (best
+/// first, equal scores by the lower id, NaN last), and returns as many
+/// columns as ids were pushed when that is fewer than k, on `dev`.
+fn top_k_merges_chunks_like_a_full_sort(dev: &Device) -> Result<()> {
+    let cpu = Device::Cpu;
+    // Grid values in 1/4 steps: many exact ties across chunks; one NaN.
+    let mut v: Vec<f32> = randn(&[3, 23], DType::F32, &cpu)?.flatten_all()?.to_vec1()?;
+    v.iter_mut().for_each(|x| *x = (*x * 4.0).round() / 4.0);
+    v[5] = f32::NAN;
+    let scores = Tensor::from_vec(v.clone(), (3, 23), &cpu)?;
+    for (k, chunk) in [(5, 4), (23, 7), (40, 23), (1, 1)] {
+        let mut top = ms::TopK::new(3, k);
+        let mut start = 0;
+        while start < 23 {
+            let n = chunk.min(23 - start);
+            top.push(&scores.narrow(1, start, n)?.to_device(dev)?, |j| (start + j) as u32)?;
+            start += n;
+        }
+        let (s, i) = top.finish(dev)?;
+        let kk = k.min(23);
+        assert_eq!(i.dims(), &[3, kk], "k={k}: as many columns as ids pushed");
+        let (s, i): (Vec<Vec<f32>>, Vec<Vec<u32>>) = (s.to_device(&cpu)?.to_vec2()?, i.to_device(&cpu)?.to_vec2()?);
+        for row in 0..3 {
+            let mut want: Vec<(f32, u32)> = (0..23).map(|j| (v[row * 23 + j], j as u32)).collect();
+            want.sort_by(|a, b| match (a.0.is_nan(), b.0.is_nan()) {
+                (true, false) => std::cmp::Ordering::Greater,
+                (false, true) => std::cmp::Ordering::Less,
+                _ => b.0.partial_cmp(&a.0).unwrap_or(std::cmp::Ordering::Equal).then(a.1.cmp(&b.1)),
+            });
+            let ids: Vec<u32> = want.iter().take(kk).map(|x| x.1).collect();
+            assert_eq!(i[row], ids, "k={k} chunk={chunk} row {row}: ids");
+            for (got, w) in s[row].iter().zip(&want) {
+                assert!(got == &w.0 || (got.is_nan() && w.0.is_nan()), "k={k} row {row}: {got} vs {}", w.0);
+            }
+        }
+    }
+    Ok(())
+}
+
+test_device!(
+    top_k_merges_chunks_like_a_full_sort,
+    top_k_merges_chunks_like_a_full_sort_cpu,
+    top_k_merges_chunks_like_a_full_sort_cuda
+);
