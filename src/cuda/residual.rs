@@ -80,8 +80,8 @@ pub(crate) fn residual_path(
     }
     let warp = match (&pb.q, &pb.pairs) {
         (Seqs::Uniform { n: nq, len: lq }, Pairing::Cross { nd, .. }) => {
-            device_info(dev)?.cc >= 80
-                && !crate::knobs::knobs().residual_tile
+            // (compute capability 8.0+ and F16/BF16 queries: residual_supported above)
+            !crate::knobs::knobs().residual_tile
                 && pb.q_valid.is_none()
                 && matches!(codes_dtype, DType::U32 | DType::I64)
                 && matches!(pb.dim, 64 | 96 | 128)
