@@ -49,8 +49,11 @@ __device__ __forceinline__ int64_t load_code_streaming(const int64_t* p) {
     return (int64_t)__ldcs(reinterpret_cast<const long long*>(p));
 }
 
-// Scores one document with Lq <= 4 * G. `c0`: lane l holds code l of the
-// document as loaded (unchecked; any value where l >= min(len, 32)).
+// Scores one document with Lq <= 4 * G against the score rows at `qcs`
+// (row c of query token s at qcs + c * stride + 4 s bytes: [C, Lq] rows of
+// one query, or a query's Lq columns of a [C, Nq·Lq] table). `c0`: lane l
+// holds code l of the document as loaded (unchecked; any value where
+// l >= min(len, 32)). Returns the score on every lane.
 // Tokens are gathered 32 codes at a time: lane l of the warp holds code l,
 // and load u of a batch has group r (lanes r*G .. r*G+G-1) gather the row of
 // token j0 + u*R + r, G lanes of 16 bytes. Lanes past the document's end
@@ -59,22 +62,20 @@ __device__ __forceinline__ int64_t load_code_streaming(const int64_t* p) {
 // are skipped by a warp-uniform test. Lanes g >= Lq / 4 of a group load the
 // group's last 16 bytes again (the same instruction again) and are left out
 // of the sum. So no load is predicated per lane and no register needs a
-// default value.
-template <typename Code, int G, bool FULL>
-__device__ __forceinline__ void score_doc(const PlaidApproxParams& p, int doc, uint32_t raw_len, Code c0) {
+// default value. With SKIP_EMPTY a query token whose max is -inf (every row
+// of the document pruned) adds 0.
+template <typename Code, int G, bool FULL, bool SKIP_EMPTY>
+__device__ __forceinline__ float score_doc(const float* qcs, uint32_t stride, int lq, const Code* codes, int len,
+                                           Code c0, int64_t n_centroids, unsigned int* bad) {
     constexpr int R = 32 / G;             // rows per load instruction
     constexpr int U = R * 8 <= 32 ? 8 : 32 / R;  // loads in flight per lane
     const unsigned full = 0xffffffffu;
     const int lane = threadIdx.x & 31;
-    const int len = (int)min(raw_len, (uint32_t)p.ld);
-    if (raw_len > (uint32_t)p.ld) *p.bad = 1u;
     // FULL: Lq = 4 * G, every lane of a group has its own 16 bytes (the common
-    // Lq 16 / 32 / 64: no clamp, no select, a constant row stride).
-    const int g = lane % G, r = lane / G, nv = FULL ? G : p.lq / 4;
-    const char* base = reinterpret_cast<const char*>(p.qcs) + (FULL ? g : min(g, nv - 1)) * 16;
-    const uint32_t stride = FULL ? G * 16 : (uint32_t)p.lq * 4;
+    // Lq 16 / 32 / 64: no clamp, no select).
+    const int g = lane % G, r = lane / G, nv = FULL ? G : lq / 4;
+    const char* base = reinterpret_cast<const char*>(qcs) + (FULL ? g : min(g, nv - 1)) * 16;
     asm("mov.b64 %0, %0;" : "+l"(base));  // opaque, so a row address is one IMAD.WIDE on it
-    const Code* codes = static_cast<const Code*>(p.codes) + (size_t)doc * p.ld;
     float m0 = MAXSIM_NEG_INF, m1 = MAXSIM_NEG_INF, m2 = MAXSIM_NEG_INF, m3 = MAXSIM_NEG_INF;
     for (int t0 = 0; t0 < len; t0 += 32) {
         const int n = min(32, len - t0);
@@ -82,9 +83,9 @@ __device__ __forceinline__ void score_doc(const PlaidApproxParams& p, int doc, u
         if (t0 > 0 && lane < n) raw = load_code_streaming(codes + t0 + lane);
         uint32_t c = 0;
         if (lane < n) {
-            c = checked_code(raw, p.n_centroids);
+            c = checked_code(raw, n_centroids);
             if (c == PLAID_BAD_CODE) {
-                *p.bad = 1u;
+                *bad = 1u;
                 c = 0;
             }
         }
@@ -109,8 +110,11 @@ __device__ __forceinline__ void score_doc(const PlaidApproxParams& p, int doc, u
     }
     // Merge the R row groups, then sum the query tokens over the G lanes of a group.
     m0 = lane_max<32 - G>(m0), m1 = lane_max<32 - G>(m1), m2 = lane_max<32 - G>(m2), m3 = lane_max<32 - G>(m3);
-    const float total = lane_sum<G>(FULL || g < nv ? (m0 + m1) + (m2 + m3) : 0.f);
-    if (lane == 0) p.out[doc] = len > 0 ? total : 0.f;
+    if (SKIP_EMPTY) {
+        m0 = m0 > MAXSIM_NEG_INF ? m0 : 0.f, m1 = m1 > MAXSIM_NEG_INF ? m1 : 0.f;
+        m2 = m2 > MAXSIM_NEG_INF ? m2 : 0.f, m3 = m3 > MAXSIM_NEG_INF ? m3 : 0.f;
+    }
+    return lane_sum<G>(FULL || g < nv ? (m0 + m1) + (m2 + m3) : 0.f);
 }
 
 // One document per warp; its length and its first 32 codes (all of them up to
@@ -121,9 +125,16 @@ __device__ __forceinline__ void plaid_rows(const PlaidApproxParams& p) {
     const int lane = threadIdx.x & 31;
     const int doc = blockIdx.x * PLAID_ROWS_WARPS + (threadIdx.x >> 5);
     if (doc >= p.b) return;  // warp-uniform, like every branch around the shuffles
+    const Code* codes = static_cast<const Code*>(p.codes) + (size_t)doc * p.ld;
     Code c0 = 0;
-    if (lane < p.ld) c0 = load_code_streaming(static_cast<const Code*>(p.codes) + (size_t)doc * p.ld + lane);
-    score_doc<Code, G, FULL>(p, doc, p.doc_lens[doc], c0);
+    if (lane < p.ld) c0 = load_code_streaming(codes + lane);
+    const uint32_t raw_len = p.doc_lens[doc];
+    const int len = (int)min(raw_len, (uint32_t)p.ld);
+    if (raw_len > (uint32_t)p.ld) *p.bad = 1u;
+    // FULL: a constant row stride (Lq = 4 * G floats).
+    const uint32_t stride = FULL ? G * 16 : (uint32_t)p.lq * 4;
+    const float total = score_doc<Code, G, FULL, false>(p.qcs, stride, p.lq, codes, len, c0, p.n_centroids, p.bad);
+    if (lane == 0) p.out[doc] = len > 0 ? total : 0.f;
 }
 
 #define PLAID_ROWS_K(NAME, CODE, G, FULL)                                                              \
@@ -240,3 +251,117 @@ PLAID_APPROX_G(u32, uint32_t, 4)
 PLAID_APPROX_G(u32, uint32_t, 1)
 PLAID_APPROX_G(i64, int64_t, 4)
 PLAID_APPROX_G(i64, int64_t, 1)
+
+// ---------------------------------------------------------------------------
+// The candidate stage of a PLAID search over a packed index (documents are
+// row ranges cu_d[j] .. cu_d[j+1] of the codes), for a batch of queries:
+//  - plaid_candidates: for each (query, probed centroid), the documents of
+//    the centroid's inverted list become the query's candidates, bits of a
+//    [nq, words] bitmap (zeroed by the host);
+//  - plaid_approx_candidates: the approximate score of every candidate
+//    against its query's columns of one [C, nq * lq] score table, -inf for
+//    every other document, as a dense [nq, nd] matrix for topk_rows.
+// Malformed inverted files, offsets, codes or candidate ids never cause an
+// out-of-bounds access: they are clamped or skipped and set `*bad` to the
+// number of the argument at fault (PLAID_BAD_* below).
+// ---------------------------------------------------------------------------
+
+#define PLAID_BAD_PROBES 1u
+#define PLAID_BAD_IVF_OFFSETS 2u
+#define PLAID_BAD_IVF 3u
+#define PLAID_BAD_CODES 4u
+#define PLAID_BAD_CU_D 5u
+#define PLAID_BAD_CANDIDATES 6u
+
+// Mirrors `CandParams` in src/cuda/plaid_approx.rs (same field order, C layout).
+struct PlaidCandParams {
+    const uint32_t* probes;  // [nq, n_probe] centroid ids
+    const uint32_t* ivf;     // [n_ivf] document ids, the lists back to back
+    const uint32_t* ivf_off; // [n_centroids + 1] list offsets
+    const float* qcs;        // [n_centroids, nq * lq]
+    const void* codes;       // [n_codes] uint32_t or int64_t
+    const uint32_t* cu_d;    // [nd + 1] document offsets into the codes
+    uint32_t* bitmap;        // [nq, words] candidates
+    const uint32_t* mask;    // [mask_rows, words] documents allowed, or null: all
+    float* out;              // [nq, nd]
+    unsigned int* bad;
+    long long n_centroids, n_ivf, n_codes;
+    int32_t nq, n_probe, nd, words, lq, mask_rows;
+};
+
+extern "C" __global__ void plaid_candidates(const PlaidCandParams p) {
+    const int lane = threadIdx.x & 31;
+    const long long nw = (long long)gridDim.x * blockDim.x / 32;
+    for (long long task = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / 32; task < (long long)p.nq * p.n_probe;
+         task += nw) {
+        const int i = (int)(task / p.n_probe);
+        const uint32_t c = p.probes[task];
+        if ((long long)c >= p.n_centroids) {
+            if (lane == 0) *p.bad = PLAID_BAD_PROBES;
+            continue;
+        }
+        const long long lo = min((long long)p.ivf_off[c], p.n_ivf);
+        const long long hi = min(max((long long)p.ivf_off[c + 1], lo), p.n_ivf);
+        if (lane == 0 && (hi != (long long)p.ivf_off[c + 1] || lo != (long long)p.ivf_off[c]))
+            *p.bad = PLAID_BAD_IVF_OFFSETS;
+        uint32_t* row = p.bitmap + (size_t)i * p.words;
+        for (long long e = lo + lane; e < hi; e += 32) {
+            const uint32_t d = p.ivf[e];
+            if (d < (uint32_t)p.nd) atomicOr(row + d / 32, 1u << (d % 32));
+            else *p.bad = PLAID_BAD_IVF;
+        }
+    }
+}
+
+// A warp per 32-document word of one query's bitmap; the candidates of the
+// word in turn, each scored by score_doc on the query's columns of qcs.
+template <typename Code, int G, bool FULL>
+__device__ __forceinline__ void plaid_approx_candidates(const PlaidCandParams& p) {
+    const int lane = threadIdx.x & 31;
+    const long long nw = (long long)gridDim.x * blockDim.x / 32;
+    const uint32_t stride = (uint32_t)p.nq * p.lq * 4;
+    for (long long task = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / 32; task < (long long)p.nq * p.words;
+         task += nw) {
+        const int i = (int)(task / p.words), w = (int)(task % p.words);
+        uint32_t bits = p.bitmap[task];
+        if (p.mask) bits &= p.mask[(size_t)(p.mask_rows == 1 ? 0 : i) * p.words + w];
+        float* out = p.out + (size_t)i * p.nd;
+        const int j0 = w * 32;
+        if (j0 + lane < p.nd && !((bits >> lane) & 1u)) out[j0 + lane] = MAXSIM_NEG_INF;
+        const float* qcs = p.qcs + (size_t)i * p.lq;
+        while (bits) {
+            const int j = j0 + __ffs(bits) - 1;
+            bits &= bits - 1;
+            if (j >= p.nd) {
+                if (lane == 0) *p.bad = PLAID_BAD_CANDIDATES;
+                continue;
+            }
+            const long long start = min((long long)p.cu_d[j], p.n_codes);
+            const long long end = min(max((long long)p.cu_d[j + 1], start), p.n_codes);
+            if (lane == 0 && (end != (long long)p.cu_d[j + 1] || start != (long long)p.cu_d[j])) *p.bad = PLAID_BAD_CU_D;
+            const int len = (int)min(end - start, (long long)INT32_MAX);
+            const Code* codes = static_cast<const Code*>(p.codes) + start;
+            Code c0 = 0;
+            if (lane < len) c0 = load_code_streaming(codes + lane);
+            unsigned int code_bad = 0u;
+            const float total =
+                score_doc<Code, G, FULL, true>(qcs, stride, p.lq, codes, len, c0, p.n_centroids, &code_bad);
+            if (code_bad) *p.bad = PLAID_BAD_CODES;
+            if (lane == 0) out[j] = len > 0 ? total : 0.f;
+        }
+    }
+}
+
+#define PLAID_CAND_K(NAME, CODE, G, FULL)                                                                 \
+    extern "C" __global__ void __launch_bounds__(256) NAME(const PlaidCandParams p) {                       \
+        plaid_approx_candidates<CODE, G, FULL>(p);                                                          \
+    }
+#define PLAID_CAND(CNAME, CODE, G)                                                                        \
+    PLAID_CAND_K(plaid_approx_candidates_##CNAME##_g##G, CODE, G, true)                                   \
+    PLAID_CAND_K(plaid_approx_candidates_##CNAME##_g##G##_part, CODE, G, false)
+PLAID_CAND(u32, uint32_t, 4)
+PLAID_CAND(u32, uint32_t, 8)
+PLAID_CAND(u32, uint32_t, 16)
+PLAID_CAND(i64, int64_t, 4)
+PLAID_CAND(i64, int64_t, 8)
+PLAID_CAND(i64, int64_t, 16)

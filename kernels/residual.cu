@@ -38,6 +38,12 @@ struct ResScoreParams {
     unsigned int* bad;        // host-mapped flag: set on an out-of-range code
     int32_t nq, nd, lq, ld;
     int32_t n_centroids, nbits, colbert_order, normalize, codes_i64;
+    // Pair mode: task t scores query pair_q[t] against document pair_d[t]
+    // into out[t] (pair_d[t] = 0xffffffff: no document, -inf); null: the
+    // cross product, task i * nd + j.
+    const uint32_t* pair_q;
+    const uint32_t* pair_d;
+    int32_t n_pairs;
 };
 
 #if __CUDA_ARCH__ >= 800
@@ -101,7 +107,7 @@ __device__ __forceinline__ void res_score(const ResScoreParams& p, const float2*
     const int lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
     const T* Q = static_cast<const T*>(p.q);
     const CT* cents = static_cast<const CT*>(p.centroids);
-    const int ntasks = p.nq * p.nd;
+    const int ntasks = p.pair_q ? p.n_pairs : p.nq * p.nd;
 
     uint32_t b[NT][KS][2]; // the current query's B fragments
     int cur_q = -1;
@@ -111,7 +117,20 @@ __device__ __forceinline__ void res_score(const ResScoreParams& p, const float2*
         if (lane == 0) task = atomicAdd(p.work, 1u);
         task = __shfl_sync(0xffffffffu, task, 0);
         if (task >= (uint32_t)ntasks) break;
-        const int i = (int)(task / (uint32_t)p.nd), j = (int)(task % (uint32_t)p.nd);
+        int i, j;
+        if (p.pair_q) { // warp-uniform: every lane holds the same task
+            const uint32_t pq = __ldg(p.pair_q + task), pd = __ldg(p.pair_d + task);
+            if (pq >= (uint32_t)p.nq || pd >= (uint32_t)p.nd) {
+                if (lane == 0) {
+                    if (pd != 0xffffffffu || pq >= (uint32_t)p.nq) *p.bad = 2u; // 2: a pair index out of range
+                    p.out[task] = MAXSIM_NEG_INF;
+                }
+                continue;
+            }
+            i = (int)pq, j = (int)pd;
+        } else {
+            i = (int)(task / (uint32_t)p.nd), j = (int)(task % (uint32_t)p.nd);
+        }
         if (i != cur_q) {
             cur_q = i;
 #pragma unroll
@@ -250,7 +269,7 @@ __device__ __forceinline__ void res_score(const ResScoreParams& p, const float2*
                 sum += nt * 8 + 2 * c + e < p.lq && m > MAXSIM_NEG_INF ? m : 0.f;
             }
         sum = lane_sum<4>(sum);
-        if (lane == 0) p.out[(size_t)i * p.nd + j] = sum;
+        if (lane == 0) p.out[p.pair_q ? (size_t)task : (size_t)i * p.nd + j] = sum;
     }
 }
 
@@ -286,3 +305,21 @@ MAXSIM_RES_SCORE_DIMS(bf16, __nv_bfloat16, f16, __half)
 MAXSIM_RES_SCORE_DIMS(bf16, __nv_bfloat16, bf16, __nv_bfloat16)
 
 #endif // __CUDA_ARCH__ >= 800
+
+// Codes of compressed tokens as uint32 for the tile and decompression
+// kernels, which index the centroids with them unchecked: `codes` holds n
+// U32 (or I64 when codes_i64) codes; a token whose `valid` byte is 0 (a
+// padding slot of the padded layout, whose code may hold anything) reads 0;
+// an out-of-range code of a valid token reads 0 and sets the host-mapped
+// flag `bad`, so that one launch replaces a cast, a select and a reduction.
+extern "C" __global__ void residual_codes_u32(const void* codes, int codes_i64, const uint8_t* valid, long long n,
+                                              long long n_centroids, uint32_t* out, unsigned int* bad) {
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x; t < n; t += stride) {
+        const long long c = codes_i64 ? static_cast<const long long*>(codes)[t]
+                                      : (long long)static_cast<const uint32_t*>(codes)[t];
+        const bool ok = c >= 0 && c < n_centroids;
+        if (!ok && (valid == nullptr || valid[t])) *bad = 1u;
+        out[t] = ok && (valid == nullptr || valid[t]) ? (uint32_t)c : 0u;
+    }
+}

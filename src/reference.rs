@@ -296,3 +296,119 @@ pub fn retrieve(
     }
     Ok((Tensor::from_vec(vs, (s.len(), k), q.device())?, Tensor::from_vec(is, (s.len(), k), q.device())?))
 }
+
+/// Naive [`crate::topk_rows`]: a full sort of each row on the host (NaN
+/// lowest, then larger value first, then the lower column).
+pub fn topk_rows(x: &Tensor, k: usize) -> Result<(Tensor, Tensor)> {
+    let rows: Vec<Vec<f32>> = x.to_vec2()?;
+    let k = k.min(x.dim(1)?);
+    let (mut vs, mut is) = (Vec::new(), Vec::new());
+    for row in &rows {
+        let mut idx: Vec<usize> = (0..row.len()).collect();
+        idx.sort_by(|&a, &b| {
+            let (x, y) = (row[a], row[b]);
+            let by_value = match (x.is_nan(), y.is_nan()) {
+                (true, true) => std::cmp::Ordering::Equal,
+                (true, false) => std::cmp::Ordering::Greater,
+                (false, true) => std::cmp::Ordering::Less,
+                _ => y.total_cmp(&x),
+            };
+            by_value.then(a.cmp(&b))
+        });
+        for &j in &idx[..k] {
+            vs.push(row[j]);
+            is.push(j as u32);
+        }
+    }
+    let r = rows.len();
+    Ok((Tensor::from_vec(vs, (r, k), x.device())?, Tensor::from_vec(is, (r, k), x.device())?))
+}
+
+/// Naive [`crate::plaid_candidates`]: every inverted list of every probed
+/// centroid, marked on the host.
+pub fn plaid_candidates(probes: &Tensor, ivf: &Tensor, ivf_offsets: &Tensor, num_documents: usize) -> Result<Tensor> {
+    let probes: Vec<Vec<u32>> = probes.to_vec2()?;
+    let (ivf, off): (Vec<u32>, Vec<u32>) = (ivf.to_vec1()?, ivf_offsets.to_vec1()?);
+    let words = num_documents.div_ceil(32);
+    let mut bits = vec![0u32; probes.len() * words];
+    for (i, row) in probes.iter().enumerate() {
+        for &c in row {
+            for &d in &ivf[off[c as usize] as usize..off[c as usize + 1] as usize] {
+                bits[i * words + d as usize / 32] |= 1 << (d % 32);
+            }
+        }
+    }
+    Tensor::from_vec(bits, (probes.len(), words), ivf_offsets.device())
+}
+
+/// Naive [`crate::plaid_approx_candidates`]: every document's approximate
+/// score against every query (gathered rows of `qcs`, masked max, a query
+/// token whose max is -inf adds 0), then -inf where a document is not a
+/// candidate or is masked out.
+pub fn plaid_approx_candidates(
+    qcs: &Tensor,
+    lq: usize,
+    codes: &Tensor,
+    cu_d: &Tensor,
+    candidates: &Tensor,
+    mask: Option<&Tensor>,
+) -> Result<Tensor> {
+    let nq = qcs.dim(1)? / lq;
+    let cu: Vec<u32> = cu_d.to_vec1()?;
+    let nd = cu.len() - 1;
+    let max_ld = cu.windows(2).map(|w| (w[1] - w[0]) as usize).max().unwrap_or(0).max(1);
+    let bits: Vec<Vec<u32>> = candidates.to_vec2()?;
+    let mask: Option<Vec<Vec<u32>>> = mask.map(|m| m.to_vec2()).transpose()?;
+    let codes = codes.to_dtype(DType::U32)?;
+    let mut out = Vec::with_capacity(nq * nd);
+    for i in 0..nq {
+        // [T, lq] this query's score of every token, padded to [Nd, max_ld, lq].
+        let rows = qcs.narrow(1, i * lq, lq)?.contiguous()?.index_select(&codes, 0)?;
+        let (padded, dm) = pad_packed(&rows, cu_d, max_ld)?;
+        let neg = Tensor::full(f32::NEG_INFINITY, padded.shape(), qcs.device())?;
+        let dm3 = dm.unsqueeze(2)?.broadcast_as(padded.shape())?;
+        let mx = dm3.where_cond(&padded, &neg)?.max(1)?; // [Nd, lq]
+        let mx = mx.ge(f32::MIN)?.where_cond(&mx, &mx.zeros_like()?)?; // -inf adds 0
+        let s: Vec<f32> = mx.sum(1)?.to_vec1()?;
+        for (j, &v) in s.iter().enumerate() {
+            let mut word = bits[i][j / 32];
+            if let Some(m) = &mask {
+                word &= m[if m.len() == 1 { 0 } else { i }][j / 32];
+            }
+            let empty = cu[j] == cu[j + 1];
+            out.push(if (word >> (j % 32)) & 1 == 0 {
+                f32::NEG_INFINITY
+            } else if empty {
+                0.0
+            } else {
+                v
+            });
+        }
+    }
+    Tensor::from_vec(out, (nq, nd), qcs.device())
+}
+
+/// Naive [`crate::maxsim_residual_pairs`]: every query against every
+/// document by [`maxsim_residual_varlen`], then the pairs picked on the host
+/// (-inf for [`crate::NO_DOCUMENT`]).
+#[allow(clippy::too_many_arguments)]
+pub fn maxsim_residual_pairs(
+    q: &Tensor,
+    codes: &Tensor,
+    residuals: &Tensor,
+    cu_d: &Tensor,
+    max_ld: usize,
+    pair_q: &Tensor,
+    pair_d: &Tensor,
+    codec: &ResidualCodec,
+    normalize: bool,
+) -> Result<Tensor> {
+    let all: Vec<Vec<f32>> = maxsim_residual_varlen(q, codes, residuals, cu_d, max_ld, codec, normalize)?.to_vec2()?;
+    let (pq, pd): (Vec<u32>, Vec<u32>) = (pair_q.to_vec1()?, pair_d.to_vec1()?);
+    let out: Vec<f32> = pq
+        .iter()
+        .zip(&pd)
+        .map(|(&i, &j)| if j == crate::NO_DOCUMENT { f32::NEG_INFINITY } else { all[i as usize][j as usize] })
+        .collect();
+    Tensor::from_vec(out, pq.len(), q.device())
+}

@@ -2,9 +2,10 @@
 //! (hidden states → linear → normalize → MaxSim), Hopper only.
 
 use super::params::dtype_tag;
-use super::{alloc_out, device_info, launch, load_func, storage_ptr, tensor_ptr, HIDDEN};
+use super::{aligned_ptr, alloc_out, device_info, launch, load_func, storage_ptr, tensor_ptr, HIDDEN};
+use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::DeviceRepr;
-use candle_core::{DType, Device, Layout, Result, Storage, Tensor};
+use candle_core::{CudaDevice, CudaStorage, DType, Layout, Result, Tensor};
 
 /// Mirror of `HiddenParams` in kernels/hidden.cu.
 #[repr(C)]
@@ -49,59 +50,88 @@ fn aligned(t: &Tensor) -> Result<Tensor> {
     Ok(if tensor_ptr(&t)?.is_multiple_of(16) { t } else { t.copy()? })
 }
 
-/// Fused `[Nq, Nd]` F32 scores, or `None` where the fused kernel does not
-/// apply (not compute capability 9.0, not F16/BF16, dout over 128 or not a
-/// multiple of 8, dmodel not a multiple of 8, empty or oversized shapes,
-/// including Ld = 0 and dout = 0):
-/// the caller then composes linear, normalize and MaxSim. Arguments are
-/// validated by the caller.
+/// The fused kernel's launch for one problem; [`FusedHeadPlan::new`] says
+/// whether it applies.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct FusedHeadPlan {
+    dpad: usize,
+    /// Query rows per block (whole queries).
+    q_chunk: usize,
+    /// Query chunks per document.
+    chunks: usize,
+    smem: usize,
+}
+
+impl FusedHeadPlan {
+    /// The plan for `q [Nq, Lq, dout]` against `h [Nd, Ld, dmodel]` of
+    /// `dtype` on `dev`, or `None` where the fused kernel does not apply: not
+    /// compute capability 9.0, not F16/BF16, dout over 128 or not a multiple
+    /// of 8, dmodel not a multiple of 8, empty or oversized shapes, or fewer
+    /// projected document rows than query rows (materializing them then costs
+    /// less than the queries themselves).
+    pub(crate) fn new(
+        dev: &CudaDevice,
+        dtype: DType,
+        (nq, lq, dout): (usize, usize, usize),
+        (nd, ld, dmodel): (usize, usize, usize),
+    ) -> Result<Option<Self>> {
+        let info = device_info(dev)?;
+        if info.cc != 90 || !matches!(dtype, DType::F16 | DType::BF16) {
+            return Ok(None);
+        }
+        if dout == 0 || dout % 8 != 0 || dout > 128 || dmodel % 8 != 0 || dmodel == 0 || nq * lq * nd * ld == 0 {
+            return Ok(None);
+        }
+        if nd * ld < nq * lq {
+            return Ok(None);
+        }
+        // The kernel's row arithmetic is 32-bit, including a query chunk (under
+        // 2^16 rows) or a document chunk past the last row.
+        let limit = i32::MAX as usize - (1 << 16);
+        if nd * ld > limit || nq * lq > limit || nd * nq > limit {
+            return Ok(None);
+        }
+        let dpad = if dout <= 64 { 64 } else { 128 };
+        // Whole queries per block, as many as the running maxima fit in shared
+        // memory, spread evenly over the query chunks.
+        let max_rows = info.smem_optin.saturating_sub(smem_bytes(dpad, 0)) / 4;
+        let max_queries = max_rows / lq;
+        if max_queries == 0 {
+            return Ok(None);
+        }
+        // Fewer documents than SMs: split the queries over the idle SMs (each
+        // query chunk projects its document again, cheap next to MaxSim), but
+        // never into a second wave (one block per SM is resident).
+        let spread = (info.sm_count as usize / nd).clamp(1, nq);
+        let chunks = nq.div_ceil(max_queries).max(spread);
+        let q_chunk = nq.div_ceil(chunks) * lq;
+        let chunks = (nq * lq).div_ceil(q_chunk);
+        Ok(Some(Self { dpad, q_chunk, chunks, smem: smem_bytes(dpad, q_chunk) }))
+    }
+}
+
+/// Fused `[Nq·Nd]` F32 scores by the plan: `q` `[Nq, Lq, dout]` (contiguous),
+/// `h` `[Nd, Ld, dmodel]`, `w` `[dout, dmodel]`, `b` `[dout]`, `d_mask`
+/// `[Nd, Ld]`, validated by the caller.
 pub(crate) fn from_hidden_fwd(
-    q: &Tensor,
+    plan: &FusedHeadPlan,
+    q: (&CudaStorage, &Layout),
     h: &Tensor,
     w: &Tensor,
     b: Option<&Tensor>,
     d_mask: Option<&Tensor>,
     normalize: bool,
-) -> Result<Option<Tensor>> {
-    let Device::Cuda(dev) = q.device() else { return Ok(None) };
-    let info = device_info(dev)?;
-    let (nq, lq, dout) = q.dims3()?;
+) -> Result<CudaStorage> {
+    let dev = &q.0.device;
+    let (nq, lq, dout) = q.1.shape().dims3()?;
     let (nd, ld, dmodel) = h.dims3()?;
-    if info.cc != 90 || !matches!(q.dtype(), DType::F16 | DType::BF16) {
-        return Ok(None);
-    }
-    if dout == 0 || dout % 8 != 0 || dout > 128 || dmodel % 8 != 0 || dmodel == 0 || nq * lq * nd * ld == 0 {
-        return Ok(None);
-    }
-    // The kernel's row arithmetic is 32-bit, including a query chunk (under
-    // 2^16 rows) or a document chunk past the last row.
-    let limit = i32::MAX as usize - (1 << 16);
-    if nd * ld > limit || nq * lq > limit || nd * nq > limit {
-        return Ok(None);
-    }
-    let dpad = if dout <= 64 { 64 } else { 128 };
-    // Whole queries per block, as many as the running maxima fit in shared
-    // memory, spread evenly over the query chunks.
-    let max_rows = info.smem_optin.saturating_sub(smem_bytes(dpad, 0)) / 4;
-    let max_queries = max_rows / lq;
-    if max_queries == 0 {
-        return Ok(None);
-    }
-    // Fewer documents than SMs: split the queries over the idle SMs (each
-    // query chunk projects its document again, cheap next to MaxSim), but
-    // never into a second wave (one block per SM is resident).
-    let spread = (info.sm_count as usize / nd).clamp(1, nq);
-    let chunks = nq.div_ceil(max_queries).max(spread);
-    let q_chunk = nq.div_ceil(chunks) * lq;
-    let chunks = (nq * lq).div_ceil(q_chunk);
-    let smem = smem_bytes(dpad, q_chunk);
-
-    let (q, h, w) = (aligned(q)?, aligned(h)?, aligned(w)?);
+    let (qp, _q_copy) = aligned_ptr(q, 16)?;
+    let (h, w) = (aligned(h)?, aligned(w)?);
     let bias = b.map(|b| b.to_dtype(DType::F32)?.contiguous()).transpose()?;
     let valid = d_mask.map(|m| m.flatten_all()?.contiguous()).transpose()?;
     let out = alloc_out(dev, DType::F32, nq * nd)?;
     let params = HiddenParams {
-        q: tensor_ptr(&q)?,
+        q: qp,
         h: tensor_ptr(&h)?,
         w: tensor_ptr(&w)?,
         bias: bias.as_ref().map(tensor_ptr).transpose()?.unwrap_or(0),
@@ -114,12 +144,12 @@ pub(crate) fn from_hidden_fwd(
         dmodel: dmodel as i32,
         dout: dout as i32,
         normalize: normalize as i32,
-        q_chunk: q_chunk as i32,
+        q_chunk: plan.q_chunk as i32,
     };
-    let name = format!("maxsim_hidden_{}_d{dpad}", dtype_tag(q.dtype()));
-    let func = load_func(dev, &name, smem as u32, "hidden", &HIDDEN)?;
-    launch(dev, &func, (nd * chunks) as u32, THREADS, smem as u32, &params)?;
+    let name = format!("maxsim_hidden_{}_d{}", dtype_tag(q.0.dtype()), plan.dpad);
+    let func = load_func(dev, &name, plan.smem as u32, "hidden", &HIDDEN)?;
+    launch(dev, &func, (nd * plan.chunks) as u32, THREADS, plan.smem as u32, &params)?;
     // The operands (and the temporary copies) are freed in stream order, after the launch.
-    drop((q, h, w, bias, valid));
-    Ok(Some(Tensor::from((Storage::Cuda(out), (nq, nd)))))
+    drop((h, w, bias, valid));
+    Ok(out)
 }

@@ -9,17 +9,19 @@ mod params;
 pub(crate) mod plaid_approx;
 mod residual;
 mod rows;
+mod topk;
 
-pub(crate) use hidden::from_hidden_fwd;
+pub(crate) use hidden::{from_hidden_fwd, FusedHeadPlan};
 pub(crate) use maxsim_bwd::maxsim_bwd;
 pub(crate) use maxsim_fwd::residual_supported;
 pub(crate) use maxsim_fwd::{maxsim_argmax, maxsim_fwd, Variant};
 pub(crate) use normalize::{l2norm_bwd, l2norm_fwd};
 pub(crate) use residual::{
-    decompress as decompress_residual, residual_path, residual_scores, residual_scores_warp, ResidualDev, ResidualPath,
-    WarpDocs,
+    codes_u32, decompress as decompress_residual, residual_path, residual_scores_tile, residual_scores_warp,
+    warp_applies, CodecDev, ResidualPath, WarpDocs, WarpTasks,
 };
 pub(crate) use rows::{add_bias, gather_rows};
+pub(crate) use topk::topk_rows;
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
@@ -102,6 +104,7 @@ const PLAID_APPROX: Modules =
     Modules { sm75: ptx::PLAID_APPROX_SM75, sm80: ptx::PLAID_APPROX_SM80, sm90a: ptx::PLAID_APPROX_SM90A };
 const NORMALIZE: Modules =
     Modules { sm75: ptx::NORMALIZE_SM75, sm80: ptx::NORMALIZE_SM80, sm90a: ptx::NORMALIZE_SM90A };
+const TOPK: Modules = Modules { sm75: ptx::TOPK_SM75, sm80: ptx::TOPK_SM80, sm90a: ptx::TOPK_SM90A };
 
 /// Loads `name` from the forward module for this device; raises the dynamic
 /// shared-memory limit when a launch needs more than the default 48 KB.
@@ -180,6 +183,24 @@ pub(crate) fn storage_ptr(cs: &CudaStorage, layout: &Layout) -> Result<u64> {
         DType::F64 => ptr!(f64),
         dt => bail!("maxsim: unsupported dtype {dt:?} on CUDA"),
     })
+}
+
+/// The device address of a contiguous operand, `align`-byte aligned: its
+/// own, or that of an aligned copy (a narrowed view can start anywhere),
+/// which the caller keeps alive until the launch is queued.
+pub(crate) fn aligned_ptr(op: (&CudaStorage, &Layout), align: u64) -> Result<(u64, Option<CudaStorage>)> {
+    let (s, l) = op;
+    if l.is_contiguous() {
+        let p = storage_ptr(s, l)?;
+        if p.is_multiple_of(align) {
+            return Ok((p, None));
+        }
+    }
+    use candle_core::backend::BackendDevice;
+    let mut copy = s.device.zeros_impl(l.shape(), s.dtype())?;
+    s.copy_strided_src(&mut copy, 0, l)?;
+    let p = storage_ptr(&copy, &Layout::contiguous(l.shape()))?;
+    Ok((p, Some(copy)))
 }
 
 pub(crate) fn slice_ptr<T>(dev: &CudaDevice, s: &CudaSlice<T>) -> u64 {
@@ -274,9 +295,14 @@ impl HostFlag {
 
     /// Waits for `dev`'s stream, then says whether a kernel set the flag.
     pub(crate) fn is_set(&self, dev: &CudaDevice) -> Result<bool> {
+        Ok(self.value(dev)? != 0)
+    }
+
+    /// Waits for `dev`'s stream, then reads the flag (0: not set).
+    pub(crate) fn value(&self, dev: &CudaDevice) -> Result<u32> {
         dev.cuda_stream().synchronize().w()?;
         // SAFETY: the kernels that write it have finished (stream synchronized).
-        Ok(unsafe { self.host.read_volatile() } != 0)
+        Ok(unsafe { self.host.read_volatile() })
     }
 }
 

@@ -121,3 +121,140 @@ pub(crate) fn host_inputs(
     };
     Ok((lens, codes))
 }
+
+/// Mirror of `PlaidCandParams` in kernels/plaid_approx.cu (same field order, C layout).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+struct CandParams {
+    probes: u64,
+    ivf: u64,
+    ivf_off: u64,
+    qcs: u64,
+    codes: u64,
+    cu_d: u64,
+    bitmap: u64,
+    mask: u64,
+    out: u64,
+    bad: u64,
+    n_centroids: i64,
+    n_ivf: i64,
+    n_codes: i64,
+    nq: i32,
+    n_probe: i32,
+    nd: i32,
+    words: i32,
+    lq: i32,
+    mask_rows: i32,
+}
+// SAFETY: plain old data with the layout of the C struct.
+unsafe impl DeviceRepr for CandParams {}
+
+/// The argument a candidate kernel's flag names (`PLAID_BAD_*` in kernels/plaid_approx.cu).
+fn bad_argument(flag: u32) -> &'static str {
+    match flag {
+        1 => "probes: a centroid id is out of range",
+        2 => "ivf_offsets: the offsets are not non-decreasing within the inverted file",
+        3 => "ivf: a document id is out of range",
+        4 => "codes: a code of a candidate document is out of range",
+        5 => "cu_d: the document offsets are not non-decreasing within the codes",
+        _ => "candidates: a candidate bit past the last document is set",
+    }
+}
+
+/// A grid-stride launch over `tasks` warps, 8 warps per block.
+fn warp_grid(dev: &candle_core::CudaDevice, tasks: usize) -> Result<u32> {
+    Ok(tasks.div_ceil(8).clamp(1, super::device_info(dev)?.sm_count as usize * 16) as u32)
+}
+
+/// `plaid_candidates` on CUDA: the candidate bitmap `[nq, words]` U32 of
+/// `probes [nq, n_probe]` against the inverted file (`ivf [E]`,
+/// `ivf_off [C + 1]`, all U32, contiguous), `nd` documents.
+pub(crate) fn candidates(
+    probes: (&CudaStorage, &Layout),
+    ivf: (&CudaStorage, &Layout),
+    ivf_off: (&CudaStorage, &Layout),
+    nd: usize,
+) -> Result<CudaStorage> {
+    let dev = probes.0.device.clone();
+    let (nq, n_probe) = probes.1.shape().dims2()?;
+    let words = nd.div_ceil(32);
+    let bitmap = CudaStorage::wrap_cuda_slice(dev.alloc_zeros::<u32>((nq * words).max(1))?, dev.clone());
+    if nq * n_probe == 0 || nd == 0 {
+        return Ok(bitmap);
+    }
+    let bad = HostFlag::new(&dev)?;
+    let p = CandParams {
+        probes: storage_ptr(probes.0, probes.1)?,
+        ivf: ptr_or_null(ivf.0, ivf.1)?,
+        ivf_off: storage_ptr(ivf_off.0, ivf_off.1)?,
+        bitmap: storage_ptr(&bitmap, &Layout::contiguous(1))?,
+        bad: bad.dev_ptr(),
+        n_centroids: ivf_off.1.shape().elem_count() as i64 - 1,
+        n_ivf: ivf.1.shape().elem_count() as i64,
+        nq: nq as i32,
+        n_probe: n_probe as i32,
+        nd: nd as i32,
+        words: words as i32,
+        ..Default::default()
+    };
+    let func = plaid_approx_func(&dev, "plaid_candidates")?;
+    launch(&dev, &func, warp_grid(&dev, nq * n_probe)?, 256, 0, &p)?;
+    match bad.value(&dev)? {
+        0 => Ok(bitmap),
+        f => bail!("{}", bad_argument(f)),
+    }
+}
+
+/// The operands of `plaid_approx_candidates` on CUDA, all contiguous.
+pub(crate) struct ApproxCandidates<'a> {
+    pub qcs: (&'a CudaStorage, &'a Layout),
+    pub lq: usize,
+    pub codes: (&'a CudaStorage, &'a Layout),
+    pub cu_d: (&'a CudaStorage, &'a Layout),
+    pub candidates: (&'a CudaStorage, &'a Layout),
+    pub mask: Option<(&'a CudaStorage, &'a Layout)>,
+}
+
+/// `plaid_approx_candidates` on CUDA: `[nq, nd]` F32, -inf where not a candidate.
+pub(crate) fn approx_candidates(a: ApproxCandidates) -> Result<CudaStorage> {
+    let dev = a.qcs.0.device.clone();
+    let (n_c, m) = a.qcs.1.shape().dims2()?;
+    let (nq, words) = a.candidates.1.shape().dims2()?;
+    let nd = a.cu_d.1.shape().elem_count() - 1;
+    // SAFETY: the kernel writes every score (each word's warp writes its 32 documents).
+    let out = CudaStorage::wrap_cuda_slice(unsafe { dev.alloc::<f32>((nq * nd).max(1)) }?, dev.clone());
+    if nq * nd == 0 {
+        return Ok(out);
+    }
+    let code = match a.codes.0.dtype() {
+        DType::U32 => "u32",
+        _ => "i64",
+    };
+    let g = (a.lq / 4).next_power_of_two().max(4);
+    let part = if g * 4 == a.lq { "" } else { "_part" };
+    let bad = HostFlag::new(&dev)?;
+    let p = CandParams {
+        qcs: storage_ptr(a.qcs.0, a.qcs.1)?,
+        codes: ptr_or_null(a.codes.0, a.codes.1)?,
+        cu_d: storage_ptr(a.cu_d.0, a.cu_d.1)?,
+        bitmap: storage_ptr(a.candidates.0, a.candidates.1)?,
+        mask: a.mask.map(|(s, l)| storage_ptr(s, l)).transpose()?.unwrap_or(0),
+        out: storage_ptr(&out, &Layout::contiguous(1))?,
+        bad: bad.dev_ptr(),
+        n_centroids: n_c as i64,
+        n_codes: a.codes.1.shape().elem_count() as i64,
+        nq: nq as i32,
+        nd: nd as i32,
+        words: words as i32,
+        lq: a.lq as i32,
+        mask_rows: a.mask.map_or(0, |(_, l)| l.shape().dims()[0] as i32),
+        ..Default::default()
+    };
+    debug_assert_eq!(m, nq * a.lq);
+    let func = plaid_approx_func(&dev, &format!("plaid_approx_candidates_{code}_g{g}{part}"))?;
+    launch(&dev, &func, warp_grid(&dev, nq * words)?, 256, 0, &p)?;
+    match bad.value(&dev)? {
+        0 => Ok(out),
+        f => bail!("{}", bad_argument(f)),
+    }
+}

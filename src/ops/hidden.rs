@@ -1,12 +1,12 @@
 //! Fused D-side projection head: hidden states → linear → (normalize) → MaxSim.
 
-use super::dense::{maxsim_with, maxsim_with_argmax};
+use super::dense::maxsim_with_argmax;
 use super::maxsim::MaxSimOp;
-use super::normalize::l2_normalize;
-use super::normalize::l2_normalize_bwd;
+use super::normalize::{l2_normalize, l2_normalize_bwd};
+use super::rows::{add_bias, gather_rows};
 use crate::layout::{check_device, check_float, check_mask, check_rank, Pairing, Problem, Seqs};
-use crate::options::{Backward, MaxSimOptions};
-use candle_core::{bail, CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
+use crate::options::Backward;
+use candle_core::{bail, CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use std::sync::Mutex;
 
 /// `maxsim(q, normalize?(h_d · wᵀ + b), None, d_mask)`: `q [Nq, Lq, dout]`
@@ -59,14 +59,103 @@ pub fn maxsim_from_hidden(
         };
         return q.contiguous()?.apply_op3(&h_d.contiguous()?, &wb.contiguous()?, op)?.reshape((nq, nd));
     }
+    let op = InferenceHead {
+        h_d: h_d.detach(),
+        w: w.detach(),
+        b: b.map(Tensor::detach),
+        d_mask: d_mask.cloned(),
+        normalize,
+    };
+    q.detach().contiguous()?.apply_op1_no_bwd(&op)?.reshape((nq, nd))
+}
+
+/// Whether [`maxsim_from_hidden`] runs its fused kernel for these operands
+/// on their device (inference): compute capability 9.0, F16/BF16,
+/// `dout ≤ 128`, `dout` and `dmodel` multiples of 8, `Nd·Ld ≥ Nq·Lq`.
+/// Elsewhere it composes a matmul, a bias kernel, [`l2_normalize`] and
+/// MaxSim; both compute the same function. Arguments are validated as
+/// [`maxsim_from_hidden`] does.
+pub fn maxsim_from_hidden_is_fused(
+    q: &Tensor,
+    h_d: &Tensor,
+    w: &Tensor,
+    b: Option<&Tensor>,
+    d_mask: Option<&Tensor>,
+) -> Result<bool> {
+    check(q, h_d, w, b, d_mask)?;
     #[cfg(feature = "cuda")]
-    if !tracks && nd * ld >= nq * lq {
-        if let Some(s) = crate::cuda::from_hidden_fwd(q, h_d, w, b, d_mask, normalize)? {
-            return Ok(s);
+    if let candle_core::Device::Cuda(dev) = q.device() {
+        return Ok(crate::cuda::FusedHeadPlan::new(dev, q.dtype(), q.dims3()?, h_d.dims3()?)?.is_some());
+    }
+    Ok(false)
+}
+
+/// The inference forward of [`maxsim_from_hidden`], over `q [Nq, Lq, dout]`
+/// (no gradient): the head's operands are held by the op. On CUDA the fused
+/// kernel where [`crate::cuda::FusedHeadPlan`] applies; elsewhere the
+/// projected documents are materialized and scored by the MaxSim op.
+struct InferenceHead {
+    h_d: Tensor,
+    w: Tensor,
+    b: Option<Tensor>,
+    d_mask: Option<Tensor>,
+    normalize: bool,
+}
+
+impl InferenceHead {
+    fn head(&self) -> Head<'_> {
+        Head { h_d: &self.h_d, w: &self.w, b: self.b.as_ref(), d_mask: self.d_mask.as_ref(), normalize: self.normalize }
+    }
+
+    /// MaxSim of `q` (dims `lq`) against the projected documents `d`.
+    fn scores_op(&self, lq: &Layout, d: &Tensor) -> Result<MaxSimOp> {
+        let (nq, lq_, dout) = lq.shape().dims3()?;
+        let (nd, ld, _) = d.dims3()?;
+        let problem = Problem {
+            dim: dout,
+            q: Seqs::Uniform { n: nq, len: lq_ },
+            d: Seqs::Uniform { n: nd, len: ld },
+            q_valid: None,
+            d_valid: self.d_mask.as_ref().map(|m| m.flatten_all()).transpose()?,
+            pairs: Pairing::Cross { nq, nd },
+        };
+        Ok(MaxSimOp::new(problem, Backward::Unified))
+    }
+}
+
+impl CustomOp1 for InferenceHead {
+    fn name(&self) -> &'static str {
+        "maxsim_from_hidden"
+    }
+
+    fn cpu_fwd(&self, q: &CpuStorage, lq: &Layout) -> Result<(CpuStorage, Shape)> {
+        let d = self.head().project()?.contiguous()?;
+        let op = self.scores_op(lq, &d)?;
+        let (ds, dl) = d.storage_and_layout();
+        match &*ds {
+            candle_core::Storage::Cpu(ds) => op.cpu_fwd(q, lq, ds, dl),
+            _ => bail!("maxsim_from_hidden: internal error, projected documents are not on the CPU"),
         }
     }
-    let d = Head { h_d, w, b, d_mask, normalize }.project()?;
-    maxsim_with(q, &d, None, d_mask, &MaxSimOptions::default())
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, q: &candle_core::CudaStorage, lq: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
+        use candle_core::backend::BackendStorage;
+        let n_out = lq.shape().dims()[0] * self.h_d.dim(0)?;
+        let plan = crate::cuda::FusedHeadPlan::new(&q.device, q.dtype(), lq.shape().dims3()?, self.h_d.dims3()?)?;
+        if let Some(plan) = plan {
+            let (b, m) = (self.b.as_ref(), self.d_mask.as_ref());
+            let out = crate::cuda::from_hidden_fwd(&plan, (q, lq), &self.h_d, &self.w, b, m, self.normalize)?;
+            return Ok((out, Shape::from(n_out)));
+        }
+        let d = self.head().project()?.contiguous()?;
+        let op = self.scores_op(lq, &d)?;
+        let (ds, dl) = d.storage_and_layout();
+        match &*ds {
+            candle_core::Storage::Cuda(ds) => op.cuda_fwd(q, lq, ds, dl),
+            _ => bail!("maxsim_from_hidden: internal error, projected documents are not on the GPU"),
+        }
+    }
 }
 
 /// The document side of the head: `normalize?(h_d · wᵀ + b)`, masked by `d_mask`.
@@ -305,28 +394,6 @@ struct Grads {
     b: Option<Tensor>,
 }
 
-/// `x + b` for `x` `[R, C]`, `b` `[C]` (one pass on CUDA; candle's
-/// broadcast add indexes every element through the broadcast strides).
-fn add_bias(x: &Tensor, b: &Tensor) -> Result<Tensor> {
-    #[cfg(feature = "cuda")]
-    if !b.track_op() && !x.track_op() {
-        if let Some(t) = crate::cuda::add_bias(x, b)? {
-            return Ok(t);
-        }
-    }
-    x.broadcast_add(b)
-}
-
-/// `[N, C]` rows of `src` `[R, C]` picked by `idx` `[N]` U32, zero rows where
-/// `idx ≥ R` (one write per output row on CUDA).
-fn gather_rows(src: &Tensor, idx: &Tensor) -> Result<Tensor> {
-    #[cfg(feature = "cuda")]
-    if let Some(t) = crate::cuda::gather_rows(src, idx)? {
-        return Ok(t);
-    }
-    Tensor::cat(&[src, &src.narrow(0, 0, 1)?.zeros_like()?], 0)?.index_select(idx, 0)
-}
-
 /// Each document's winning rows packed into `cap` slots (host side: the
 /// argmax of few query rows is small).
 struct Winners {
@@ -366,28 +433,6 @@ impl Winners {
             rows.extend(std::iter::repeat_n((nd * ld) as u32, cap - used));
         }
         Ok(Self { rows, argmax: am, gather })
-    }
-}
-
-/// The fused CUDA forward of [`maxsim_from_hidden`] alone: `Ok(None)` where
-/// it does not apply (see there). For tests and benchmarks that must know
-/// which path ran.
-#[doc(hidden)]
-pub fn maxsim_from_hidden_fused(
-    q: &Tensor,
-    h_d: &Tensor,
-    w: &Tensor,
-    b: Option<&Tensor>,
-    d_mask: Option<&Tensor>,
-    normalize: bool,
-) -> Result<Option<Tensor>> {
-    check(q, h_d, w, b, d_mask)?;
-    #[cfg(feature = "cuda")]
-    return crate::cuda::from_hidden_fwd(q, h_d, w, b, d_mask, normalize);
-    #[cfg(not(feature = "cuda"))]
-    {
-        let _ = normalize;
-        Ok(None)
     }
 }
 

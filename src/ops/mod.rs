@@ -1,4 +1,7 @@
-//! Entry points, one family per file; all of them lower to one custom op (`maxsim::MaxSimOp`).
+//! Entry points, one family per file: validation, the family's custom op
+//! and its device dispatch (`cpu_fwd`, `cuda_fwd`). The dense and packed
+//! layouts lower to one op (`maxsim::MaxSimOp`), which the residual and
+//! projection-head ops call for the parts they do not fuse.
 
 pub(crate) mod dense;
 pub(crate) mod hidden;
@@ -7,4 +10,6 @@ pub(crate) mod normalize;
 pub(crate) mod plaid_approx;
 pub(crate) mod residual;
 pub(crate) mod retrieve;
+pub(crate) mod rows;
+pub(crate) mod topk;
 pub(crate) mod varlen;

@@ -132,3 +132,279 @@ impl CustomOp3 for PlaidApprox {
         Ok((out, Shape::from(l2.shape().dims()[0])))
     }
 }
+
+/// The candidates of a PLAID search: for each query, the documents of the
+/// inverted lists of its probed centroids. `probes [Nq, P]` U32 (the probed
+/// centroids of all of a query's tokens; repeats allowed), the inverted file
+/// `ivf [E]` U32 (document ids, each centroid's list back to back) with
+/// `ivf_offsets [C + 1]` U32 (list `c` is `ivf[ivf_offsets[c]..ivf_offsets[c + 1]]`),
+/// over `num_documents` documents → a bitmap `[Nq, ⌈num_documents / 32⌉]` U32
+/// (document `j` of query `i`: bit `j % 32` of word `[i, j / 32]`).
+pub fn plaid_candidates(probes: &Tensor, ivf: &Tensor, ivf_offsets: &Tensor, num_documents: usize) -> Result<Tensor> {
+    for (arg, t, r) in [("probes", probes, 2), ("ivf", ivf, 1), ("ivf_offsets", ivf_offsets, 1)] {
+        if t.dtype() != DType::U32 || t.rank() != r {
+            bail!("{arg}: expected a rank-{r} U32 tensor, got {:?} {:?}", t.dtype(), t.dims())
+        }
+        check_device(arg, t, probes.device())?;
+    }
+    if ivf_offsets.dim(0)? == 0 {
+        bail!("ivf_offsets: expected [C + 1] offsets, got an empty tensor")
+    }
+    if num_documents > u32::MAX as usize / 2 {
+        bail!("num_documents: {num_documents} exceeds the 32-bit document ids")
+    }
+    let op = Candidates { num_documents };
+    probes.contiguous()?.apply_op3_no_bwd(&ivf.contiguous()?, &ivf_offsets.contiguous()?, &op)
+}
+
+struct Candidates {
+    num_documents: usize,
+}
+
+/// A contiguous U32 operand of a CPU storage.
+fn cpu_u32<'a>(arg: &str, s: &'a CpuStorage, l: &Layout) -> Result<&'a [u32]> {
+    match (s, l.contiguous_offsets()) {
+        (CpuStorage::U32(v), Some((a, b))) => Ok(&v[a..b]),
+        _ => bail!("{arg}: expected a contiguous U32 tensor"),
+    }
+}
+
+impl CustomOp3 for Candidates {
+    fn name(&self) -> &'static str {
+        "plaid_candidates"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (nq, n_probe) = l1.shape().dims2()?;
+        let (probes, ivf, off) = (cpu_u32("probes", s1, l1)?, cpu_u32("ivf", s2, l2)?, cpu_u32("ivf_offsets", s3, l3)?);
+        let (nd, n_c, words) = (self.num_documents, off.len() - 1, self.num_documents.div_ceil(32));
+        let mut bitmap = vec![0u32; nq * words];
+        for (i, row) in bitmap.chunks_mut(words.max(1)).enumerate().take(nq) {
+            for (p, &c) in probes[i * n_probe..(i + 1) * n_probe].iter().enumerate() {
+                if c as usize >= n_c {
+                    bail!("probes: probes[{i}, {p}] = {c} is out of range for {n_c} centroids")
+                }
+                let (lo, hi) = (off[c as usize] as usize, off[c as usize + 1] as usize);
+                if lo > hi || hi > ivf.len() {
+                    bail!("ivf_offsets: list {c} spans {lo}..{hi}, outside the {} entries of ivf", ivf.len())
+                }
+                for (e, &d) in ivf[lo..hi].iter().enumerate() {
+                    if d as usize >= nd {
+                        bail!("ivf: ivf[{}] = {d} is out of range for {nd} documents", lo + e)
+                    }
+                    row[d as usize / 32] |= 1 << (d % 32);
+                }
+            }
+        }
+        Ok((CpuStorage::U32(bitmap), Shape::from((nq, words))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let nq = l1.shape().dims2()?.0;
+        let out = crate::cuda::plaid_approx::candidates((s1, l1), (s2, l2), (s3, l3), self.num_documents)?;
+        Ok((out, Shape::from((nq, self.num_documents.div_ceil(32)))))
+    }
+}
+
+/// PLAID's approximate score of every candidate of [`plaid_candidates`]:
+/// `qcs [C, Nq·Lq]` F32 (column `i·Lq + s`: query `i`'s token `s`, e.g.
+/// `centroids · Qᵀ` for `Q [Nq·Lq, dim]`), `codes [T]` U32 or I64 with
+/// `cu_d [Nd + 1]` U32 (document `j` is codes `cu_d[j]..cu_d[j + 1]`), the
+/// candidate bitmap `candidates [Nq, ⌈Nd/32⌉]` U32, and optionally a `mask`
+/// of the same width (`[1, W]` for every query, or `[Nq, W]`) of the
+/// documents allowed → `[Nq, Nd]` F32: `Σ_s max_t qcs[codes[t], i·Lq + s]`
+/// for candidates, `-inf` elsewhere. A query token whose max is `-inf` (rows
+/// of `qcs` set to `-inf` prune centroids) adds 0; an empty document scores 0.
+/// `Lq` must be a multiple of 4, at most 64 (pad queries with zero tokens:
+/// their scores are 0 and add 0).
+pub fn plaid_approx_candidates(
+    qcs: &Tensor,
+    lq: usize,
+    codes: &Tensor,
+    cu_d: &Tensor,
+    candidates: &Tensor,
+    mask: Option<&Tensor>,
+) -> Result<Tensor> {
+    if qcs.dtype() != DType::F32 || qcs.rank() != 2 {
+        bail!("qcs: expected F32 [C, Nq·Lq], got {:?} {:?}", qcs.dtype(), qcs.dims())
+    }
+    if !lq.is_multiple_of(4) || !(4..=64).contains(&lq) {
+        bail!("lq: must be a multiple of 4 in 4..=64 (pad queries with zero tokens), got {lq}")
+    }
+    check_rank("codes", codes, &[1], "rank 1 [T] (packed)")?;
+    if !matches!(codes.dtype(), DType::U32 | DType::I64) {
+        bail!("codes: expected U32 or I64 centroid codes, got {:?}", codes.dtype())
+    }
+    if cu_d.dtype() != DType::U32 || cu_d.rank() != 1 || cu_d.dim(0)? == 0 {
+        bail!("cu_d: expected U32 [Nd + 1] offsets, got {:?} {:?}", cu_d.dtype(), cu_d.dims())
+    }
+    let nd = cu_d.dim(0)? - 1;
+    let (nq, words) = (qcs.dim(1)? / lq, nd.div_ceil(32));
+    if qcs.dim(1)? != nq * lq {
+        bail!("qcs: {} columns are not a whole number of queries of lq = {lq} tokens", qcs.dim(1)?)
+    }
+    if candidates.dtype() != DType::U32 || candidates.dims() != [nq, words] {
+        bail!("candidates: expected U32 [{nq}, {words}], got {:?} {:?}", candidates.dtype(), candidates.dims())
+    }
+    if let Some(m) = mask {
+        if m.dtype() != DType::U32 || m.rank() != 2 || !(m.dim(0)? == 1 || m.dim(0)? == nq) || m.dim(1)? != words {
+            bail!("mask: expected U32 [1, {words}] or [{nq}, {words}], got {:?} {:?}", m.dtype(), m.dims())
+        }
+    }
+    if nq * lq >= 1 << 30 || nd >= 1 << 31 {
+        bail!("qcs: {nq} queries against {nd} documents exceed the kernel's 32-bit sizes; split the batch")
+    }
+    for (arg, t) in [("codes", Some(codes)), ("cu_d", Some(cu_d)), ("candidates", Some(candidates)), ("mask", mask)] {
+        if let Some(t) = t {
+            check_device(arg, t, qcs.device())?;
+        }
+    }
+    let op =
+        ApproxCandidates { lq, mask: mask.map(|m| m.contiguous()).transpose()?, candidates: candidates.contiguous()? };
+    qcs.contiguous()?.apply_op3_no_bwd(&codes.contiguous()?, &cu_d.contiguous()?, &op)
+}
+
+struct ApproxCandidates {
+    lq: usize,
+    candidates: Tensor,
+    mask: Option<Tensor>,
+}
+
+impl CustomOp3 for ApproxCandidates {
+    fn name(&self) -> &'static str {
+        "plaid_approx_candidates"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        use rayon::prelude::*;
+        let (n_c, m) = l1.shape().dims2()?;
+        let (CpuStorage::F32(qcs), Some((qa, qb))) = (s1, l1.contiguous_offsets()) else {
+            bail!("qcs: expected a contiguous F32 tensor")
+        };
+        let qcs = &qcs[qa..qb];
+        let cu = cpu_u32("cu_d", s3, l3)?;
+        let Some((ca, cb)) = l2.contiguous_offsets() else { bail!("codes: expected a contiguous tensor") };
+        let code = |t: usize| -> i64 {
+            match s2 {
+                CpuStorage::U32(v) => v[ca + t] as i64,
+                CpuStorage::I64(v) => v[ca + t],
+                _ => -1,
+            }
+        };
+        let n_codes = cb - ca;
+        let (lq, nd) = (self.lq, cu.len() - 1);
+        let nq = m / lq;
+        let words = nd.div_ceil(32);
+        let bits: Vec<u32> = self.candidates.flatten_all()?.to_vec1()?;
+        let mask: Option<Vec<u32>> = self.mask.as_ref().map(|t| t.flatten_all()?.to_vec1()).transpose()?;
+        let mask_rows = self.mask.as_ref().map_or(0, |t| t.dims()[0]);
+        for j in 0..nd {
+            if cu[j] > cu[j + 1] || cu[j + 1] as usize > n_codes {
+                bail!("cu_d: document {j} spans {}..{}, outside the {n_codes} codes", cu[j], cu[j + 1])
+            }
+        }
+        let rows: Vec<Result<Vec<f32>>> = (0..nq)
+            .into_par_iter()
+            .map(|i| {
+                let mut out = vec![f32::NEG_INFINITY; nd];
+                let mut best = vec![f32::NEG_INFINITY; lq];
+                for (w, &word) in bits[i * words..(i + 1) * words].iter().enumerate() {
+                    let mut word = word;
+                    if let Some(mk) = &mask {
+                        word &= mk[if mask_rows == 1 { 0 } else { i } * words + w];
+                    }
+                    while word != 0 {
+                        let j = w * 32 + word.trailing_zeros() as usize;
+                        word &= word - 1;
+                        if j >= nd {
+                            bail!("candidates: candidates[{i}, {w}] marks document {j}, past the last of {nd}")
+                        }
+                        best.fill(f32::NEG_INFINITY);
+                        for t in cu[j] as usize..cu[j + 1] as usize {
+                            let c = code(t);
+                            if c < 0 || c as usize >= n_c {
+                                bail!("codes: codes[{t}] = {c} is out of range for {n_c} centroids")
+                            }
+                            let row = &qcs[c as usize * m + i * lq..][..lq];
+                            for (b, &v) in best.iter_mut().zip(row) {
+                                *b = b.max(v);
+                            }
+                        }
+                        let empty = cu[j] == cu[j + 1];
+                        out[j] = if empty {
+                            0.0
+                        } else {
+                            best.iter().map(|&b| if b > f32::NEG_INFINITY { b } else { 0.0 }).sum()
+                        };
+                    }
+                }
+                Ok(out)
+            })
+            .collect();
+        let mut out = Vec::with_capacity(nq * nd);
+        for r in rows {
+            out.extend(r?);
+        }
+        Ok((CpuStorage::F32(out), Shape::from((nq, nd))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        use crate::cuda::plaid_approx as dev;
+        fn cuda(s: &candle_core::Storage) -> Result<&candle_core::CudaStorage> {
+            match s {
+                candle_core::Storage::Cuda(c) => Ok(c),
+                _ => bail!("candidates: expected a CUDA tensor"),
+            }
+        }
+        let (cs, cl) = self.candidates.storage_and_layout();
+        let mk = self.mask.as_ref().map(|m| m.storage_and_layout());
+        let mask = match &mk {
+            Some((s, l)) => Some((cuda(s)?, *l)),
+            None => None,
+        };
+        let nd = l3.shape().elem_count() - 1;
+        let out = dev::approx_candidates(dev::ApproxCandidates {
+            qcs: (s1, l1),
+            lq: self.lq,
+            codes: (s2, l2),
+            cu_d: (s3, l3),
+            candidates: (cuda(&cs)?, cl),
+            mask,
+        })?;
+        Ok((out, Shape::from((l1.shape().dims()[1] / self.lq, nd))))
+    }
+}

@@ -1,11 +1,14 @@
-//! PLAID / ColBERTv2 compressed documents: residual decompression, exact
-//! MaxSim over decompressed tokens, and the centroid-only approximate score.
+//! PLAID / ColBERTv2 compressed documents: the codec, residual
+//! decompression (an op), and exact MaxSim over compressed documents (an op
+//! whose CUDA forward never materializes the dense tokens).
 
-use super::dense::maybe_normalize;
 use super::maxsim::MaxSimOp;
+use super::normalize::l2_normalize;
 use crate::layout::{check_device, check_float, check_rank, Pairing, Problem, Seqs};
 use crate::options::Backward;
-use candle_core::{bail, DType, Result, Tensor};
+use candle_core::{
+    backend::BackendStorage, bail, CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor,
+};
 
 /// Bit layout of packed residual bucket indices.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -77,23 +80,44 @@ fn check_nbits(nbits: usize) -> Result<()> {
     Ok(())
 }
 
-/// Codes as host u32, from U32 or I64 (rank checked by the caller). Codes of
-/// padding tokens (`valid[t] == false`) may hold anything and read as 0.
-fn codes_host(codes: &Tensor, valid: &[bool]) -> Result<Vec<u32>> {
-    let raw: Vec<i64> = match codes.dtype() {
-        DType::U32 => codes.flatten_all()?.to_vec1::<u32>()?.into_iter().map(i64::from).collect(),
-        DType::I64 => codes.flatten_all()?.to_vec1::<i64>()?,
-        dt => bail!("codes: expected U32 or I64 centroid codes, got {dt:?}"),
-    };
-    raw.into_iter()
-        .zip(valid)
-        .enumerate()
-        .map(|(k, (c, &ok))| match (ok, u32::try_from(c)) {
-            (false, _) => Ok(0),
-            (true, Ok(c)) => Ok(c),
-            (true, Err(_)) => bail!("codes: codes[{k}] = {c} is negative or too large"),
-        })
-        .collect()
+/// The codes of a CPU storage (U32 or I64), one per token.
+enum HostCodes<'a> {
+    U32(&'a [u32]),
+    I64(&'a [i64]),
+}
+
+impl HostCodes<'_> {
+    fn of<'a>(s: &'a CpuStorage, l: &Layout) -> Result<HostCodes<'a>> {
+        let Some((a, b)) = l.contiguous_offsets() else { bail!("codes: internal error, not contiguous") };
+        match s {
+            CpuStorage::U32(v) => Ok(HostCodes::U32(&v[a..b])),
+            CpuStorage::I64(v) => Ok(HostCodes::I64(&v[a..b])),
+            s => bail!("codes: expected U32 or I64 centroid codes, got {:?}", s.dtype()),
+        }
+    }
+    fn get(&self, t: usize) -> i64 {
+        match self {
+            HostCodes::U32(v) => v[t] as i64,
+            HostCodes::I64(v) => v[t],
+        }
+    }
+    fn len(&self) -> usize {
+        match self {
+            HostCodes::U32(v) => v.len(),
+            HostCodes::I64(v) => v.len(),
+        }
+    }
+}
+
+/// Host F32 values as a storage of `dtype` (each rounded once).
+fn storage_of(v: Vec<f32>, dtype: DType) -> Result<CpuStorage> {
+    Ok(match dtype {
+        DType::F32 => CpuStorage::F32(v),
+        DType::F64 => CpuStorage::F64(v.into_iter().map(f64::from).collect()),
+        DType::F16 => CpuStorage::F16(v.into_iter().map(half::f16::from_f32).collect()),
+        DType::BF16 => CpuStorage::BF16(v.into_iter().map(half::bf16::from_f32).collect()),
+        dt => bail!("maxsim_residual: internal error, no dense tokens in {dt:?}"),
+    })
 }
 
 impl ResidualCodec {
@@ -125,24 +149,13 @@ impl ResidualCodec {
     /// row plus one bucket weight per feature, not normalized (fast-plaid and
     /// ColBERTv2 L2-normalize the result, see [`crate::l2_normalize`]).
     pub fn decompress(&self, codes: &Tensor, residuals: &Tensor) -> Result<Tensor> {
-        check_rank("centroids", &self.centroids, &[2], "rank 2 [C, dim]")?;
-        let dim = self.centroids.dim(1)?;
-        self.check(dim)?;
-        check_rank("codes", codes, &[1], "rank 1 [T] (packed)")?;
-        check_rank("residuals", residuals, &[2], "rank 2 [T, dim·nbits/8] (packed)")?;
-        if !residuals.device().same_device(codes.device()) {
-            bail!("residuals: is on {:?} but codes is on {:?}", residuals.device(), codes.device())
-        }
-        if residuals.dim(0)? != codes.dim(0)? {
-            bail!("residuals: {} rows, but codes has {}", residuals.dim(0)?, codes.dim(0)?)
-        }
-        self.decompress_packed(codes, residuals, dim)
+        self.decompress_dense(codes, residuals, DType::F32, false)
     }
 
     /// Decompressed tokens `[T, dim]` in `dtype`, L2-normalized if asked: the
     /// dense documents for [`crate::maxsim_varlen`] and friends. On CUDA, for
     /// F16/BF16 and dims that are a multiple of 8 (at most 128), one
-    /// decompression kernel on the device; elsewhere [`Self::decompress`].
+    /// decompression kernel on the device; elsewhere on the host.
     pub fn decompress_dense(
         &self,
         codes: &Tensor,
@@ -154,64 +167,14 @@ impl ResidualCodec {
         let dim = self.centroids.dim(1)?;
         self.check(dim)?;
         check_rank("codes", codes, &[1], "rank 1 [T] (packed)")?;
-        check_residuals("residuals", residuals, codes.dim(0)?, self.residual_width(dim))?;
+        check_codes_dtype(codes)?;
         check_device("residuals", residuals, codes.device())?;
-        #[cfg(feature = "cuda")]
-        if let candle_core::Device::Cuda(dev) = codes.device() {
-            if codes.dim(0)? > 0 && crate::cuda::residual_supported(dev, dtype, dim, self.nbits)? {
-                let res = self.on_device(codes, residuals, None, dtype, normalize)?;
-                return crate::cuda::decompress_residual(&res, dtype, dim);
-            }
+        check_residuals("residuals", residuals, codes.dim(0)?, self.residual_width(dim))?;
+        if !dtype.is_float() {
+            bail!("dtype: expected a float dtype for the decompressed tokens, got {dtype:?}")
         }
-        let d = self.decompress_packed(codes, residuals, dim)?;
-        let d = if normalize { crate::l2_normalize(&d)? } else { d };
-        d.to_dtype(dtype)
-    }
-
-    /// The codec and documents as the CUDA kernels take them: U32 codes
-    /// (masked by `valid`, checked against the number of centroids with one
-    /// read-back), centroids in `dtype`, F32 bucket weights.
-    #[cfg(feature = "cuda")]
-    fn on_device(
-        &self,
-        codes: &Tensor,
-        residuals: &Tensor,
-        valid: Option<&Tensor>,
-        dtype: DType,
-        normalize: bool,
-    ) -> Result<crate::cuda::ResidualDev> {
-        // I64 codes become U32: negative ones wrap past the range check.
-        let mut codes = codes.flatten_all()?.to_dtype(DType::U32)?;
-        if let Some(v) = valid {
-            codes = v.where_cond(&codes, &codes.zeros_like()?)?;
-        }
-        let n_c = self.centroids.dim(0)?;
-        let max = max_u32(&codes)?;
-        if max as usize >= n_c {
-            bail!("codes: code {max} is out of range for {n_c} centroids")
-        }
-        Ok(crate::cuda::ResidualDev {
-            codes,
-            residuals: residuals.flatten_all()?,
-            centroids: self.centroids.to_dtype(dtype)?,
-            buckets: self.bucket_weights.to_dtype(DType::F32)?,
-            nbits: self.nbits,
-            colbert_order: self.bit_order == BitOrder::ColBert,
-            normalize,
-        })
-    }
-
-    /// [`Self::decompress`] after validation (shapes and codec checked by the caller).
-    fn decompress_packed(&self, codes: &Tensor, residuals: &Tensor, dim: usize) -> Result<Tensor> {
-        let t = codes.dim(0)?;
-        if t == 0 {
-            // A zero-size view: CUDA allocates no empty buffer.
-            return Tensor::zeros((1, dim), DType::F32, codes.device())?.narrow(0, 0, 0);
-        }
-        let codes_h = codes_host(codes, &vec![true; t])?;
-        let res_h = residual_bytes("residuals", residuals, t, self.residual_width(dim))?;
-        let dense = self.decompress_host(&codes_h, &res_h, &vec![true; t], dim)?;
-        Tensor::from_vec(dense, (t, dim), codes.device())
+        let op = Decompress { codec: self.clone(), valid: None, dtype, normalize };
+        op.apply(codes, residuals)
     }
 
     /// Packed residual bytes per token.
@@ -219,29 +182,56 @@ impl ResidualCodec {
         dim * self.nbits / 8
     }
 
-    /// Decompresses the tokens `rows` (token index into codes/residuals) to a
-    /// host F32 `[rows.len(), dim]` matrix; tokens outside `rows` are zero.
-    fn decompress_host(&self, codes: &[u32], residuals: &[u8], valid: &[bool], dim: usize) -> Result<Vec<f32>> {
+    /// Host decompression of `codes [T]` / `residuals [T, dim·nbits/8]`
+    /// storages to `[T, dim]` F32, normalized if asked; tokens whose `valid`
+    /// byte is 0 (padding slots, whose codes may hold anything) are zero rows.
+    /// An out-of-range code of a valid token is an `Err` naming it.
+    fn dense_host(
+        &self,
+        codes: (&CpuStorage, &Layout),
+        residuals: (&CpuStorage, &Layout),
+        valid: Option<&[u8]>,
+        normalize: bool,
+    ) -> Result<Vec<f32>> {
+        let codes = HostCodes::of(codes.0, codes.1)?;
+        let (CpuStorage::U8(res), Some((ra, rb))) = (residuals.0, residuals.1.contiguous_offsets()) else {
+            bail!("residuals: expected contiguous U8 packed residuals")
+        };
+        let res = &res[ra..rb];
+        let dim = self.centroids.dim(1)?;
         let cents: Vec<f32> = self.centroids.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
         let bw: Vec<f32> = self.bucket_weights.to_dtype(DType::F32)?.to_vec1()?;
         let n_c = self.centroids.dim(0)?;
         let w = self.residual_width(dim);
         let mut out = vec![0f32; codes.len() * dim];
-        for (t, (&c, &ok)) in codes.iter().zip(valid).enumerate() {
-            if !ok {
+        for (t, o) in out.chunks_mut(dim.max(1)).enumerate().take(codes.len()) {
+            if valid.is_some_and(|v| v[t] == 0) {
                 continue;
             }
-            if c as usize >= n_c {
-                bail!("codes: code {c} at token {t} is out of range for {n_c} centroids")
+            let c = codes.get(t);
+            if c < 0 || c as usize >= n_c {
+                bail!("codes: codes[{t}] = {c} is out of range for {n_c} centroids")
             }
-            let row = &residuals[t * w..(t + 1) * w];
+            let row = &res[t * w..(t + 1) * w];
             let cent = &cents[c as usize * dim..][..dim];
-            for (k, o) in out[t * dim..(t + 1) * dim].iter_mut().enumerate() {
+            for (k, o) in o.iter_mut().enumerate() {
                 *o = cent[k] + bw[bucket_index(row, k, self.nbits, self.bit_order) as usize];
+            }
+            if normalize {
+                // As l2_normalize: x / max(‖x‖, 1e-12), the norm accumulated in F64.
+                let n = o.iter().map(|&v| (v as f64) * (v as f64)).sum::<f64>().sqrt().max(1e-12);
+                o.iter_mut().for_each(|v| *v = (*v as f64 / n) as f32);
             }
         }
         Ok(out)
     }
+}
+
+fn check_codes_dtype(codes: &Tensor) -> Result<()> {
+    if !matches!(codes.dtype(), DType::U32 | DType::I64) {
+        bail!("codes: expected U32 or I64 centroid codes, got {:?}", codes.dtype())
+    }
+    Ok(())
 }
 
 fn check_residuals(arg: &str, r: &Tensor, rows: usize, width: usize) -> Result<()> {
@@ -254,86 +244,196 @@ fn check_residuals(arg: &str, r: &Tensor, rows: usize, width: usize) -> Result<(
     Ok(())
 }
 
-fn residual_bytes(arg: &str, r: &Tensor, rows: usize, width: usize) -> Result<Vec<u8>> {
-    check_residuals(arg, r, rows, width)?;
-    r.flatten_all()?.to_vec1()
+/// The codec as the CUDA kernels take it.
+#[cfg(feature = "cuda")]
+fn codec_dev(codec: &ResidualCodec, normalize: bool) -> crate::cuda::CodecDev<'_> {
+    crate::cuda::CodecDev {
+        centroids: &codec.centroids,
+        buckets: &codec.bucket_weights,
+        nbits: codec.nbits,
+        colbert_order: codec.bit_order == BitOrder::ColBert,
+        normalize,
+    }
 }
 
-/// The largest element of a U32 vector, reduced in two stages: candle
-/// reduces a whole tensor in one block, milliseconds for millions of codes.
-#[cfg(feature = "cuda")]
-fn max_u32(x: &Tensor) -> Result<u32> {
-    const CHUNK: usize = 4096;
-    let n = x.elem_count();
-    let main = n / CHUNK * CHUNK;
-    let mut parts = Vec::with_capacity(2);
-    if main > 0 {
-        parts.push(x.narrow(0, 0, main)?.reshape((main / CHUNK, CHUNK))?.max(1)?);
-    }
-    if n > main {
-        parts.push(x.narrow(0, main, n - main)?);
-    }
-    Tensor::cat(&parts, 0)?.max(0)?.to_scalar::<u32>()
-}
-
-/// CUDA: the path [`crate::cuda::residual_path`] picks. Fused (no gradient
-/// to q): the dense documents never reach device memory (the warp kernel
-/// for short queries, the MaxSim tile loader otherwise). `Dense` (a gradient
-/// to q): a decompression kernel feeds the MaxSim op. `None`: no kernel
-/// covers this dtype / dim / nbits (the caller decompresses on the host).
-/// `valid` masks padded token slots, whose codes may hold anything;
-/// `doc_lens` gives the same for the warp kernel (padded layout). `q` is
-/// `[Tq, dim]`, not yet normalized.
-#[cfg(feature = "cuda")]
-#[allow(clippy::too_many_arguments)]
-fn residual_on_cuda(
-    dev: &candle_core::CudaDevice,
-    q: &Tensor,
-    codes: &Tensor,
-    residuals: &Tensor,
-    codec: &ResidualCodec,
+/// Decompression, `(codes [T], residuals [T, dim·nbits/8]) → [T, dim]` in
+/// `dtype`, normalized if asked (no gradient: documents are data).
+struct Decompress {
+    codec: ResidualCodec,
+    /// `[T]` U8: padding slots (zero rows; their codes may hold anything).
+    valid: Option<Tensor>,
+    dtype: DType,
     normalize: bool,
-    valid: Option<&Tensor>,
-    doc_lens: Option<&Tensor>,
+}
+
+impl Decompress {
+    fn apply(&self, codes: &Tensor, residuals: &Tensor) -> Result<Tensor> {
+        codes.flatten_all()?.contiguous()?.apply_op2_no_bwd(&residuals.contiguous()?, self)
+    }
+
+    fn host(&self, codes: (&CpuStorage, &Layout), residuals: (&CpuStorage, &Layout)) -> Result<CpuStorage> {
+        let valid = self.valid.as_ref().map(|v| v.to_vec1::<u8>()).transpose()?;
+        storage_of(self.codec.dense_host(codes, residuals, valid.as_deref(), self.normalize)?, self.dtype)
+    }
+}
+
+impl CustomOp2 for Decompress {
+    fn name(&self) -> &'static str {
+        "residual_decompress"
+    }
+
+    fn cpu_fwd(&self, c: &CpuStorage, lc: &Layout, r: &CpuStorage, lr: &Layout) -> Result<(CpuStorage, Shape)> {
+        let dim = self.codec.centroids.dim(1)?;
+        Ok((self.host((c, lc), (r, lr))?, Shape::from((lc.shape().elem_count(), dim))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        c: &candle_core::CudaStorage,
+        lc: &Layout,
+        r: &candle_core::CudaStorage,
+        lr: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        use candle_core::backend::{BackendDevice, BackendStorage};
+        let dim = self.codec.centroids.dim(1)?;
+        let t = lc.shape().elem_count();
+        let shape = Shape::from((t, dim));
+        let dev = &c.device;
+        if crate::cuda::residual_supported(dev, self.dtype, dim, self.codec.nbits)? {
+            let codes = crate::cuda::codes_u32((c, lc), self.valid.as_ref(), self.codec.centroids.dim(0)?)?;
+            let codec = codec_dev(&self.codec, self.normalize);
+            let out = crate::cuda::decompress_residual(&codes, (r, lr), &codec, self.dtype, (t, dim))?;
+            return Ok((out, shape));
+        }
+        // No kernel for this dtype / dim / nbits: the host decompresses.
+        let host = self.host((&c.to_cpu_storage()?, lc), (&r.to_cpu_storage()?, lr))?;
+        Ok((dev.storage_from_cpu_storage(&host)?, shape))
+    }
+}
+
+/// Compressed documents as [`score`] takes them.
+struct Docs<'a> {
+    /// `[T]` U32 or I64 centroid codes.
+    codes: &'a Tensor,
+    /// `[T, dim·nbits/8]` U8 packed residuals.
+    residuals: &'a Tensor,
+    codec: &'a ResidualCodec,
+    normalize: bool,
+    /// Padded layout: `[Nd]` U32 document lengths (the problem's `d_valid` marks the same slots).
+    lens: Option<&'a Tensor>,
+}
+
+/// Exact scores `[n_pairs]` of packed queries `q [Tq, dim]` (normalized by
+/// the caller if asked) against the compressed documents laid out by
+/// `problem.d`. A gradient to q scores the decompressed documents with the
+/// dense op (documents are data); without one, the fused op.
+fn score(q: &Tensor, docs: Docs, problem: Problem) -> Result<Tensor> {
+    if q.track_op() {
+        let op = Decompress {
+            codec: docs.codec.clone(),
+            valid: problem.d_valid.clone(),
+            dtype: q.dtype(),
+            normalize: docs.normalize,
+        };
+        let d = op.apply(docs.codes, docs.residuals)?;
+        return MaxSimOp::new(problem, Backward::Unified).apply(q, &d);
+    }
+    let op = ResidualScore { problem, codec: docs.codec.clone(), normalize: docs.normalize, lens: docs.lens.cloned() };
+    q.contiguous()?.apply_op3_no_bwd(&docs.codes.flatten_all()?.contiguous()?, &docs.residuals.contiguous()?, &op)
+}
+
+/// Exact MaxSim of packed queries against compressed documents,
+/// `(q [Tq, dim], codes [T], residuals [T, dim·nbits/8]) → [n_pairs]` F32,
+/// without a gradient: on CUDA a fused kernel (the dense tokens never reach
+/// device memory) where one covers the dtype / dim / nbits, on the CPU (and
+/// elsewhere) the host decompresses and the CPU engine scores.
+struct ResidualScore {
     problem: Problem,
-) -> Result<Option<Tensor>> {
-    use crate::cuda::ResidualPath;
-    let dim = problem.dim;
-    let t = codes.elem_count();
-    let n_c = codec.centroids.dim(0)?;
-    let path =
-        crate::cuda::residual_path(dev, &problem, q.dtype(), codec.nbits, q.track_op(), (codes.dtype(), t, n_c))?;
-    if path == ResidualPath::Host {
-        return Ok(None);
+    codec: ResidualCodec,
+    normalize: bool,
+    /// Padded layout: `[Nd]` U32 document lengths.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    lens: Option<Tensor>,
+}
+
+impl ResidualScore {
+    fn host_dense(
+        &self,
+        codes: (&CpuStorage, &Layout),
+        residuals: (&CpuStorage, &Layout),
+        dtype: DType,
+    ) -> Result<CpuStorage> {
+        let valid = self.problem.d_valid.as_ref().map(|v| v.to_vec1::<u8>()).transpose()?;
+        storage_of(self.codec.dense_host(codes, residuals, valid.as_deref(), self.normalize)?, dtype)
     }
-    check_residuals("residuals", residuals, t, codec.residual_width(dim))?;
-    let n_out = problem.n_out();
-    if t == 0 || n_out == 0 {
-        return Tensor::zeros(n_out, DType::F32, q.device()).map(Some);
+
+    fn dense_op(&self) -> MaxSimOp {
+        MaxSimOp::new(self.problem.clone(), Backward::Unified)
     }
-    let q = if normalize { crate::l2_normalize(q)? } else { q.clone() };
-    let scores = match path {
-        ResidualPath::Warp => {
-            let docs = match doc_lens {
-                Some(l) => crate::cuda::WarpDocs::Padded(l),
-                None => crate::cuda::WarpDocs::Packed,
-            };
-            let flags = (codec.nbits, codec.bit_order == BitOrder::ColBert, normalize);
-            let (c, b) = (&codec.centroids, &codec.bucket_weights);
-            crate::cuda::residual_scores_warp(&problem, &q, codes, residuals, c, b, flags, docs)?
+}
+
+impl CustomOp3 for ResidualScore {
+    fn name(&self) -> &'static str {
+        "maxsim_residual"
+    }
+
+    fn cpu_fwd(
+        &self,
+        q: &CpuStorage,
+        lq: &Layout,
+        c: &CpuStorage,
+        lc: &Layout,
+        r: &CpuStorage,
+        lr: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let d = self.host_dense((c, lc), (r, lr), q.dtype())?;
+        let ld = Layout::contiguous((lc.shape().elem_count(), self.problem.dim));
+        self.dense_op().cpu_fwd(q, lq, &d, &ld)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        q: &candle_core::CudaStorage,
+        lq: &Layout,
+        c: &candle_core::CudaStorage,
+        lc: &Layout,
+        r: &candle_core::CudaStorage,
+        lr: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        use crate::cuda::{ResidualPath, WarpDocs, WarpTasks};
+        use candle_core::backend::{BackendDevice, BackendStorage};
+        let pb = &self.problem;
+        let t = lc.shape().elem_count();
+        let n_out = pb.n_out();
+        let dev = &q.device;
+        if t == 0 || n_out == 0 {
+            // Every document is empty (or nothing to score): zeros.
+            return Ok((dev.zeros_impl(&Shape::from(n_out.max(1)), DType::F32)?, Shape::from(n_out)));
         }
-        ResidualPath::Tile => {
-            let res = codec.on_device(codes, residuals, valid, q.dtype(), normalize)?;
-            crate::cuda::residual_scores(&problem, &q, &res)?
-        }
-        _ => {
-            // Training: dense documents for the closed-form gradient to q.
-            let res = codec.on_device(codes, residuals, valid, q.dtype(), normalize)?;
-            let d = crate::cuda::decompress_residual(&res, q.dtype(), dim)?;
-            MaxSimOp::new(problem, Backward::Unified).apply(&q, &d)?
-        }
-    };
-    Ok(Some(scores))
+        let n_c = self.codec.centroids.dim(0)?;
+        let codec = codec_dev(&self.codec, self.normalize);
+        let out = match crate::cuda::residual_path(dev, pb, q.dtype(), self.codec.nbits, (c.dtype(), t, n_c))? {
+            ResidualPath::Warp => {
+                let docs = match &self.lens {
+                    Some(l) => WarpDocs::Padded(l),
+                    None => WarpDocs::Packed,
+                };
+                crate::cuda::residual_scores_warp(pb, (q, lq), (c, lc), (r, lr), &codec, docs, WarpTasks::Cross)?
+            }
+            ResidualPath::Tile => {
+                let codes = crate::cuda::codes_u32((c, lc), pb.d_valid.as_ref(), n_c)?;
+                crate::cuda::residual_scores_tile(pb, (q, lq), &codes, (r, lr), &codec)?
+            }
+            ResidualPath::Host => {
+                let d = self.host_dense((&c.to_cpu_storage()?, lc), (&r.to_cpu_storage()?, lr), q.dtype())?;
+                let d = dev.storage_from_cpu_storage(&d)?;
+                return self.dense_op().cuda_fwd(q, lq, &d, &Layout::contiguous((t, pb.dim)));
+            }
+        };
+        Ok((out, Shape::from(n_out)))
+    }
 }
 
 /// Exact MaxSim of `q [Nq, Lq, dim]` against padded compressed documents:
@@ -352,6 +452,7 @@ pub fn maxsim_residual(
     check_float("q", q)?;
     codec.check(dim)?;
     check_rank("codes", codes, &[2], "rank 2 [Nd, Ld]")?;
+    check_codes_dtype(codes)?;
     for (arg, t) in [("codes", codes), ("residuals", residuals), ("doc_lens", doc_lens)] {
         check_device(arg, t, q.device())?;
     }
@@ -360,6 +461,7 @@ pub fn maxsim_residual(
     if residuals.dims()[..2] != [nd, ld] {
         bail!("residuals: expected [{nd}, {ld}, _] like codes, got {:?}", residuals.dims())
     }
+    check_residuals("residuals", residuals, nd * ld, codec.residual_width(dim))?;
     if doc_lens.dtype() != DType::U32 || doc_lens.dims() != [nd] {
         bail!("doc_lens: expected U32 [{nd}], got {:?} {:?}", doc_lens.dtype(), doc_lens.dims())
     }
@@ -367,30 +469,19 @@ pub fn maxsim_residual(
     if let Some((j, &l)) = lens.iter().enumerate().find(|(_, &l)| l as usize > ld) {
         bail!("doc_lens: doc_lens[{j}] = {l} exceeds Ld = {ld}")
     }
-    let valid: Vec<bool> = (0..nd * ld).map(|t| t % ld < lens[t / ld] as usize).collect();
-    let d_valid = Tensor::from_vec(valid.iter().map(|&v| v as u8).collect::<Vec<u8>>(), nd * ld, q.device())?;
+    let valid: Vec<u8> = (0..nd * ld).map(|t| u8::from(t % ld < lens[t / ld] as usize)).collect();
     let problem = Problem {
         dim,
         q: Seqs::Uniform { n: nq, len: lq },
         d: Seqs::Uniform { n: nd, len: ld },
         q_valid: None,
-        d_valid: Some(d_valid.clone()),
+        d_valid: Some(Tensor::from_vec(valid, nd * ld, q.device())?),
         pairs: Pairing::Cross { nq, nd },
     };
-    #[cfg(feature = "cuda")]
-    if let candle_core::Device::Cuda(dev) = q.device() {
-        let qp = q.reshape((nq * lq, dim))?;
-        let (valid, lens) = (Some(&d_valid), Some(doc_lens));
-        if let Some(s) = residual_on_cuda(dev, &qp, codes, residuals, codec, normalize, valid, lens, problem.clone())? {
-            return s.reshape((nq, nd));
-        }
-    }
-    let codes_h = codes_host(codes, &valid)?;
-    let res_h = residual_bytes("residuals", residuals, nd * ld, codec.residual_width(dim))?;
-    let dense = codec.decompress_host(&codes_h, &res_h, &valid, dim)?;
-    let d = Tensor::from_vec(dense, (nd * ld, dim), q.device())?.to_dtype(q.dtype())?;
-    let (q, d) = maybe_normalize(q, &d, normalize)?;
-    MaxSimOp::new(problem, Backward::Unified).apply(&q.reshape((nq * lq, dim))?, &d)?.reshape((nq, nd))
+    let docs = Docs { codes, residuals, codec, normalize, lens: Some(doc_lens) };
+    let q = q.reshape((nq * lq, dim))?;
+    let q = if normalize { l2_normalize(&q)? } else { q };
+    score(&q, docs, problem)?.reshape((nq, nd))
 }
 
 /// Exact MaxSim against packed compressed documents: `codes [T]`,
@@ -409,6 +500,7 @@ pub fn maxsim_residual_varlen(
     check_float("q", q)?;
     codec.check(dim)?;
     check_rank("codes", codes, &[1], "rank 1 [T] (packed)")?;
+    check_codes_dtype(codes)?;
     check_rank("residuals", residuals, &[2], "rank 2 [T, dim·nbits/8] (packed)")?;
     for (arg, t) in [("codes", codes), ("residuals", residuals), ("cu_d", cu_d)] {
         check_device(arg, t, q.device())?;
@@ -417,6 +509,7 @@ pub fn maxsim_residual_varlen(
     if residuals.dim(0)? != t {
         bail!("residuals: {} rows, but codes has {t}", residuals.dim(0)?)
     }
+    check_residuals("residuals", residuals, t, codec.residual_width(dim))?;
     let ds = Seqs::packed("cu_d", cu_d, t, "max_ld", max_ld)?;
     let nd = ds.n();
     let problem = Problem {
@@ -427,16 +520,264 @@ pub fn maxsim_residual_varlen(
         d_valid: None,
         pairs: Pairing::Cross { nq, nd },
     };
-    #[cfg(feature = "cuda")]
-    if let candle_core::Device::Cuda(dev) = q.device() {
-        let qp = q.reshape((nq * lq, dim))?;
-        if let Some(s) = residual_on_cuda(dev, &qp, codes, residuals, codec, normalize, None, None, problem.clone())? {
-            return s.reshape((nq, nd));
+    let docs = Docs { codes, residuals, codec, normalize, lens: None };
+    let q = q.reshape((nq * lq, dim))?;
+    let q = if normalize { l2_normalize(&q)? } else { q };
+    score(&q, docs, problem)?.reshape((nq, nd))
+}
+
+/// The document index of [`maxsim_residual_pairs`] that stands for "no
+/// document" (a pair scored `-inf`): the padding of candidate lists shorter
+/// than asked for.
+pub const NO_DOCUMENT: u32 = u32::MAX;
+
+/// Exact MaxSim of arbitrary (query, document) pairs against packed
+/// compressed documents, as [`maxsim_residual_varlen`] scores them: `q [Nq,
+/// Lq, dim]`, `codes [T]`, `residuals [T, dim·nbits/8]`, `cu_d [Nd+1]`,
+/// `pair_q [P]` / `pair_d [P]` U32 → `[P]` F32, pair `p` being query
+/// `pair_q[p]` against document `pair_d[p]`. A pair whose document is
+/// [`NO_DOCUMENT`] scores `-inf`; any other out-of-range index is an `Err`.
+/// No gradient.
+///
+/// On CUDA, where the warp kernel covers the queries (F16/BF16, at most 32
+/// rows, dims 64 / 96 / 128), the pairs are read by the kernel itself: no
+/// host copy, so a search can feed it candidates it selected on the device.
+/// Elsewhere the pairs are read on the host and only the documents they
+/// name are gathered and scored.
+#[allow(clippy::too_many_arguments)]
+pub fn maxsim_residual_pairs(
+    q: &Tensor,
+    codes: &Tensor,
+    residuals: &Tensor,
+    cu_d: &Tensor,
+    max_ld: usize,
+    pair_q: &Tensor,
+    pair_d: &Tensor,
+    codec: &ResidualCodec,
+    normalize: bool,
+) -> Result<Tensor> {
+    check_rank("q", q, &[3], "rank 3 [Nq, Lq, dim]")?;
+    let (nq, lq, dim) = q.dims3()?;
+    check_float("q", q)?;
+    codec.check(dim)?;
+    check_rank("codes", codes, &[1], "rank 1 [T] (packed)")?;
+    check_codes_dtype(codes)?;
+    check_rank("residuals", residuals, &[2], "rank 2 [T, dim·nbits/8] (packed)")?;
+    for (arg, t) in [("codes", codes), ("residuals", residuals), ("cu_d", cu_d), ("pair_q", pair_q), ("pair_d", pair_d)]
+    {
+        check_device(arg, t, q.device())?;
+    }
+    let t = codes.dim(0)?;
+    if residuals.dim(0)? != t {
+        bail!("residuals: {} rows, but codes has {t}", residuals.dim(0)?)
+    }
+    check_residuals("residuals", residuals, t, codec.residual_width(dim))?;
+    for (arg, p) in [("pair_q", pair_q), ("pair_d", pair_d)] {
+        if p.dtype() != DType::U32 || p.rank() != 1 {
+            bail!("{arg}: expected a rank-1 U32 tensor, got {:?} {:?}", p.dtype(), p.dims())
         }
     }
-    let d = codec.decompress_packed(codes, residuals, dim)?.to_dtype(q.dtype())?;
-    let (q, d) = maybe_normalize(q, &d, normalize)?;
-    MaxSimOp::new(problem, Backward::Unified).apply(&q.reshape((nq * lq, dim))?, &d)?.reshape((nq, nd))
+    if pair_q.dim(0)? != pair_d.dim(0)? {
+        bail!("pair_d: length {} differs from pair_q's {}", pair_d.dim(0)?, pair_q.dim(0)?)
+    }
+    let d = Seqs::packed("cu_d", cu_d, t, "max_ld", max_ld)?;
+    let q = if normalize { l2_normalize(&q.detach())? } else { q.detach() };
+    let op = ResidualPairs {
+        lq,
+        d,
+        codes: codes.contiguous()?,
+        residuals: residuals.contiguous()?,
+        pair_q: pair_q.contiguous()?,
+        pair_d: pair_d.contiguous()?,
+        codec: codec.clone(),
+        normalize,
+    };
+    q.reshape((nq * lq, dim))?.contiguous()?.apply_op1_no_bwd(&op)
+}
+
+/// [`maxsim_residual_pairs`] over packed queries `[Nq·Lq, dim]` (normalized
+/// if asked); the documents and pairs are held by the op (no gradient).
+struct ResidualPairs {
+    lq: usize,
+    d: Seqs,
+    codes: Tensor,
+    residuals: Tensor,
+    pair_q: Tensor,
+    pair_d: Tensor,
+    codec: ResidualCodec,
+    normalize: bool,
+}
+
+impl ResidualPairs {
+    /// Pairs read on the host: the documents they name gathered, scored as
+    /// a pair list by [`score`], `-inf` scattered back for [`NO_DOCUMENT`].
+    fn on_host_pairs(&self, q: &Tensor) -> Result<Tensor> {
+        let (nq, nd) = (q.dim(0)? / self.lq.max(1), self.d.n());
+        let pq: Vec<u32> = self.pair_q.to_vec1()?;
+        let pd: Vec<u32> = self.pair_d.to_vec1()?;
+        let mut slot = vec![u32::MAX; nd];
+        let (mut docs, mut vq, mut vd, mut keep) = (vec![], vec![], vec![], vec![]);
+        for (p, (&i, &j)) in pq.iter().zip(&pd).enumerate() {
+            if i as usize >= nq {
+                bail!("pair_q: pair_q[{p}] = {i} is out of range for {nq} queries")
+            }
+            if j == NO_DOCUMENT {
+                continue;
+            }
+            if j as usize >= nd {
+                bail!("pair_d: pair_d[{p}] = {j} is out of range for {nd} documents")
+            }
+            if slot[j as usize] == u32::MAX {
+                slot[j as usize] = docs.len() as u32;
+                docs.push(j);
+            }
+            vq.push(i);
+            vd.push(slot[j as usize]);
+            keep.push(p);
+        }
+        let dev = q.device();
+        let mut out = vec![f32::NEG_INFINITY; pq.len()];
+        if !keep.is_empty() {
+            let mut cu = vec![0u32];
+            let mut rows = vec![];
+            let mut max_len = 0;
+            for &j in &docs {
+                let (a, b) = (self.d.start(j as usize), self.d.end(j as usize));
+                rows.extend(a as u32..b as u32);
+                cu.push(rows.len() as u32);
+                max_len = max_len.max(b - a);
+            }
+            let n_rows = rows.len();
+            let ds = if n_rows == 0 {
+                // Only empty documents: no rows to gather (a zero-size view).
+                (self.codes.narrow(0, 0, 0)?, self.residuals.narrow(0, 0, 0)?)
+            } else {
+                let rows = Tensor::from_vec(rows, n_rows, dev)?;
+                (self.codes.index_select(&rows, 0)?, self.residuals.index_select(&rows, 0)?)
+            };
+            let n_docs = docs.len();
+            let cu = Tensor::from_vec(cu, n_docs + 1, dev)?;
+            let problem = Problem {
+                dim: q.dim(1)?,
+                q: Seqs::Uniform { n: nq, len: self.lq },
+                d: Seqs::packed("cu_d", &cu, n_rows, "max_ld", max_len)?,
+                q_valid: None,
+                d_valid: None,
+                pairs: Pairing::list_from(vq, vd, dev)?,
+            };
+            let docs =
+                Docs { codes: &ds.0, residuals: &ds.1, codec: &self.codec, normalize: self.normalize, lens: None };
+            let scores: Vec<f32> = score(q, docs, problem)?.to_vec1()?;
+            for (&p, s) in keep.iter().zip(scores) {
+                out[p] = s;
+            }
+        }
+        Tensor::from_vec(out, pq.len(), dev)
+    }
+
+    /// The query rows of a copied storage (the whole buffer) at layout `l`.
+    fn rows(s: candle_core::Storage, l: &Layout) -> Result<Tensor> {
+        let n = s_elems(&s)?;
+        let all = Tensor::from((s, n));
+        all.narrow(0, l.start_offset(), l.shape().elem_count())?.reshape(l.shape())
+    }
+
+    /// The scores as a storage of the device's kind.
+    fn tensor_storage(t: &Tensor) -> Result<candle_core::Storage> {
+        let t = t.contiguous()?;
+        let (s, l) = t.storage_and_layout();
+        if l.start_offset() != 0 {
+            bail!("maxsim_residual_pairs: internal error, an offset result")
+        }
+        Ok(match &*s {
+            candle_core::Storage::Cpu(c) => candle_core::Storage::Cpu(c.clone()),
+            #[cfg(feature = "cuda")]
+            candle_core::Storage::Cuda(c) => candle_core::Storage::Cuda(c.try_clone(l)?),
+            _ => bail!("maxsim_residual_pairs: unsupported device"),
+        })
+    }
+}
+
+/// Elements of a storage's whole buffer.
+fn s_elems(s: &candle_core::Storage) -> Result<usize> {
+    Ok(match s {
+        candle_core::Storage::Cpu(c) => match c {
+            CpuStorage::F16(v) => v.len(),
+            CpuStorage::BF16(v) => v.len(),
+            CpuStorage::F32(v) => v.len(),
+            CpuStorage::F64(v) => v.len(),
+            c => bail!("q: unsupported dtype {:?}", c.dtype()),
+        },
+        #[cfg(feature = "cuda")]
+        candle_core::Storage::Cuda(c) => match c.dtype() {
+            DType::F16 => c.as_cuda_slice::<half::f16>()?.len(),
+            DType::BF16 => c.as_cuda_slice::<half::bf16>()?.len(),
+            DType::F32 => c.as_cuda_slice::<f32>()?.len(),
+            DType::F64 => c.as_cuda_slice::<f64>()?.len(),
+            dt => bail!("q: unsupported dtype {dt:?}"),
+        },
+        _ => bail!("q: unsupported device"),
+    })
+}
+
+impl CustomOp1 for ResidualPairs {
+    fn name(&self) -> &'static str {
+        "maxsim_residual_pairs"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let out = self.on_host_pairs(&Self::rows(candle_core::Storage::Cpu(s.clone()), l)?)?;
+        match Self::tensor_storage(&out)? {
+            candle_core::Storage::Cpu(c) => Ok((c, out.shape().clone())),
+            _ => bail!("maxsim_residual_pairs: internal error, scores are not on the CPU"),
+        }
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
+        use crate::cuda::{WarpDocs, WarpTasks};
+        let (tq, dim) = l.shape().dims2()?;
+        let n_pairs = self.pair_q.dim(0)?;
+        let t = self.codes.dim(0)?;
+        let n_c = self.codec.centroids.dim(0)?;
+        let warp = crate::cuda::residual_supported(&s.device, s.dtype(), dim, self.codec.nbits)?
+            && crate::cuda::warp_applies(dim, self.lq, self.codes.dtype(), t, n_c);
+        if warp {
+            let nq = tq / self.lq.max(1);
+            let problem = Problem {
+                dim,
+                q: Seqs::Uniform { n: nq, len: self.lq },
+                d: self.d.clone(),
+                q_valid: None,
+                d_valid: None,
+                pairs: Pairing::Cross { nq, nd: self.d.n() },
+            };
+            let (cs, cl) = self.codes.storage_and_layout();
+            let (rs, rl) = self.residuals.storage_and_layout();
+            let (candle_core::Storage::Cuda(cs), candle_core::Storage::Cuda(rs)) = (&*cs, &*rs) else {
+                bail!("codes: expected a CUDA tensor")
+            };
+            let codec = codec_dev(&self.codec, self.normalize);
+            let tasks = WarpTasks::Pairs(&self.pair_q, &self.pair_d);
+            let out = crate::cuda::residual_scores_warp(
+                &problem,
+                (s, l),
+                (cs, cl),
+                (rs, rl),
+                &codec,
+                WarpDocs::Packed,
+                tasks,
+            )?;
+            return Ok((out, Shape::from(n_pairs)));
+        }
+        // Other queries: a copy of them (small) as a tensor, the pairs on the host.
+        use candle_core::backend::BackendStorage;
+        let out = self.on_host_pairs(&Self::rows(candle_core::Storage::Cuda(s.try_clone(l)?), l)?)?;
+        match Self::tensor_storage(&out)? {
+            candle_core::Storage::Cuda(c) => Ok((c, out.shape().clone())),
+            _ => bail!("maxsim_residual_pairs: internal error, scores are not on the GPU"),
+        }
+    }
 }
 
 /// Unpacks every bucket index of packed residual rows (for tests and tools).

@@ -221,7 +221,7 @@ fn from_hidden_errors_name_the_argument(dev: &Device) -> Result<()> {
     let (q, h, w) = (bf16s(&[2, 4, 64])?, bf16s(&[3, 5, 64])?, bf16s(&[64, 64])?);
     let bad_mask = Tensor::ones((3, 6), DType::U8, dev)?;
     expect_err(ms::maxsim_from_hidden(&q, &h, &w, None, Some(&bad_mask), true), "d_mask");
-    expect_err(ms::maxsim_from_hidden_fused(&q, &h, &bf16s(&[64, 32])?, None, None, true), "w");
+    expect_err(ms::maxsim_from_hidden_is_fused(&q, &h, &bf16s(&[64, 32])?, None, None), "w");
     expect_err(ms::maxsim_from_hidden(&q, &h, &bf16s(&[64, 32])?, None, None, true), "w");
     expect_err(ms::maxsim_from_hidden(&q, &h, &bf16s(&[64])?, None, None, true), "w");
     expect_err(ms::maxsim_from_hidden(&q, &h.to_dtype(DType::F32)?, &w, None, None, true), "h_d");

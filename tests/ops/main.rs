@@ -17,4 +17,5 @@ mod plaid_approx;
 mod props;
 mod residual;
 mod retrieve;
+mod topk;
 mod varlen;

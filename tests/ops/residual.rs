@@ -273,3 +273,73 @@ test_device!(
     residual_grad_to_q_matches_reference_cpu,
     residual_grad_to_q_matches_reference_cuda
 );
+
+/// `maxsim_residual_pairs` against `reference`: repeated and unordered
+/// pairs, pairs with no document (-inf), an empty document, both code
+/// dtypes, with and without normalization. On CUDA the warp kernel's shapes
+/// (F16/BF16, up to 32 query rows, dims 64 / 96 / 128), which read the pairs
+/// on the device, and the host-pairs path (F32 queries, 40 rows, dim 48).
+fn residual_pairs_match_reference(dev: &Device) -> Result<()> {
+    let cpu = Device::Cpu;
+    let mut cases = vec![(32usize, DType::F32, 3usize, 8usize)];
+    if gpu_cases(dev) {
+        cases.extend([
+            (128, DType::BF16, 4, 32),
+            (64, DType::F16, 2, 20),
+            (96, DType::BF16, 3, 32),
+            (48, DType::BF16, 2, 8),
+        ]);
+        cases.extend([(128, DType::F32, 2, 16), (128, DType::BF16, 2, 40)]);
+    }
+    for (dim, dt, nq, lq) in cases {
+        let (nd, ld, nbits) = (23, 60, 4);
+        let (c, codes, res, lens) = residual_docs(nd, ld, dim, nbits, BitOrder::ColBert, dim as u64)?;
+        // Packed: the valid tokens of each document, document 1 empty.
+        let lv: Vec<u32> = lens.to_vec1()?;
+        let keep: Vec<u32> = (0..nd * ld).filter(|t| (t % ld) < lv[t / ld] as usize).map(|t| t as u32).collect();
+        let keep = Tensor::new(keep, &cpu)?;
+        let pcodes = codes.flatten_all()?.index_select(&keep, 0)?;
+        let pres = res.reshape((nd * ld, dim * nbits / 8))?.index_select(&keep, 0)?;
+        let mut cu = vec![0u32];
+        for l in &lv {
+            cu.push(cu.last().unwrap() + l);
+        }
+        let cu = Tensor::new(cu, &cpu)?;
+        let pq: Vec<u32> = (0..5 * nd as u32).map(|p| (p * 7 + 1) % nq as u32).collect();
+        let pd: Vec<u32> =
+            (0..5 * nd as u32).map(|p| if p % 9 == 4 { ms::NO_DOCUMENT } else { (p * 11 + 3) % nd as u32 }).collect();
+        let (pq, pd) = (Tensor::new(pq, &cpu)?, Tensor::new(pd, &cpu)?);
+        let q = randn(&[nq, lq, dim], dt, &cpu)?;
+        let g = |t: &Tensor| t.to_device(dev);
+        let cg = codec_on(&c, dev)?;
+        for normalize in [false, true] {
+            for codes_t in [pcodes.clone(), pcodes.to_dtype(DType::I64)?] {
+                let what = format!("pairs d{dim} {dt:?} lq{lq} norm={normalize} {:?}", codes_t.dtype());
+                let want = r::maxsim_residual_pairs(&q, &codes_t, &pres, &cu, ld, &pq, &pd, &c, normalize)?;
+                let out = ms::maxsim_residual_pairs(
+                    &g(&q)?,
+                    &g(&codes_t)?,
+                    &g(&pres)?,
+                    &g(&cu)?,
+                    ld,
+                    &g(&pq)?,
+                    &g(&pd)?,
+                    &cg,
+                    normalize,
+                )?;
+                let (ov, wv): (Vec<f32>, Vec<f32>) = (out.to_vec1()?, want.to_vec1()?);
+                for (p, (o, w)) in ov.iter().zip(&wv).enumerate() {
+                    assert_eq!(o.is_finite(), w.is_finite(), "{what}: pair {p} is {o}, want {w}");
+                }
+                let finite = |v: &[f32]| {
+                    Tensor::new(v.iter().map(|x| if x.is_finite() { *x } else { 0.0 }).collect::<Vec<f32>>(), &cpu)
+                };
+                let tol = if normalize && dt != DType::F32 { 3e-2 } else { score_tol(dev, dt).max(1e-5) };
+                assert_close(&what, &finite(&ov)?, &finite(&wv)?, tol)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+test_device!(residual_pairs_match_reference, residual_pairs_match_reference_cpu, residual_pairs_match_reference_cuda);

@@ -1,0 +1,125 @@
+//! Row helpers of the projection head's backward, as custom ops without a
+//! gradient (their operands are always detached): a row gather with zero
+//! rows, and a bias added to every row. kernels/rows.cu on CUDA, the same
+//! loops on the CPU.
+
+use candle_core::{backend::BackendStorage, bail, CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
+
+/// `[N, C]` rows of `src` `[R, C]` picked by `idx` `[N]` U32, zero rows
+/// where `idx ≥ R` (each output row written once).
+pub(crate) fn gather_rows(src: &Tensor, idx: &Tensor) -> Result<Tensor> {
+    src.contiguous()?.apply_op2_no_bwd(&idx.contiguous()?, &GatherRows)
+}
+
+/// `x + b` for `x` `[R, C]`, `b` `[C]`: added in F32 (F64 for F64) and
+/// rounded once (candle's broadcast add indexes every element through the
+/// broadcast strides).
+pub(crate) fn add_bias(x: &Tensor, b: &Tensor) -> Result<Tensor> {
+    let acc = if x.dtype() == DType::F64 { DType::F64 } else { DType::F32 };
+    x.contiguous()?.apply_op2_no_bwd(&b.to_dtype(acc)?.contiguous()?, &AddBias)
+}
+
+struct GatherRows;
+struct AddBias;
+
+/// The contiguous element range of an operand.
+fn range(l: &Layout) -> Result<(usize, usize)> {
+    match l.contiguous_offsets() {
+        Some(r) => Ok(r),
+        None => bail!("rows: internal error, operand is not contiguous"),
+    }
+}
+
+fn gather<T: Copy + Default>(src: &[T], idx: &[u32], c: usize) -> Vec<T> {
+    let r = src.len() / c.max(1);
+    let mut out = Vec::with_capacity(idx.len() * c);
+    for &i in idx {
+        match src.get(i as usize * c..(i as usize + 1) * c) {
+            Some(row) if (i as usize) < r => out.extend_from_slice(row),
+            _ => out.extend(std::iter::repeat_n(T::default(), c)),
+        }
+    }
+    out
+}
+
+fn bias_rows<T: Copy, A: Copy + std::ops::Add<Output = A>>(
+    x: &[T],
+    b: &[A],
+    get: impl Fn(T) -> A,
+    put: impl Fn(A) -> T,
+) -> Vec<T> {
+    x.chunks(b.len().max(1)).flat_map(|row| row.iter().zip(b).map(|(&v, &bv)| put(get(v) + bv))).collect()
+}
+
+impl CustomOp2 for GatherRows {
+    fn name(&self) -> &'static str {
+        "gather_rows"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, ls: &Layout, i: &CpuStorage, li: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (_, c) = ls.shape().dims2()?;
+        let ((a, b), (ia, ib)) = (range(ls)?, range(li)?);
+        let CpuStorage::U32(idx) = i else { bail!("idx: expected U32 row indices, got {:?}", i.dtype()) };
+        let idx = &idx[ia..ib];
+        let out = match s {
+            CpuStorage::F16(v) => CpuStorage::F16(gather(&v[a..b], idx, c)),
+            CpuStorage::BF16(v) => CpuStorage::BF16(gather(&v[a..b], idx, c)),
+            CpuStorage::F32(v) => CpuStorage::F32(gather(&v[a..b], idx, c)),
+            CpuStorage::F64(v) => CpuStorage::F64(gather(&v[a..b], idx, c)),
+            s => bail!("src: expected a float dtype, got {:?}", s.dtype()),
+        };
+        Ok((out, Shape::from((idx.len(), c))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        ls: &Layout,
+        i: &candle_core::CudaStorage,
+        li: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        if i.dtype() != DType::U32 || !s.dtype().is_float() {
+            bail!("gather_rows: expected float rows and U32 indices, got {:?} / {:?}", s.dtype(), i.dtype())
+        }
+        let c = ls.shape().dims2()?.1;
+        Ok((crate::cuda::gather_rows((s, ls), (i, li))?, Shape::from((li.shape().elem_count(), c))))
+    }
+}
+
+impl CustomOp2 for AddBias {
+    fn name(&self) -> &'static str {
+        "add_bias"
+    }
+
+    fn cpu_fwd(&self, x: &CpuStorage, lx: &Layout, b: &CpuStorage, lb: &Layout) -> Result<(CpuStorage, Shape)> {
+        let ((xa, xb), (ba, bb)) = (range(lx)?, range(lb)?);
+        let out = match (x, b) {
+            (CpuStorage::F16(x), CpuStorage::F32(b)) => {
+                CpuStorage::F16(bias_rows(&x[xa..xb], &b[ba..bb], |v| v.to_f32(), half::f16::from_f32))
+            }
+            (CpuStorage::BF16(x), CpuStorage::F32(b)) => {
+                CpuStorage::BF16(bias_rows(&x[xa..xb], &b[ba..bb], |v| v.to_f32(), half::bf16::from_f32))
+            }
+            (CpuStorage::F32(x), CpuStorage::F32(b)) => {
+                CpuStorage::F32(bias_rows(&x[xa..xb], &b[ba..bb], |v| v, |v| v))
+            }
+            (CpuStorage::F64(x), CpuStorage::F64(b)) => {
+                CpuStorage::F64(bias_rows(&x[xa..xb], &b[ba..bb], |v| v, |v| v))
+            }
+            (x, b) => bail!("add_bias: internal error, dtypes {:?} / {:?}", x.dtype(), b.dtype()),
+        };
+        Ok((out, lx.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        lx: &Layout,
+        b: &candle_core::CudaStorage,
+        lb: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        Ok((crate::cuda::add_bias((x, lx), (b, lb))?, lx.shape().clone()))
+    }
+}
