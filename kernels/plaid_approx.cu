@@ -275,7 +275,7 @@ PLAID_APPROX_G(i64, int64_t, 1)
 
 // Mirrors `CandParams` in src/cuda/plaid_approx.rs (same field order, C layout).
 struct PlaidCandParams {
-    const uint32_t* probes;  // [nq, n_probe] centroid ids
+    const uint32_t* probes;  // [nq, n_probe] centroid ids (0xffffffff: none)
     const uint32_t* ivf;     // [n_ivf] document ids, the lists back to back
     const uint32_t* ivf_off; // [n_centroids + 1] list offsets
     const float* qcs;        // [n_centroids, nq * lq]
@@ -296,6 +296,7 @@ extern "C" __global__ void plaid_candidates(const PlaidCandParams p) {
          task += nw) {
         const int i = (int)(task / p.n_probe);
         const uint32_t c = p.probes[task];
+        if (c == 0xffffffffu) continue; // NO_CENTROID: nothing probed (warp-uniform)
         if ((long long)c >= p.n_centroids) {
             if (lane == 0) *p.bad = PLAID_BAD_PROBES;
             continue;

@@ -323,3 +323,55 @@ extern "C" __global__ void residual_codes_u32(const void* codes, int codes_i64, 
         out[t] = ok && (valid == nullptr || valid[t]) ? (uint32_t)c : 0u;
     }
 }
+
+// Residual compression (ResidualCodec::compress): packed bucket indices of
+// x - centroids[code] for tokens x [n, dim] (T: f16 / bf16 / f32), one
+// thread per output byte (8 / nbits features). A feature's bucket is the
+// number of cutoffs below its residual (torch.bucketize, right=False), the
+// cutoffs sorted ascending in shared memory; bits packed LSB-first or, for
+// the ColBERT order, as np.packbits of each index's LSB-first bits.
+template <typename T, typename CT>
+__device__ void residual_compress(const T* x, const uint32_t* codes, const CT* cents, const float* cutoffs, int n_cut,
+                                  long long n, int dim, int nbits, int colbert, uint8_t* out) {
+    __shared__ float cut[255];
+    for (int k = threadIdx.x; k < n_cut; k += blockDim.x) cut[k] = cutoffs[k];
+    __syncthreads();
+    const int per = 8 / nbits, w = dim / per;
+    const long long total = n * w;
+    for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < total; e += (long long)gridDim.x * blockDim.x) {
+        const long long t = e / w;
+        const int byte = (int)(e % w);
+        const uint32_t c = codes[t];
+        uint32_t packed = 0;
+        for (int f = 0; f < per; ++f) {
+            const int k = byte * per + f;
+            const float r = Elem<T>::to_float(x[t * dim + k]) - Elem<CT>::to_float(cents[(size_t)c * dim + k]);
+            int lo = 0, hi = n_cut; // the number of cutoffs < r, by bisection
+            while (lo < hi) {
+                const int mid = (lo + hi) / 2;
+                if (cut[mid] < r) lo = mid + 1;
+                else hi = mid;
+            }
+            const uint32_t b = (uint32_t)lo;
+            if (colbert) {
+                const uint32_t rev = __brev(b) >> (32 - nbits); // the index's bits, LSB first, MSB-first in the byte
+                packed |= rev << (8 - nbits * (f + 1));
+            } else {
+                packed |= b << (f * nbits);
+            }
+        }
+        out[e] = (uint8_t)packed;
+    }
+}
+#define RESIDUAL_COMPRESS(XN, T, CN, CT)                                                                     \
+    extern "C" __global__ void residual_compress_##XN##_##CN(const T* x, const uint32_t* codes, const CT* cents, \
+                                                             const float* cutoffs, int n_cut, long long n, int dim,  \
+                                                             int nbits, int colbert, uint8_t* out) {             \
+        residual_compress(x, codes, cents, cutoffs, n_cut, n, dim, nbits, colbert, out);                         \
+    }
+RESIDUAL_COMPRESS(f16, __half, f16, __half)
+RESIDUAL_COMPRESS(bf16, __nv_bfloat16, f16, __half)
+RESIDUAL_COMPRESS(f32, float, f16, __half)
+RESIDUAL_COMPRESS(f16, __half, f32, float)
+RESIDUAL_COMPRESS(bf16, __nv_bfloat16, f32, float)
+RESIDUAL_COMPRESS(f32, float, f32, float)

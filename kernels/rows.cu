@@ -46,3 +46,30 @@ ADD_BIAS(f16, __half)
 ADD_BIAS(bf16, __nv_bfloat16)
 ADD_BIAS(f32, float)
 ADD_BIAS(f64, double)
+
+// out[idx[r], c] += src[r, c] in f32 (out zeroed by the host): the per-row
+// sums of a scatter, e.g. the new centroids of a k-means step. A warp per
+// row; rows whose index is >= n_out are skipped and set *bad. The f32
+// atomics make the sums' rounding depend on the order rows land in.
+template <typename T>
+__device__ void scatter_add_rows(const T* src, const uint32_t* idx, float* out, long long rows, int cols,
+                                 uint32_t n_out, unsigned int* bad) {
+    const int lane = threadIdx.x % 32;
+    const long long nw = (long long)gridDim.x * blockDim.x / 32;
+    for (long long r = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / 32; r < rows; r += nw) {
+        const uint32_t d = idx[r];
+        if (d >= n_out) {
+            if (lane == 0) *bad = 1u;
+            continue;
+        }
+        for (int c = lane; c < cols; c += 32) atomicAdd(out + (size_t)d * cols + c, (float)Elem<T>::to_float(src[r * cols + c]));
+    }
+}
+#define SCATTER_ADD_ROWS(NAME, T)                                                                           \
+    extern "C" __global__ void scatter_add_rows_##NAME(const T* src, const uint32_t* idx, float* out,        \
+                                                       long long rows, int cols, uint32_t n_out, unsigned int* bad) { \
+        scatter_add_rows(src, idx, out, rows, cols, n_out, bad);                                            \
+    }
+SCATTER_ADD_ROWS(f16, __half)
+SCATTER_ADD_ROWS(bf16, __nv_bfloat16)
+SCATTER_ADD_ROWS(f32, float)

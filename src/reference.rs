@@ -332,7 +332,7 @@ pub fn plaid_candidates(probes: &Tensor, ivf: &Tensor, ivf_offsets: &Tensor, num
     let words = num_documents.div_ceil(32);
     let mut bits = vec![0u32; probes.len() * words];
     for (i, row) in probes.iter().enumerate() {
-        for &c in row {
+        for &c in row.iter().filter(|&&c| c != crate::NO_CENTROID) {
             for &d in &ivf[off[c as usize] as usize..off[c as usize + 1] as usize] {
                 bits[i * words + d as usize / 32] |= 1 << (d % 32);
             }
@@ -411,4 +411,10 @@ pub fn maxsim_residual_pairs(
         .map(|(&i, &j)| if j == crate::NO_DOCUMENT { f32::NEG_INFINITY } else { all[i as usize][j as usize] })
         .collect();
     Tensor::from_vec(out, pq.len(), q.device())
+}
+
+/// Naive [`crate::scatter_add_rows`]: candle's `index_add` in F32.
+pub fn scatter_add_rows(src: &Tensor, idx: &Tensor, n_out: usize) -> Result<Tensor> {
+    let src = src.to_dtype(DType::F32)?;
+    Tensor::zeros((n_out, src.dim(1)?), DType::F32, src.device())?.index_add(idx, &src, 0)
 }

@@ -20,7 +20,7 @@ pub(crate) use residual::{
     codes_u32, decompress as decompress_residual, residual_path, residual_scores_tile, residual_scores_warp,
     warp_applies, CodecDev, ResidualPath, WarpDocs, WarpTasks,
 };
-pub(crate) use rows::{add_bias, gather_rows};
+pub(crate) use rows::{add_bias, gather_rows, scatter_add_rows};
 pub(crate) use topk::topk_rows;
 
 use candle_core::backend::BackendStorage;

@@ -347,3 +347,55 @@ pub(crate) fn decompress(
     drop(ops);
     Ok(out)
 }
+
+/// Packed residual bytes `[n, dim·nbits/8]` of tokens `x [n, dim]`
+/// (contiguous F16/BF16/F32) with validated U32 `codes` (from
+/// [`codes_u32`]) and `cutoffs [2^nbits − 1]` F32, by kernels/residual.cu.
+pub(crate) fn compress_residual(
+    x: Operand,
+    codes: &CudaStorage,
+    codec: &CodecDev,
+    cutoffs: &Tensor,
+) -> Result<CudaStorage> {
+    let dev = &x.0.device;
+    let (n, dim) = x.1.shape().dims2()?;
+    let w = dim * codec.nbits / 8;
+    // SAFETY: the kernel writes every byte.
+    let out = CudaStorage::wrap_cuda_slice(unsafe { dev.alloc::<u8>((n * w).max(1)) }?, dev.clone());
+    if n * w == 0 {
+        return Ok(out);
+    }
+    let cent_dtype = if codec.centroids.dtype() == DType::F16 { DType::F16 } else { DType::F32 };
+    let cents = codec.centroids.to_dtype(cent_dtype)?.contiguous()?;
+    let cutoffs = cutoffs.to_dtype(DType::F32)?.contiguous()?;
+    let name = format!("residual_compress_{}_{}", dtype_tag(x.0.dtype()), dtype_tag(cent_dtype));
+    let func = load_func(dev, &name, 0, "residual", &RESIDUAL)?;
+    let blocks = (n * w).div_ceil(256).min(device_info(dev)?.sm_count as usize * 16).max(1) as u32;
+    let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+    let (xp, cp, cep, cup, op) = (
+        storage_ptr(x.0, x.1)?,
+        storage_ptr(codes, &Layout::contiguous(1))?,
+        tensor_ptr(&cents)?,
+        tensor_ptr(&cutoffs)?,
+        storage_ptr(&out, &Layout::contiguous(1))?,
+    );
+    let (n_cut, n64, d32, nb, order) =
+        (cutoffs.elem_count() as i32, n as i64, dim as i32, codec.nbits as i32, codec.colbert_order as i32);
+    let stream = dev.cuda_stream();
+    let mut b = stream.launch_builder(&func);
+    b.arg(&xp);
+    b.arg(&cp);
+    b.arg(&cep);
+    b.arg(&cup);
+    b.arg(&n_cut);
+    b.arg(&n64);
+    b.arg(&d32);
+    b.arg(&nb);
+    b.arg(&order);
+    b.arg(&op);
+    // SAFETY: (const T*, const uint32_t*, const CT*, const float*, int, long long, int, int, int,
+    // uint8_t*) as in residual.cu; x holds n rows of dim, codes n entries (each < C), out n·w bytes.
+    unsafe { b.launch(cfg) }.w()?;
+    drop((cents, cutoffs));
+    Ok(out)
+}

@@ -75,3 +75,46 @@ pub(crate) fn add_bias(x: (&CudaStorage, &Layout), bias: (&CudaStorage, &Layout)
     unsafe { b.launch(grid(dev, r)?) }.w()?;
     Ok(out)
 }
+
+/// `[n_out, C]` F32 sums of the rows of `src` `[R, C]` (contiguous
+/// F16/BF16/F32) by destination `idx` `[R]` U32: one f32 atomic per element.
+pub(crate) fn scatter_add_rows(
+    src: (&CudaStorage, &Layout),
+    idx: (&CudaStorage, &Layout),
+    n_out: usize,
+) -> Result<CudaStorage> {
+    let dev = &src.0.device;
+    let (r, c) = src.1.shape().dims2()?;
+    if c > i32::MAX as usize || n_out >= u32::MAX as usize {
+        bail!("src: {n_out} x {c} sums exceed the scatter kernel's 32-bit indices")
+    }
+    let out = CudaStorage::wrap_cuda_slice(dev.alloc_zeros::<f32>((n_out * c).max(1))?, dev.clone());
+    if r * c == 0 {
+        return Ok(out);
+    }
+    let bad = super::HostFlag::new(dev)?;
+    let func = load_func(dev, &format!("scatter_add_rows_{}", dtype_tag(src.0.dtype())), 0, "rows", &ROWS)?;
+    let (sp, ip, op, bp) = (
+        storage_ptr(src.0, src.1)?,
+        storage_ptr(idx.0, idx.1)?,
+        storage_ptr(&out, &Layout::contiguous(1))?,
+        bad.dev_ptr(),
+    );
+    let (rows, cols, n) = (r as i64, c as i32, n_out as u32);
+    let stream = dev.cuda_stream();
+    let mut b = stream.launch_builder(&func);
+    b.arg(&sp);
+    b.arg(&ip);
+    b.arg(&op);
+    b.arg(&rows);
+    b.arg(&cols);
+    b.arg(&n);
+    b.arg(&bp);
+    // SAFETY: (const T*, const uint32_t*, float*, long long, int, uint32_t, unsigned*) as in
+    // rows.cu; src holds r rows of c, idx r entries, out n_out rows of c F32.
+    unsafe { b.launch(grid(dev, r)?) }.w()?;
+    if bad.is_set(dev)? {
+        bail!("idx: an index is out of range for {n_out} output rows")
+    }
+    Ok(out)
+}

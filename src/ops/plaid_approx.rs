@@ -133,9 +133,13 @@ impl CustomOp3 for PlaidApprox {
     }
 }
 
+/// A probe of [`plaid_candidates`] that probes nothing (a padding token's).
+pub const NO_CENTROID: u32 = u32::MAX;
+
 /// The candidates of a PLAID search: for each query, the documents of the
 /// inverted lists of its probed centroids. `probes [Nq, P]` U32 (the probed
-/// centroids of all of a query's tokens; repeats allowed), the inverted file
+/// centroids of all of a query's tokens; repeats allowed, [`NO_CENTROID`]
+/// skipped), the inverted file
 /// `ivf [E]` U32 (document ids, each centroid's list back to back) with
 /// `ivf_offsets [C + 1]` U32 (list `c` is `ivf[ivf_offsets[c]..ivf_offsets[c + 1]]`),
 /// over `num_documents` documents → a bitmap `[Nq, ⌈num_documents / 32⌉]` U32
@@ -189,6 +193,9 @@ impl CustomOp3 for Candidates {
         let mut bitmap = vec![0u32; nq * words];
         for (i, row) in bitmap.chunks_mut(words.max(1)).enumerate().take(nq) {
             for (p, &c) in probes[i * n_probe..(i + 1) * n_probe].iter().enumerate() {
+                if c == NO_CENTROID {
+                    continue;
+                }
                 if c as usize >= n_c {
                     bail!("probes: probes[{i}, {p}] = {c} is out of range for {n_c} centroids")
                 }

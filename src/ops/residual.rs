@@ -177,6 +177,40 @@ impl ResidualCodec {
         op.apply(codes, residuals)
     }
 
+    /// Compresses tokens `x [T, dim]` (F16/BF16/F32) given their centroid
+    /// `codes [T]` (U32 or I64) and the `bucket_cutoffs [2^nbits − 1]`
+    /// (ascending): the packed residual bytes `[T, dim·nbits/8]` U8 that
+    /// [`Self::decompress`] reads back. A feature's bucket is the number of
+    /// cutoffs below its residual `x − centroids[code]` (computed in F32), as
+    /// ColBERTv2 and fast-plaid bucketize (`torch.bucketize`, right = False).
+    pub fn compress(&self, x: &Tensor, codes: &Tensor, bucket_cutoffs: &Tensor) -> Result<Tensor> {
+        check_rank("centroids", &self.centroids, &[2], "rank 2 [C, dim]")?;
+        let dim = self.centroids.dim(1)?;
+        self.check(dim)?;
+        check_rank("x", x, &[2], "rank 2 [T, dim]")?;
+        if !matches!(x.dtype(), DType::F16 | DType::BF16 | DType::F32) || x.dim(1)? != dim {
+            bail!("x: expected F16, BF16 or F32 [T, {dim}] tokens, got {:?} {:?}", x.dtype(), x.dims())
+        }
+        check_rank("codes", codes, &[1], "rank 1 [T]")?;
+        check_codes_dtype(codes)?;
+        if codes.dim(0)? != x.dim(0)? {
+            bail!("codes: {} codes for {} tokens", codes.dim(0)?, x.dim(0)?)
+        }
+        let n_cut = (1usize << self.nbits) - 1;
+        if bucket_cutoffs.dims() != [n_cut] || !bucket_cutoffs.dtype().is_float() {
+            bail!(
+                "bucket_cutoffs: expected float [{n_cut}] (2^nbits − 1), got {:?} {:?}",
+                bucket_cutoffs.dtype(),
+                bucket_cutoffs.dims()
+            )
+        }
+        for (arg, t) in [("codes", codes), ("bucket_cutoffs", bucket_cutoffs), ("centroids", &self.centroids)] {
+            check_device(arg, t, x.device())?;
+        }
+        let op = Compress { codec: self.clone(), cutoffs: bucket_cutoffs.to_dtype(DType::F32)?.contiguous()? };
+        x.contiguous()?.apply_op2_no_bwd(&codes.contiguous()?, &op)
+    }
+
     /// Packed residual bytes per token.
     pub fn residual_width(&self, dim: usize) -> usize {
         dim * self.nbits / 8
@@ -309,6 +343,65 @@ impl CustomOp2 for Decompress {
         // No kernel for this dtype / dim / nbits: the host decompresses.
         let host = self.host((&c.to_cpu_storage()?, lc), (&r.to_cpu_storage()?, lr))?;
         Ok((dev.storage_from_cpu_storage(&host)?, shape))
+    }
+}
+
+/// [`ResidualCodec::compress`]: `(x [T, dim], codes [T]) → [T, dim·nbits/8]` U8.
+struct Compress {
+    codec: ResidualCodec,
+    /// `[2^nbits − 1]` F32, ascending.
+    cutoffs: Tensor,
+}
+
+impl CustomOp2 for Compress {
+    fn name(&self) -> &'static str {
+        "residual_compress"
+    }
+
+    fn cpu_fwd(&self, x: &CpuStorage, lx: &Layout, c: &CpuStorage, lc: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (t, dim) = lx.shape().dims2()?;
+        let Some((xa, xb)) = lx.contiguous_offsets() else { bail!("x: expected a contiguous tensor") };
+        let xs: std::borrow::Cow<[f32]> = match x {
+            CpuStorage::F32(v) => std::borrow::Cow::Borrowed(&v[xa..xb]),
+            CpuStorage::F16(v) => std::borrow::Cow::Owned(v[xa..xb].iter().map(|h| h.to_f32()).collect()),
+            CpuStorage::BF16(v) => std::borrow::Cow::Owned(v[xa..xb].iter().map(|h| h.to_f32()).collect()),
+            x => bail!("x: expected F16, BF16 or F32 tokens, got {:?}", x.dtype()),
+        };
+        let codes = HostCodes::of(c, lc)?;
+        let cents: Vec<f32> = self.codec.centroids.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
+        let cut: Vec<f32> = self.cutoffs.to_vec1()?;
+        let n_c = self.codec.centroids.dim(0)?;
+        let nbits = self.codec.nbits;
+        let mut out = Vec::with_capacity(t * self.codec.residual_width(dim));
+        let mut idx = vec![0u8; dim];
+        for r in 0..t {
+            let code = codes.get(r);
+            if code < 0 || code as usize >= n_c {
+                bail!("codes: codes[{r}] = {code} is out of range for {n_c} centroids")
+            }
+            let cent = &cents[code as usize * dim..][..dim];
+            for (k, b) in idx.iter_mut().enumerate() {
+                let res = xs[r * dim + k] - cent[k];
+                *b = cut.partition_point(|&v| v < res) as u8;
+            }
+            out.extend(pack_bucket_indices(&idx, nbits, self.codec.bit_order)?);
+        }
+        Ok((CpuStorage::U8(out), Shape::from((t, self.codec.residual_width(dim)))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        lx: &Layout,
+        c: &candle_core::CudaStorage,
+        lc: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let (t, dim) = lx.shape().dims2()?;
+        let codes = crate::cuda::codes_u32((c, lc), None, self.codec.centroids.dim(0)?)?;
+        let codec = codec_dev(&self.codec, false);
+        let out = crate::cuda::compress_residual((x, lx), &codes, &codec, &self.cutoffs)?;
+        Ok((out, Shape::from((t, self.codec.residual_width(dim)))))
     }
 }
 

@@ -1,7 +1,7 @@
-//! Row helpers of the projection head's backward, as custom ops without a
-//! gradient (their operands are always detached): a row gather with zero
-//! rows, and a bias added to every row. kernels/rows.cu on CUDA, the same
-//! loops on the CPU.
+//! Row helpers as custom ops without a gradient: a row gather with zero
+//! rows and a bias added to every row (the projection head's backward,
+//! whose operands are detached), and a scatter-add of rows (k-means).
+//! kernels/rows.cu on CUDA, the same loops on the CPU.
 
 use candle_core::{backend::BackendStorage, bail, CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
 
@@ -19,8 +19,70 @@ pub(crate) fn add_bias(x: &Tensor, b: &Tensor) -> Result<Tensor> {
     x.contiguous()?.apply_op2_no_bwd(&b.to_dtype(acc)?.contiguous()?, &AddBias)
 }
 
+/// The sums `[n_out, C]` F32 of the rows of `src [R, C]` (F16, BF16 or F32)
+/// by destination row `idx [R]` U32: `out[idx[r]] += src[r]` (e.g. the new
+/// centroids of a k-means step, before dividing by the counts). On CUDA one
+/// F32 atomic per element, so the rounding of a sum depends on the order its
+/// rows land in; on the CPU the rows are added in order. An index ≥ `n_out`
+/// is an `Err`.
+pub fn scatter_add_rows(src: &Tensor, idx: &Tensor, n_out: usize) -> Result<Tensor> {
+    crate::layout::check_rank("src", src, &[2], "rank 2 [R, C]")?;
+    if !matches!(src.dtype(), DType::F16 | DType::BF16 | DType::F32) {
+        bail!("src: expected F16, BF16 or F32 rows, got {:?}", src.dtype())
+    }
+    if idx.dtype() != DType::U32 || idx.dims() != [src.dim(0)?] {
+        bail!("idx: expected U32 [{}], got {:?} {:?}", src.dim(0)?, idx.dtype(), idx.dims())
+    }
+    crate::layout::check_device("idx", idx, src.device())?;
+    src.contiguous()?.apply_op2_no_bwd(&idx.contiguous()?, &ScatterAddRows { n_out })
+}
+
 struct GatherRows;
 struct AddBias;
+struct ScatterAddRows {
+    n_out: usize,
+}
+
+impl CustomOp2 for ScatterAddRows {
+    fn name(&self) -> &'static str {
+        "scatter_add_rows"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, ls: &Layout, i: &CpuStorage, li: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (_, c) = ls.shape().dims2()?;
+        let (a, b) = range(ls)?;
+        let (ia, ib) = range(li)?;
+        let CpuStorage::U32(idx) = i else { bail!("idx: expected U32 row indices") };
+        let src: Vec<f32> = match s {
+            CpuStorage::F16(v) => v[a..b].iter().map(|x| x.to_f32()).collect(),
+            CpuStorage::BF16(v) => v[a..b].iter().map(|x| x.to_f32()).collect(),
+            CpuStorage::F32(v) => v[a..b].to_vec(),
+            s => bail!("src: expected F16, BF16 or F32 rows, got {:?}", s.dtype()),
+        };
+        let mut out = vec![0f32; self.n_out * c];
+        for (r, &d) in idx[ia..ib].iter().enumerate() {
+            if d as usize >= self.n_out {
+                bail!("idx: idx[{r}] = {d} is out of range for {} output rows", self.n_out)
+            }
+            for (o, &x) in out[d as usize * c..(d as usize + 1) * c].iter_mut().zip(&src[r * c..(r + 1) * c]) {
+                *o += x;
+            }
+        }
+        Ok((CpuStorage::F32(out), Shape::from((self.n_out, c))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        ls: &Layout,
+        i: &candle_core::CudaStorage,
+        li: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let c = ls.shape().dims2()?.1;
+        Ok((crate::cuda::scatter_add_rows((s, ls), (i, li), self.n_out)?, Shape::from((self.n_out, c))))
+    }
+}
 
 /// The contiguous element range of an operand.
 fn range(l: &Layout) -> Result<(usize, usize)> {

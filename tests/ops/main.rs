@@ -17,5 +17,6 @@ mod plaid_approx;
 mod props;
 mod residual;
 mod retrieve;
+mod rows;
 mod topk;
 mod varlen;

@@ -220,6 +220,8 @@ fn candidates_match_reference(dev: &Device) -> Result<()> {
         let what = format!("candidates C{n_c} Nd{nd} Nq{nq} Lq{lq}");
         let (codes, cu, ivf, off) = packed_index(n_c, nd, 40, (n_c + nd) as u64)?;
         let probes = Tensor::rand(0f32, n_c as f32, (nq, n_probe), &cpu)?.to_dtype(DType::U32)?;
+        // A padding token's probe: nothing.
+        let probes = probes.slice_assign(&[0..1, 0..1], &Tensor::new(&[[ms::NO_CENTROID]], &cpu)?)?;
         let bits = ms::plaid_candidates(&g(&probes)?, &g(&ivf)?, &g(&off)?, nd)?;
         let want_bits = r::plaid_candidates(&probes, &ivf, &off, nd)?;
         assert_eq!(bits.to_vec2::<u32>()?, want_bits.to_vec2::<u32>()?, "{what}: bitmap");

@@ -343,3 +343,51 @@ fn residual_pairs_match_reference(dev: &Device) -> Result<()> {
 }
 
 test_device!(residual_pairs_match_reference, residual_pairs_match_reference_cpu, residual_pairs_match_reference_cuda);
+
+/// `ResidualCodec::compress` against buckets counted here from the
+/// definition (cutoffs below each residual), packed by
+/// `pack_bucket_indices`: nbits 2 / 4 / 8, both bit orders, F16 / BF16 /
+/// F32 tokens, F16 and F32 centroids, I64 codes; and the decompressed
+/// tokens are centroid plus the chosen bucket's weight.
+fn compress_matches_definition(dev: &Device) -> Result<()> {
+    let cpu = Device::Cpu;
+    let (t, dim, n_c) = (37, 64, 11);
+    for nbits in [2usize, 4, 8] {
+        for order in [BitOrder::ColBert, BitOrder::Lsb] {
+            for (xdt, cdt) in [(DType::F16, DType::F16), (DType::BF16, DType::F16), (DType::F32, DType::F32)] {
+                let mut c = codec(nbits, order, dim, n_c, 0.05)?;
+                c.centroids = c.centroids.to_dtype(cdt)?;
+                let x = (randn(&[t, dim], DType::F32, &cpu)? * 0.3)?.to_dtype(xdt)?;
+                let codes = Tensor::rand(0f32, n_c as f32, t, &cpu)?.to_dtype(DType::U32)?;
+                let mut cut: Vec<f32> = (0..(1 << nbits) - 1).map(|k| (k as f32 - 7.0) * 0.021).collect();
+                cut.sort_by(f32::total_cmp);
+                let cutoffs = Tensor::new(cut.clone(), &cpu)?;
+                let (xv, cv, cents): (Vec<Vec<f32>>, Vec<u32>, Vec<Vec<f32>>) = (
+                    x.to_dtype(DType::F32)?.to_vec2()?,
+                    codes.to_vec1()?,
+                    c.centroids.to_dtype(DType::F32)?.to_vec2()?,
+                );
+                let mut want = Vec::new();
+                for (row, &code) in xv.iter().zip(&cv) {
+                    let idx: Vec<u8> = row
+                        .iter()
+                        .zip(&cents[code as usize])
+                        .map(|(&a, &b)| cut.iter().filter(|&&v| v < a - b).count() as u8)
+                        .collect();
+                    want.extend(ms::pack_bucket_indices(&idx, nbits, order)?);
+                }
+                let g = |t: &Tensor| t.to_device(dev);
+                let cg = codec_on(&c, dev)?;
+                let out = cg.compress(&g(&x)?, &g(&codes.to_dtype(DType::I64)?)?, &g(&cutoffs)?)?;
+                let what = format!("compress nb{nbits} {order:?} {xdt:?}/{cdt:?}");
+                assert_eq!(out.flatten_all()?.to_vec1::<u8>()?, want, "{what}");
+                let back = cg.decompress(&g(&codes)?, &out)?;
+                let want_back = r::decompress(&codes, &out.to_device(&cpu)?, &c)?;
+                assert_close(&format!("{what} decompressed"), &back, &want_back, 1e-6)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+test_device!(compress_matches_definition, compress_matches_definition_cpu, compress_matches_definition_cuda);

@@ -47,7 +47,7 @@ fn check_search(idx: &PlaidIndex, q: &Tensor, want: &Tensor, k: usize, subset: O
     cand.sort_unstable();
     cand.dedup();
     let want = top_k(want, &cand, k)?;
-    let (scores, ids) = idx.search(&q.to_device(idx.device())?, k, subset)?;
+    let (scores, ids) = idx.search_exact(&q.to_device(idx.device())?, k, subset)?;
     assert_eq!(scores.dims(), &[q.dim(0)?, k.min(cand.len())]);
     let (scores, ids): (Vec<Vec<f32>>, Vec<Vec<u32>>) = (scores.to_vec2()?, ids.to_vec2()?);
     for (qi, w) in want.iter().enumerate() {
@@ -74,7 +74,11 @@ fn index_matches_reference(dev: &Device) -> Result<()> {
             assert_eq!(idx.num_documents(), s.lens.len());
             assert_eq!(idx.dim(), 32);
             assert_eq!(idx.doc_lens(), s.lens.iter().map(|&l| l as u32).collect::<Vec<_>>());
-            assert_eq!(idx.codes.to_vec1::<i64>()?, s.codes.to_vec1::<i64>()?, "{layout:?} codes");
+            assert_eq!(
+                idx.codes.to_vec1::<u32>()?,
+                s.codes.to_dtype(DType::U32)?.to_vec1::<u32>()?,
+                "{layout:?} codes"
+            );
             assert_eq!(idx.residuals.to_vec2::<u8>()?, s.residuals.to_vec2::<u8>()?, "{layout:?} residuals");
             assert!(idx.bucket_cutoffs.is_some() && idx.avg_residual.is_some());
             // Decompression of every document vs the reference decoder.
@@ -96,7 +100,7 @@ fn index_matches_reference(dev: &Device) -> Result<()> {
             }
             check_search(&idx, &q, &want, 3, Some(&[nd - 1, 2, 0, 2, 5]))?;
             check_search(&idx, &q, &want, 10, Some(&[4, 5, 6]))?;
-            let (e, _) = idx.search(&q.to_device(dev)?, 3, Some(&[]))?;
+            let (e, _) = idx.search_exact(&q.to_device(dev)?, 3, Some(&[]))?;
             assert_eq!(e.dims(), &[3, 0]);
         }
     }
@@ -111,10 +115,10 @@ fn index_errors(dev: &Device) -> Result<()> {
     let s = write_index(&format!("errors_{}", dev.is_cuda()), 2, &[4, 3], Layout::Shards)?;
     let idx = PlaidIndex::load(&s.dir, &dev)?;
     let q = randn(&[2, 3, 32], DType::F32, &dev)?;
-    expect_err(idx.search(&q, 0, None), "k");
-    expect_err(idx.search(&q, 2, Some(&[0, 99])), "subset");
-    expect_err(idx.search(&randn(&[2, 3, 16], DType::F32, &dev)?, 2, None), "q");
-    expect_err(idx.search(&q.to_dtype(DType::U32)?, 2, None), "q");
+    expect_err(idx.search_exact(&q, 0, None), "k");
+    expect_err(idx.search_exact(&q, 2, Some(&[0, 99])), "subset");
+    expect_err(idx.search_exact(&randn(&[2, 3, 16], DType::F32, &dev)?, 2, None), "q");
+    expect_err(idx.search_exact(&q.to_dtype(DType::U32)?, 2, None), "q");
     expect_err(idx.embeddings(99), "doc");
     expect_err_containing(PlaidIndex::load(s.dir.join("nope"), &dev), "metadata.json");
 
@@ -126,7 +130,7 @@ fn index_errors(dev: &Device) -> Result<()> {
         Ok(())
     };
     corrupt("missing_res", "1.residuals.npy", &|d| std::fs::remove_file(d.join("1.residuals.npy")).unwrap())?;
-    corrupt("bad_code", "chunk 1 codes", &|d| {
+    corrupt("bad_code", "1.codes.npy", &|d| {
         let c = Tensor::read_npy(d.join("1.codes.npy")).unwrap();
         let mut v = c.to_vec1::<i64>().unwrap();
         v[0] = 24;
@@ -166,8 +170,8 @@ fn fixture_search_matches_cpu(dev: &Device) -> Result<()> {
         let q = randn(&[3, 16, ic.dim()], DType::F32, &cpu)?;
         let subset: Vec<u32> = (0..ic.num_documents() as u32).step_by(2).collect();
         for sub in [None, Some(subset.as_slice())] {
-            let (sc, idc) = ic.search(&q, 5, sub)?;
-            let (sg, idg) = ig.search(&q.to_device(dev)?, 5, sub)?;
+            let (sc, idc) = ic.search_exact(&q, 5, sub)?;
+            let (sg, idg) = ig.search_exact(&q.to_device(dev)?, 5, sub)?;
             assert_close(&format!("{} search scores", dir.display()), &sg, &sc, 1e-4)?;
             assert_eq!(idg.to_device(&cpu)?.to_vec2::<u32>()?, idc.to_vec2::<u32>()?, "{} search ids", dir.display());
         }
@@ -251,7 +255,7 @@ fn fast_plaid_fixture_ranking() -> Result<()> {
         let list = |k: &str| -> Vec<Vec<serde_json::Value>> { serde_json::from_value(exp[k].clone()).unwrap() };
         let nd = idx.num_documents();
         // Every document's exact score, per query.
-        let (all_s, all_i) = idx.search(&q, nd, None)?;
+        let (all_s, all_i) = idx.search_exact(&q, nd, None)?;
         let (all_s, all_i): (Vec<Vec<f32>>, Vec<Vec<u32>>) = (all_s.to_vec2()?, all_i.to_vec2()?);
         let by_id: Vec<Vec<f32>> = all_s
             .iter()
@@ -263,7 +267,7 @@ fn fast_plaid_fixture_ranking() -> Result<()> {
             })
             .collect();
         let subset: Vec<u32> = serde_json::from_value(exp["subset"].clone()).unwrap();
-        let (sub_s, sub_i) = idx.search(&q, exp["subset_top_k"].as_u64().unwrap() as usize, Some(&subset))?;
+        let (sub_s, sub_i) = idx.search_exact(&q, exp["subset_top_k"].as_u64().unwrap() as usize, Some(&subset))?;
         let (sub_s, sub_i): (Vec<Vec<f32>>, Vec<Vec<u32>>) = (sub_s.to_vec2()?, sub_i.to_vec2()?);
         let (ids, scores, s_ids, s_scores) = (list("ids"), list("scores"), list("subset_ids"), list("subset_scores"));
         let as_u32 = |v: &[serde_json::Value]| v.iter().map(|x| x.as_u64().unwrap() as u32).collect::<Vec<_>>();

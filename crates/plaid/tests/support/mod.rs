@@ -1,5 +1,7 @@
-//! A random fast-plaid index written in its on-disk format, and the fixture
-//! written by the real fast-plaid package.
+//! A random fast-plaid index written in its on-disk format, the fixture
+//! written by the real fast-plaid package, and a clustered collection to
+//! build indexes from (each test target uses a part of it).
+#![allow(dead_code)]
 
 use candle_core::{DType, Device, Result, Tensor};
 use candle_maxsim::{self as ms, BitOrder, ResidualCodec};
@@ -139,4 +141,61 @@ pub fn fixture(name: &str) -> Option<PathBuf> {
         );
         None
     }
+}
+
+/// A clustered collection with the structure of ColBERT embeddings:
+/// `n_topics` random unit topic directions, each with `words` word vectors
+/// near it; a document draws a topic and 70 % of its tokens from that
+/// topic's words (the rest from all words), each token with contextual
+/// noise, normalized. Returns `(embeddings [T, dim] F32, lengths, topic of
+/// each document)`.
+pub fn clustered(n_docs: usize, dim: usize, n_topics: usize, seed: u64) -> Result<(Tensor, Vec<u32>, Vec<usize>)> {
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let dev = Device::Cpu;
+    let words = 12;
+    let topics = ms::l2_normalize(&Tensor::randn(0f32, 1., (n_topics, dim), &dev)?)?;
+    let noise = Tensor::randn(0f32, 0.5 / (dim as f32).sqrt(), (n_topics, words, dim), &dev)?;
+    let vocab = ms::l2_normalize(&topics.unsqueeze(1)?.broadcast_add(&noise)?)?.reshape((n_topics * words, dim))?;
+    let (mut rows, mut lens, mut doc_topics) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..n_docs {
+        let t = rng.random_range(0..n_topics);
+        let len = rng.random_range(8..40u32);
+        for _ in 0..len {
+            let w = if rng.random::<f32>() < 0.7 {
+                t * words + rng.random_range(0..words)
+            } else {
+                rng.random_range(0..n_topics * words)
+            };
+            rows.push(w as u32);
+        }
+        lens.push(len);
+        doc_topics.push(t);
+    }
+    let n = rows.len();
+    let x = vocab.index_select(&Tensor::from_vec(rows, n, &dev)?, 0)?;
+    let x = ms::l2_normalize(&(x + Tensor::randn(0f32, 0.3 / (dim as f32).sqrt(), (n, dim), &dev)?)?)?;
+    Ok((x, lens, doc_topics))
+}
+
+/// Queries built from documents `targets`: `lq` of the document's tokens
+/// (with repeats) plus noise, normalized: `[targets.len(), lq, dim]`.
+pub fn queries_from(x: &Tensor, lens: &[u32], targets: &[usize], lq: usize, seed: u64) -> Result<Tensor> {
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let mut cu = vec![0usize];
+    for &l in lens {
+        cu.push(cu.last().unwrap() + l as usize);
+    }
+    let mut rows = Vec::new();
+    for &t in targets {
+        for _ in 0..lq {
+            rows.push((cu[t] + rng.random_range(0..lens[t] as usize)) as u32);
+        }
+    }
+    let n = rows.len();
+    let dim = x.dim(1)?;
+    let q = x.index_select(&Tensor::from_vec(rows, n, x.device())?, 0)?;
+    let q = ms::l2_normalize(&(q + Tensor::randn(0f32, 0.2 / (dim as f32).sqrt(), (n, dim), x.device())?)?)?;
+    q.reshape((targets.len(), lq, dim))
 }

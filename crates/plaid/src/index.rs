@@ -1,0 +1,453 @@
+//! A PLAID index opened on a device: the codec, every token's code and
+//! residual bytes (memory-mapped from the index directory and copied to the
+//! device once), the document offsets, the inverted file, and the deleted
+//! documents.
+
+use crate::npy::{self, MappedNpy};
+use crate::store::{json_usize, read_json};
+use candle_core::{bail, DType, Device, Error, Result, Tensor};
+use candle_maxsim::{l2_normalize, maxsim_residual_varlen, BitOrder, ResidualCodec, TopK};
+use std::path::{Path, PathBuf};
+
+/// Tokens decompressed per scoring call of the exhaustive search: bounds its memory.
+const CHUNK_TOKENS: usize = 1 << 18;
+
+/// The file of deleted document ids (this crate's; fast-plaid does not read it).
+pub(crate) const DELETED: &str = "deleted.json";
+
+/// A fast-plaid / ColBERTv2 index in device memory.
+#[derive(Clone, Debug)]
+pub struct PlaidIndex {
+    pub(crate) dir: PathBuf,
+    /// Centroids (dtype as stored: F16 for fast-plaid), bucket weights, nbits, [`BitOrder::ColBert`].
+    pub codec: ResidualCodec,
+    /// `[T]` U32 centroid code of every token, documents back to back.
+    pub codes: Tensor,
+    /// `[T, dim·nbits/8]` U8 packed residuals.
+    pub residuals: Tensor,
+    /// `[2^nbits − 1]` bucket boundaries, if the index has them (needed to compress new documents).
+    pub bucket_cutoffs: Option<Tensor>,
+    /// `[dim]` mean absolute residual, if the index has it.
+    pub avg_residual: Option<Tensor>,
+    /// Document `i` is tokens `offsets[i]..offsets[i + 1]`.
+    pub(crate) offsets: Vec<u32>,
+    /// `[Nd + 1]` U32, the offsets on the device.
+    pub(crate) cu: Tensor,
+    pub(crate) max_len: usize,
+    /// The inverted file: `[E]` U32 document ids and `[C + 1]` U32 offsets
+    /// of each centroid's list; `None` for an index without one (fast-plaid's `compress_only`).
+    pub(crate) ivf: Option<(Tensor, Tensor)>,
+    /// Deleted document ids, ascending.
+    pub(crate) deleted: Vec<u32>,
+    /// `[1, ⌈Nd/32⌉]` U32 bitmap of the live documents, when some are deleted.
+    pub(crate) live: Option<Tensor>,
+}
+
+/// One of the two per-token arrays (`codes` or `residuals`), chunk by chunk.
+struct Payload<'a> {
+    dir: &'a Path,
+    suffix: &'static str,
+    /// The merged file and the row offset of each chunk in it, read on first use.
+    merged: Option<(MappedNpy, Vec<usize>)>,
+}
+
+impl Payload<'_> {
+    /// Rows of chunk `i` (`rows` of them, from its doclens) on `device`: the
+    /// chunk file if there is one (fast-plaid writes these first and they
+    /// win), else the merged file.
+    fn chunk(&mut self, i: usize, rows: usize, chunk_rows: &[usize], device: &Device) -> Result<(Tensor, PathBuf)> {
+        let path = self.dir.join(format!("{i}.{}.npy", self.suffix));
+        if path.exists() {
+            let f = MappedNpy::open(&path)?;
+            if f.shape.first() != Some(&rows) {
+                bail!("dir: {} has shape {:?}, but doclens.{i}.json sums to {rows} tokens", path.display(), f.shape)
+            }
+            return Ok((f.tensor(device)?, path));
+        }
+        let merged = self.dir.join(format!("merged_{}.npy", self.suffix));
+        if !merged.exists() {
+            bail!("dir: neither {} nor {} exists", path.display(), merged.display())
+        }
+        if self.merged.is_none() {
+            let offsets = self.merged_offsets(chunk_rows)?;
+            self.merged = Some((MappedNpy::open(&merged)?, offsets));
+        }
+        let (all, offsets) = self.merged.as_ref().unwrap();
+        let have = all.shape.first().copied().unwrap_or(0);
+        if offsets[i] + rows > have {
+            bail!("dir: {} has {have} rows, chunk {i} needs {}..{}", merged.display(), offsets[i], offsets[i] + rows)
+        }
+        Ok((all.rows(offsets[i], offsets[i] + rows, device)?, merged))
+    }
+
+    /// Row offset of each chunk in the merged file: from the manifest's row
+    /// counts when there is one, else from the document lengths.
+    fn merged_offsets(&self, chunk_rows: &[usize]) -> Result<Vec<usize>> {
+        let path = self.dir.join(format!("merged_{}.manifest.json", self.suffix));
+        let manifest = if path.exists() { Some(read_json(&path)?) } else { None };
+        let mut offsets = Vec::with_capacity(chunk_rows.len());
+        let mut at = 0;
+        for (i, &rows) in chunk_rows.iter().enumerate() {
+            offsets.push(at);
+            at += match &manifest {
+                Some(m) => match m.get(format!("{i}.{}.npy", self.suffix)) {
+                    Some(entry) => json_usize(entry, "rows", &path)?.unwrap_or(0),
+                    None => 0,
+                },
+                None => rows,
+            };
+        }
+        Ok(offsets)
+    }
+}
+
+/// The largest and smallest value of an integer tensor, on its device.
+fn int_range(t: &Tensor) -> Result<(i64, i64)> {
+    let t = t.to_dtype(DType::I64)?;
+    Ok((t.min(0)?.to_scalar::<i64>()?, t.max(0)?.to_scalar::<i64>()?))
+}
+
+impl PlaidIndex {
+    /// Opens the index directory `dir` on `device`. The layout is
+    /// fast-plaid's, per-chunk (`{i}.codes.npy`, `{i}.residuals.npy`) or
+    /// merged (`merged_*.npy`, fast-plaid ≥ 1.7); the large arrays are
+    /// memory-mapped and copied to the device without a copy in RAM first
+    /// (on the CPU the tensors themselves are the one copy). Every file is
+    /// validated against the others (shapes, chunk sizes, code and id
+    /// ranges); a missing, truncated or inconsistent file is an `Err` naming it.
+    pub fn load(dir: impl AsRef<Path>, device: &Device) -> Result<Self> {
+        let dir = dir.as_ref();
+        let meta_path = dir.join("metadata.json");
+        let meta = read_json(&meta_path)?;
+        let Some(n_chunks) = json_usize(&meta, "num_chunks", &meta_path)? else {
+            bail!("dir: {} has no `num_chunks`", meta_path.display())
+        };
+        let Some(nbits) = json_usize(&meta, "nbits", &meta_path)? else {
+            bail!("dir: {} has no `nbits`", meta_path.display())
+        };
+        let cpath = dir.join("centroids.npy");
+        let cf = MappedNpy::open(&cpath)?;
+        npy::expect(&cpath, &cf, &[DType::F16, DType::F32, DType::F64], 2)?;
+        let (n_c, dim) = (cf.shape[0], cf.shape[1]);
+        let codec = ResidualCodec {
+            centroids: cf.tensor(device)?,
+            bucket_weights: npy::read(&dir.join("bucket_weights.npy"), device)?,
+            nbits,
+            bit_order: BitOrder::ColBert,
+        };
+        codec.check(dim).map_err(|e| Error::Msg(format!("dir: {}: {e}", dir.display())))?;
+
+        let mut lens: Vec<usize> = Vec::new();
+        let mut chunk_rows = Vec::with_capacity(n_chunks);
+        for i in 0..n_chunks {
+            let path = dir.join(format!("doclens.{i}.json"));
+            let chunk: Vec<usize> = serde_json::from_value(read_json(&path)?)
+                .map_err(|e| Error::Msg(format!("dir: {} must be a list of document lengths: {e}", path.display())))?;
+            chunk_rows.push(chunk.iter().sum());
+            lens.extend(chunk);
+        }
+        let total: usize = chunk_rows.iter().sum();
+        if total >= u32::MAX as usize || lens.len() >= u32::MAX as usize / 2 {
+            bail!("dir: {total} tokens exceed the 32-bit offsets of the residual kernels")
+        }
+        for (key, have) in [("num_documents", lens.len()), ("num_embeddings", total)] {
+            if let Some(want) = json_usize(&meta, key, &meta_path)? {
+                if want != have {
+                    bail!("dir: metadata.json says {key} = {want}, the doclens files hold {have}")
+                }
+            }
+        }
+
+        let width = codec.residual_width(dim);
+        let mut codes_p = Payload { dir, suffix: "codes", merged: None };
+        let mut res_p = Payload { dir, suffix: "residuals", merged: None };
+        let (mut codes, mut residuals) = (Vec::with_capacity(n_chunks), Vec::with_capacity(n_chunks));
+        for (i, &rows) in chunk_rows.iter().enumerate() {
+            let (c, path) = codes_p.chunk(i, rows, &chunk_rows, device)?;
+            if c.rank() != 1 || !matches!(c.dtype(), DType::I64 | DType::I32 | DType::U32) {
+                bail!(
+                    "dir: {} (chunk {i}) must hold integer codes [T], got {:?} {:?}",
+                    path.display(),
+                    c.dtype(),
+                    c.dims()
+                )
+            }
+            if rows > 0 {
+                let (lo, hi) = int_range(&c)?;
+                if lo < 0 || hi >= n_c as i64 {
+                    bail!(
+                        "dir: {} (chunk {i}) codes range over [{lo}, {hi}], out of range for {n_c} centroids",
+                        path.display()
+                    )
+                }
+            }
+            let (r, path) = res_p.chunk(i, rows, &chunk_rows, device)?;
+            if r.dtype() != DType::U8 || r.dims() != [rows, width] {
+                bail!(
+                    "dir: {} (chunk {i}) must hold U8 [{rows}, {width}] residuals (dim·nbits/8), got {:?} {:?}",
+                    path.display(),
+                    r.dtype(),
+                    r.dims()
+                )
+            }
+            codes.push(c.to_dtype(DType::U32)?);
+            residuals.push(r);
+        }
+        let (codes, residuals) = match total {
+            0 => (empty(&[0], DType::U32, device)?, empty(&[0, width], DType::U8, device)?),
+            _ => (Tensor::cat(&codes, 0)?, Tensor::cat(&residuals, 0)?),
+        };
+        let mut offsets = Vec::with_capacity(lens.len() + 1);
+        offsets.push(0u32);
+        for l in &lens {
+            offsets.push(offsets.last().unwrap() + *l as u32);
+        }
+        let n_docs = lens.len();
+        let ivf = Self::load_ivf(dir, n_c, n_docs, device)?;
+        let deleted = Self::load_deleted(dir, n_docs)?;
+        let optional = |name: &str| -> Result<Option<Tensor>> {
+            let p = dir.join(name);
+            if p.exists() {
+                Ok(Some(npy::read(&p, device)?))
+            } else {
+                Ok(None)
+            }
+        };
+        let mut index = PlaidIndex {
+            dir: dir.to_path_buf(),
+            codec,
+            codes,
+            residuals,
+            bucket_cutoffs: optional("bucket_cutoffs.npy")?,
+            avg_residual: optional("avg_residual.npy")?,
+            cu: Tensor::new(offsets.as_slice(), device)?,
+            max_len: lens.iter().copied().max().unwrap_or(0),
+            offsets,
+            ivf,
+            deleted: Vec::new(),
+            live: None,
+        };
+        index.set_deleted(deleted)?;
+        Ok(index)
+    }
+
+    /// `ivf.npy` and `ivf_lengths.npy` as U32 ids and offsets, checked; `None` without them.
+    fn load_ivf(dir: &Path, n_c: usize, n_docs: usize, device: &Device) -> Result<Option<(Tensor, Tensor)>> {
+        let (ip, lp) = (dir.join("ivf.npy"), dir.join("ivf_lengths.npy"));
+        if !ip.exists() && !lp.exists() {
+            return Ok(None);
+        }
+        let (ivf, lens) = (MappedNpy::open(&ip)?, MappedNpy::open(&lp)?);
+        npy::expect(&ip, &ivf, &[DType::I64, DType::I32, DType::U32], 1)?;
+        npy::expect(&lp, &lens, &[DType::I64, DType::I32, DType::U32], 1)?;
+        let lengths: Vec<i64> = lens.tensor(&Device::Cpu)?.to_dtype(DType::I64)?.to_vec1()?;
+        // fast-plaid may write more lengths than centroids (trailing zeros).
+        if lengths.len() < n_c || lengths[n_c..].iter().any(|&l| l != 0) || lengths.iter().any(|&l| l < 0) {
+            bail!(
+                "dir: {} must hold {n_c} non-negative list lengths (then only zeros), got {}",
+                lp.display(),
+                lengths.len()
+            )
+        }
+        let mut off = Vec::with_capacity(n_c + 1);
+        off.push(0u64);
+        for &l in &lengths[..n_c] {
+            off.push(off.last().unwrap() + l as u64);
+        }
+        let e = ivf.shape[0];
+        if *off.last().unwrap() != e as u64 || e >= u32::MAX as usize {
+            bail!("dir: {} has {e} entries, {} says {}", ip.display(), lp.display(), off.last().unwrap())
+        }
+        let ids = ivf.tensor(device)?;
+        if e > 0 {
+            let (lo, hi) = int_range(&ids)?;
+            if lo < 0 || hi >= n_docs as i64 {
+                bail!("dir: {} holds document ids in [{lo}, {hi}], out of range for {n_docs} documents", ip.display())
+            }
+        }
+        let off: Vec<u32> = off.into_iter().map(|o| o as u32).collect();
+        Ok(Some((ids.to_dtype(DType::U32)?, Tensor::new(off.as_slice(), device)?)))
+    }
+
+    fn load_deleted(dir: &Path, n_docs: usize) -> Result<Vec<u32>> {
+        let path = dir.join(DELETED);
+        if !path.exists() {
+            return Ok(Vec::new());
+        }
+        let v = read_json(&path)?;
+        let ids: Vec<u32> = serde_json::from_value(v["deleted"].clone()).map_err(|e| {
+            Error::Msg(format!("dir: {}: `deleted` must be a list of document ids: {e}", path.display()))
+        })?;
+        if let Some(&d) = ids.iter().find(|&&d| d as usize >= n_docs) {
+            bail!("dir: {}: deleted id {d} is out of range for {n_docs} documents", path.display())
+        }
+        Ok(ids)
+    }
+
+    /// Records `deleted` (any order, repeats allowed) and builds the live-document mask.
+    pub(crate) fn set_deleted(&mut self, mut deleted: Vec<u32>) -> Result<()> {
+        deleted.sort_unstable();
+        deleted.dedup();
+        self.live = if deleted.is_empty() {
+            None
+        } else {
+            let n = self.num_documents();
+            let mut bits: Vec<u32> =
+                (0..n.div_ceil(32)).map(|w| if (w + 1) * 32 <= n { !0 } else { (1u32 << (n % 32)) - 1 }).collect();
+            for &d in &deleted {
+                bits[d as usize / 32] &= !(1 << (d % 32));
+            }
+            let w = bits.len();
+            Some(Tensor::from_vec(bits, (1, w), self.device())?)
+        };
+        self.deleted = deleted;
+        Ok(())
+    }
+
+    /// The index directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Number of documents (deleted ones included: ids are stable).
+    pub fn num_documents(&self) -> usize {
+        self.offsets.len() - 1
+    }
+
+    /// The deleted document ids, ascending.
+    pub fn deleted(&self) -> &[u32] {
+        &self.deleted
+    }
+
+    /// The device the index was loaded on.
+    pub fn device(&self) -> &Device {
+        self.codes.device()
+    }
+
+    /// Embedding dimension.
+    pub fn dim(&self) -> usize {
+        self.codec.centroids.dims()[1]
+    }
+
+    /// Number of centroids.
+    pub fn num_centroids(&self) -> usize {
+        self.codec.centroids.dims()[0]
+    }
+
+    /// Token count of each document.
+    pub fn doc_lens(&self) -> Vec<u32> {
+        self.offsets.windows(2).map(|w| w[1] - w[0]).collect()
+    }
+
+    /// The decompressed, L2-normalized tokens of document `doc`, `[len, dim]`
+    /// F32: what fast-plaid's `get_embeddings` returns.
+    pub fn embeddings(&self, doc: usize) -> Result<Tensor> {
+        if doc >= self.num_documents() {
+            bail!("doc: {doc} is out of range for {} documents", self.num_documents())
+        }
+        let (a, b) = (self.offsets[doc] as usize, self.offsets[doc + 1] as usize);
+        let d = self.codec.decompress(&self.codes.narrow(0, a, b - a)?, &self.residuals.narrow(0, a, b - a)?)?;
+        l2_normalize(&d)
+    }
+
+    /// Exhaustive exact search: the top-`k` documents for each query
+    /// `q [Nq, Lq, dim]`, best first: `(scores [Nq, k'] F32, document ids
+    /// [Nq, k'] U32)` with k' = min(k, number of candidates). Candidates are
+    /// all live documents, or the ids in `subset` (duplicates ignored).
+    /// Scores are [`maxsim_residual_varlen`] with `normalize: true`:
+    /// documents are decompressed and L2-normalized as fast-plaid does, and
+    /// so are the query tokens (ColBERT query embeddings already are unit
+    /// vectors). Equal scores keep the lower document id first. Documents are
+    /// scored a bounded number of tokens at a time.
+    pub fn search_exact(&self, q: &Tensor, k: usize, subset: Option<&[u32]>) -> Result<(Tensor, Tensor)> {
+        if k == 0 {
+            bail!("k: must be at least 1")
+        }
+        self.check_queries(q)?;
+        let n = self.num_documents();
+        let ids: Vec<u32> = match subset {
+            None => (0..n as u32).collect(),
+            Some(s) => {
+                if let Some((i, &d)) = s.iter().enumerate().find(|(_, &d)| d as usize >= n) {
+                    bail!("subset: subset[{i}] = {d} is out of range for {n} documents")
+                }
+                let mut s = s.to_vec();
+                s.sort_unstable();
+                s.dedup();
+                s
+            }
+        };
+        let ids: Vec<u32> = ids.into_iter().filter(|d| self.deleted.binary_search(d).is_err()).collect();
+        let mut top = TopK::new(q.dim(0)?, k.min(ids.len()));
+        let mut start = 0;
+        while start < ids.len() {
+            // Whole documents up to CHUNK_TOKENS tokens (at least one document).
+            let mut end = start + 1;
+            let mut tokens = self.len(ids[start]);
+            while end < ids.len() && tokens + self.len(ids[end]) <= CHUNK_TOKENS {
+                tokens += self.len(ids[end]);
+                end += 1;
+            }
+            let chunk = &ids[start..end];
+            let scores = self.score_docs(q, chunk)?;
+            top.push(&scores, |j| chunk[j])?;
+            start = end;
+        }
+        top.finish(q.device())
+    }
+
+    /// `Err` unless `q` is float `[Nq, Lq, dim]` on the index's device.
+    pub(crate) fn check_queries(&self, q: &Tensor) -> Result<()> {
+        if q.rank() != 3 || q.dim(2)? != self.dim() || !q.dtype().is_float() {
+            bail!("q: expected float [Nq, Lq, {}] queries, got {:?} {:?}", self.dim(), q.dtype(), q.dims())
+        }
+        if !q.device().same_device(self.device()) {
+            bail!("q: is on {:?} but the index is on {:?}", q.device(), self.device())
+        }
+        Ok(())
+    }
+
+    pub(crate) fn len(&self, doc: u32) -> usize {
+        (self.offsets[doc as usize + 1] - self.offsets[doc as usize]) as usize
+    }
+
+    /// Exact scores `[Nq, docs.len()]` of the documents `docs`.
+    fn score_docs(&self, q: &Tensor, docs: &[u32]) -> Result<Tensor> {
+        let mut cu = Vec::with_capacity(docs.len() + 1);
+        cu.push(0u32);
+        let mut max_len = 0;
+        for &d in docs {
+            max_len = max_len.max(self.len(d));
+            cu.push(cu.last().unwrap() + self.len(d) as u32);
+        }
+        let consecutive = docs.windows(2).all(|w| w[1] == w[0] + 1);
+        let (codes, residuals) = match docs.first() {
+            // A run of consecutive documents is a view; anything else is gathered.
+            Some(&first) if consecutive => {
+                let a = self.offsets[first as usize] as usize;
+                let t = *cu.last().unwrap() as usize;
+                (self.codes.narrow(0, a, t)?, self.residuals.narrow(0, a, t)?)
+            }
+            _ => {
+                let rows: Vec<u32> =
+                    docs.iter().flat_map(|&d| self.offsets[d as usize]..self.offsets[d as usize + 1]).collect();
+                let n_rows = rows.len();
+                if n_rows == 0 {
+                    (self.codes.narrow(0, 0, 0)?, self.residuals.narrow(0, 0, 0)?)
+                } else {
+                    let rows = Tensor::from_vec(rows, n_rows, self.device())?;
+                    (self.codes.index_select(&rows, 0)?, self.residuals.index_select(&rows, 0)?)
+                }
+            }
+        };
+        let cu = Tensor::from_vec(cu, docs.len() + 1, self.device())?;
+        maxsim_residual_varlen(q, &codes, &residuals, &cu, max_len, &self.codec, true)
+    }
+}
+
+/// A `[0, ..]` tensor on `device` (a zero-size view: CUDA allocates no empty buffer).
+pub(crate) fn empty(dims: &[usize], dtype: DType, device: &Device) -> Result<Tensor> {
+    let mut one = dims.to_vec();
+    one[0] = 1;
+    Tensor::zeros(one, dtype, device)?.narrow(0, 0, 0)
+}

@@ -1,0 +1,135 @@
+//! `.npy` files: the header parsed by hand so that a file's data can be
+//! memory-mapped and handed to a device without a copy in RAM first, and
+//! writing through candle (numpy format 1.0, as numpy and fast-plaid read).
+
+use candle_core::{bail, DType, Device, Error, Result, Tensor};
+use memmap2::Mmap;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+/// A memory-mapped `.npy` file: its dtype, shape, and the mapped data.
+pub(crate) struct MappedNpy {
+    pub path: PathBuf,
+    pub dtype: DType,
+    pub shape: Vec<usize>,
+    map: Mmap,
+    offset: usize,
+}
+
+fn err(path: &Path, what: impl std::fmt::Display) -> Error {
+    Error::Msg(format!("dir: {}: {what}", path.display()))
+}
+
+impl MappedNpy {
+    /// Maps `path` and parses its header (little-endian, C order, the dtypes
+    /// an index holds); the data must be as long as the shape says.
+    pub fn open(path: &Path) -> Result<Self> {
+        let file = File::open(path).map_err(|e| err(path, format!("cannot open: {e}")))?;
+        // SAFETY: read-only mapping; an index's files are not modified while
+        // it is open (updates write new files and rename them into place).
+        let map = unsafe { Mmap::map(&file) }.map_err(|e| err(path, format!("cannot map: {e}")))?;
+        if map.len() < 10 || &map[..6] != b"\x93NUMPY" {
+            return Err(err(path, "not an .npy file (bad magic)"));
+        }
+        let (hlen, start) = match map[6] {
+            1 => (u16::from_le_bytes([map[8], map[9]]) as usize, 10),
+            2 | 3 if map.len() >= 12 => (u32::from_le_bytes([map[8], map[9], map[10], map[11]]) as usize, 12),
+            v => return Err(err(path, format!("unsupported .npy version {v}"))),
+        };
+        let header = map.get(start..start + hlen).ok_or_else(|| err(path, "truncated header"))?;
+        let header = std::str::from_utf8(header).map_err(|_| err(path, "header is not text"))?;
+        let field = |key: &str| -> Result<&str> {
+            let at = header.find(&format!("'{key}'")).ok_or_else(|| err(path, format!("header has no '{key}'")))?;
+            let rest = header[at + key.len() + 2..].trim_start();
+            Ok(rest.strip_prefix(':').ok_or_else(|| err(path, format!("bad '{key}' entry")))?.trim_start())
+        };
+        let descr = field("descr")?;
+        let descr = descr.split(['\'', '"']).nth(1).ok_or_else(|| err(path, "bad 'descr'"))?;
+        let dtype = match descr {
+            "<f2" => DType::F16,
+            "<f4" => DType::F32,
+            "<f8" => DType::F64,
+            "<i8" => DType::I64,
+            "<i4" => DType::I32,
+            "<u4" => DType::U32,
+            "|u1" | "<u1" => DType::U8,
+            d => return Err(err(path, format!("unsupported dtype {d}"))),
+        };
+        if field("fortran_order")?.starts_with("True") {
+            return Err(err(path, "Fortran order is not supported"));
+        }
+        let shape = field("shape")?;
+        let shape =
+            shape.strip_prefix('(').and_then(|s| s.split(')').next()).ok_or_else(|| err(path, "bad 'shape'"))?;
+        let shape: Vec<usize> = shape
+            .split(',')
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+            .map(|s| s.trim_end_matches('L').parse::<usize>().map_err(|_| err(path, format!("bad dimension {s:?}"))))
+            .collect::<Result<_>>()?;
+        let offset = start + hlen;
+        let want = shape.iter().product::<usize>() * dtype.size_in_bytes();
+        if map.len() < offset + want {
+            return Err(err(
+                path,
+                format!("truncated: {} data bytes for shape {shape:?}, {want} expected", map.len() - offset),
+            ));
+        }
+        Ok(Self { path: path.to_path_buf(), dtype, shape, map, offset })
+    }
+
+    /// Rows `a..b` of the first axis as a tensor on `device` (CUDA: copied
+    /// from the mapping to the device, no intermediate buffer).
+    pub fn rows(&self, a: usize, b: usize, device: &Device) -> Result<Tensor> {
+        let rows = self.shape.first().copied().unwrap_or(1);
+        if a > b || b > rows {
+            return Err(err(&self.path, format!("rows {a}..{b} of {rows}")));
+        }
+        let row_elems: usize = self.shape.iter().skip(1).product();
+        let es = self.dtype.size_in_bytes();
+        let mut shape = self.shape.clone();
+        if shape.is_empty() {
+            shape.push(1);
+        }
+        shape[0] = b - a;
+        if a == b {
+            // A zero-size view (CUDA allocates no empty buffer).
+            shape[0] = 1;
+            return Tensor::zeros(shape, self.dtype, device)?.narrow(0, 0, 0);
+        }
+        let bytes = &self.map[self.offset + a * row_elems * es..self.offset + b * row_elems * es];
+        Tensor::from_raw_buffer(bytes, self.dtype, &shape, device)
+    }
+
+    /// The whole array on `device`.
+    pub fn tensor(&self, device: &Device) -> Result<Tensor> {
+        if self.shape.is_empty() {
+            return Tensor::from_raw_buffer(
+                &self.map[self.offset..self.offset + self.dtype.size_in_bytes()],
+                self.dtype,
+                &[],
+                device,
+            );
+        }
+        self.rows(0, self.shape[0], device)
+    }
+}
+
+/// Reads a small `.npy` file into a tensor on `device`.
+pub(crate) fn read(path: &Path, device: &Device) -> Result<Tensor> {
+    MappedNpy::open(path)?.tensor(device)
+}
+
+/// Writes `t` to `path` (numpy format 1.0), via a host copy.
+pub(crate) fn write(path: &Path, t: &Tensor) -> Result<()> {
+    let t = t.to_device(&Device::Cpu)?.contiguous()?;
+    t.write_npy(path).map_err(|e| Error::Msg(format!("dir: cannot write {}: {e}", path.display())))
+}
+
+/// `Err` unless `t` has `dtype` and, where given, `shape`.
+pub(crate) fn expect(path: &Path, t: &MappedNpy, dtypes: &[DType], rank: usize) -> Result<()> {
+    if !dtypes.contains(&t.dtype) || t.shape.len() != rank {
+        bail!("dir: {} must be a rank-{rank} array of {dtypes:?}, got {:?} {:?}", path.display(), t.dtype, t.shape)
+    }
+    Ok(())
+}

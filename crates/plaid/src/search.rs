@@ -1,0 +1,248 @@
+//! The PLAID search pipeline, on the index's device for a batch of queries
+//! at a time, with no host round trip but the final top-k:
+//!
+//! 1. query-centroid scores, `centroids · Qᵀ` (a `[C, Nq·Lq]` table for the
+//!    approximate scores, `Q · centroidsᵀ` rows for probing);
+//! 2. per query token, the `n_ivf_probe` best centroids ([`topk_rows`]);
+//! 3. their inverted lists, the query's candidates ([`plaid_candidates`]),
+//!    less the deleted documents and those outside the subset;
+//! 4. the centroid-only approximate score of every candidate
+//!    ([`plaid_approx_candidates`]), centroids below the optional
+//!    `centroid_score_threshold` pruned; the best `n_full_scores / 4` kept;
+//! 5. exact scores of those from their compressed residuals
+//!    ([`maxsim_residual_pairs`]), and the `top_k` best.
+//!
+//! Parameter names, defaults and the candidate cut are fast-plaid 1.7's: it
+//! too decompresses only the best quarter of its `n_full_scores` candidates.
+
+use crate::index::PlaidIndex;
+use candle_core::{bail, DType, Device, Result, Tensor};
+use candle_maxsim::{
+    maxsim_residual_pairs, plaid_approx_candidates, plaid_candidates, topk_rows, NO_CENTROID, NO_DOCUMENT, TOPK_MAX_K,
+};
+
+/// Parameters of [`PlaidIndex::search`] (fast-plaid's names and defaults).
+#[derive(Clone, Debug, PartialEq)]
+pub struct SearchParams {
+    /// Results per query.
+    pub top_k: usize,
+    /// Centroids probed per query token.
+    pub n_ivf_probe: usize,
+    /// Candidates kept by approximate score; the best quarter of them is
+    /// scored exactly (at most [`TOPK_MAX_K`]).
+    pub n_full_scores: usize,
+    /// PLAID's centroid pruning: a centroid whose best score against the
+    /// query's tokens is below this does not count in approximate scores
+    /// (`None`, the default as in fast-plaid: no pruning).
+    pub centroid_score_threshold: Option<f32>,
+    /// Queries per device batch (0: as many as fit in a memory budget).
+    pub batch_size: usize,
+}
+
+impl Default for SearchParams {
+    fn default() -> Self {
+        Self { top_k: 10, n_ivf_probe: 8, n_full_scores: 4096, centroid_score_threshold: None, batch_size: 0 }
+    }
+}
+
+/// Documents a search may return.
+#[derive(Clone, Copy, Debug)]
+pub enum Subset<'a> {
+    /// The same ids for every query.
+    Shared(&'a [u32]),
+    /// One list of ids per query.
+    PerQuery(&'a [Vec<u32>]),
+}
+
+/// Per query, its results: `(document id, score)`, best first (equal scores:
+/// lower id first); fewer than `top_k` when there are fewer candidates.
+pub type SearchResults = Vec<Vec<(u32, f32)>>;
+
+/// Device memory one batch may take for its query-centroid tables (two
+/// `[C, Lq]` F32 tables per query).
+const BATCH_BYTES: usize = 1 << 30;
+
+impl PlaidIndex {
+    /// PLAID search of the queries `q [Nq, Lq, dim]` (rows of zeros are
+    /// padding: they are not probed and add nothing); see the [module
+    /// docs](self). Queries are scored as fast-plaid scores them: the exact
+    /// score of a document is MaxSim against its decompressed, L2-normalized
+    /// tokens (queries are normalized too; ColBERT queries already are unit
+    /// vectors). `Lq` may be at most 64.
+    pub fn search(&self, q: &Tensor, params: &SearchParams, subset: Option<Subset>) -> Result<SearchResults> {
+        self.check_queries(q)?;
+        let (nq, lq, _) = q.dims3()?;
+        if params.top_k == 0 || params.n_ivf_probe == 0 || params.n_full_scores == 0 {
+            bail!("params: top_k, n_ivf_probe and n_full_scores must be at least 1, got {params:?}")
+        }
+        if lq > 64 {
+            bail!("q: at most 64 tokens per query, got {lq}")
+        }
+        if self.ivf.is_none() {
+            bail!("dir: {} has no inverted file (ivf.npy): use search_exact", self.dir.display())
+        }
+        if let Some(Subset::PerQuery(s)) = subset {
+            if s.len() != nq {
+                bail!("subset: {} lists for {nq} queries", s.len())
+            }
+        }
+        let n_c = self.num_centroids();
+        let lqp = lq.div_ceil(4) * 4;
+        let per_query = 2 * n_c * lqp * 4 + self.num_documents() * 8;
+        let batch = match params.batch_size {
+            0 => (BATCH_BYTES / per_query.max(1)).clamp(1, 1024),
+            b => b,
+        };
+        let mut out = Vec::with_capacity(nq);
+        for start in (0..nq).step_by(batch) {
+            let n = batch.min(nq - start);
+            let sub = match subset {
+                Some(Subset::PerQuery(s)) => Some(Subset::PerQuery(&s[start..start + n])),
+                s => s,
+            };
+            out.extend(self.search_batch(&q.narrow(0, start, n)?, params, sub)?);
+        }
+        Ok(out)
+    }
+
+    fn search_batch(&self, q: &Tensor, params: &SearchParams, subset: Option<Subset>) -> Result<SearchResults> {
+        let (nq, lq, dim) = q.dims3()?;
+        let dev = self.device();
+        let (ivf, ivf_off) = self.ivf.as_ref().expect("checked by search");
+        let n_c = self.num_centroids();
+        let nd = self.num_documents();
+        // Queries padded to a multiple of 4 tokens with zero rows (they add 0).
+        let lqp = lq.div_ceil(4) * 4;
+        let q = if lqp > lq {
+            Tensor::cat(&[q, &Tensor::zeros((nq, lqp - lq, dim), q.dtype(), dev)?], 1)?
+        } else {
+            q.clone()
+        };
+        let m = nq * lqp;
+        // 1. Query-centroid scores in the centroids' dtype (F16: as fast-plaid), then F32.
+        let cents = &self.codec.centroids;
+        let qf = q.reshape((m, dim))?.to_dtype(cents.dtype())?;
+        let qcs = cents.matmul(&qf.t()?)?.to_dtype(DType::F32)?; // [C, M]
+        let probe_scores = qf.matmul(&cents.t()?)?.to_dtype(DType::F32)?; // [M, C]
+                                                                          // Centroids a subset's documents do not use are never probed (fast-plaid's subset rule).
+        let allowed = self.allowed(subset, nq)?;
+        let probe_scores = match &allowed {
+            Some(a) => self.mask_probes(&probe_scores, a, nq, lqp)?,
+            None => probe_scores,
+        };
+        let qcs = match params.centroid_score_threshold {
+            Some(t) => prune(&qcs, nq, lqp, t)?,
+            None => qcs,
+        };
+        // 2. The probed centroids of every real token (zero rows and -inf scores: none).
+        let (pv, probes) = topk_rows(&probe_scores, params.n_ivf_probe.min(n_c))?;
+        let real = q.reshape((m, dim))?.abs()?.to_dtype(DType::F32)?.max_keepdim(1)?.gt(0f64)?; // [M, 1]
+        let keep = real.broadcast_as(probes.shape())?.mul(&pv.gt(f64::NEG_INFINITY)?)?;
+        let none = Tensor::full(NO_CENTROID, probes.shape(), dev)?;
+        let probes = keep.where_cond(&probes, &none)?.reshape((nq, lqp * params.n_ivf_probe.min(n_c)))?;
+        // 3-4. Candidates and their approximate scores.
+        let cand = plaid_candidates(&probes, ivf, ivf_off, nd)?;
+        let mask = match (&allowed, &self.live) {
+            (Some(Allowed { docs, .. }), _) => Some(docs.clone()),
+            (None, Some(live)) => Some(live.clone()),
+            (None, None) => None,
+        };
+        let approx = plaid_approx_candidates(&qcs, lqp, &self.codes, &self.cu, &cand, mask.as_ref())?;
+        let k1 = (params.n_full_scores / 4).clamp(1, TOPK_MAX_K).min(nd.max(1));
+        let (av, ai) = topk_rows(&approx, k1)?;
+        let none = Tensor::full(NO_DOCUMENT, ai.shape(), dev)?;
+        let ai = av.gt(f64::NEG_INFINITY)?.where_cond(&ai, &none)?;
+        // 5. Exact scores of those, and the best top_k.
+        let pair_q = Tensor::arange(0u32, nq as u32, dev)?.unsqueeze(1)?.broadcast_as((nq, k1))?.contiguous()?;
+        let exact = maxsim_residual_pairs(
+            &q,
+            &self.codes,
+            &self.residuals,
+            &self.cu,
+            self.max_len,
+            &pair_q.flatten_all()?,
+            &ai.flatten_all()?,
+            &self.codec,
+            true,
+        )?
+        .reshape((nq, k1))?;
+        let (ev, ei) = topk_rows(&exact, params.top_k.min(k1))?;
+        let ids = ai.gather(&ei.contiguous()?, 1)?;
+        // The one host copy: the final top-k.
+        let (ev, ids): (Vec<Vec<f32>>, Vec<Vec<u32>>) = (ev.to_vec2()?, ids.to_vec2()?);
+        Ok(ev
+            .into_iter()
+            .zip(ids)
+            .map(|(s, i)| i.into_iter().zip(s).filter(|&(d, s)| d != NO_DOCUMENT && s > f32::NEG_INFINITY).collect())
+            .collect())
+    }
+
+    /// The documents each query may return (subset, less the deleted), and
+    /// the centroids those documents use; `None`: every live document.
+    fn allowed(&self, subset: Option<Subset>, nq: usize) -> Result<Option<Allowed>> {
+        let Some(subset) = subset else { return Ok(None) };
+        let nd = self.num_documents();
+        let lists: Vec<&[u32]> = match subset {
+            Subset::Shared(s) => vec![s],
+            Subset::PerQuery(s) => s.iter().map(Vec::as_slice).collect(),
+        };
+        let words = nd.div_ceil(32);
+        let codes = self.host_codes()?;
+        let n_c = self.num_centroids();
+        let (mut docs, mut cents) = (vec![0u32; lists.len() * words], vec![0u8; lists.len() * n_c]);
+        for (i, list) in lists.iter().enumerate() {
+            for (p, &d) in list.iter().enumerate() {
+                if d as usize >= nd {
+                    bail!("subset: entry {p} of list {i} is {d}, out of range for {nd} documents")
+                }
+                if self.deleted.binary_search(&d).is_ok() {
+                    continue;
+                }
+                docs[i * words + d as usize / 32] |= 1 << (d % 32);
+                for &c in &codes[self.offsets[d as usize] as usize..self.offsets[d as usize + 1] as usize] {
+                    cents[i * n_c + c as usize] = 1;
+                }
+            }
+        }
+        let rows = lists.len();
+        let dev = self.device();
+        let _ = nq;
+        Ok(Some(Allowed {
+            docs: Tensor::from_vec(docs, (rows, words), dev)?,
+            centroids: Tensor::from_vec(cents, (rows, n_c), dev)?,
+        }))
+    }
+
+    /// Probe scores of centroids a query's subset does not use set to -inf.
+    fn mask_probes(&self, scores: &Tensor, a: &Allowed, nq: usize, lqp: usize) -> Result<Tensor> {
+        let n_c = self.num_centroids();
+        let rows = a.centroids.dim(0)?;
+        // [rows, C] -> [Nq, Lqp, C] -> [M, C]
+        let mask = a.centroids.unsqueeze(1)?.broadcast_as((rows, lqp, n_c))?;
+        let mask = if rows == 1 { mask.broadcast_as((nq, lqp, n_c))? } else { mask };
+        let mask = mask.contiguous()?.reshape((nq * lqp, n_c))?;
+        let neg = Tensor::full(f32::NEG_INFINITY, scores.shape(), scores.device())?;
+        mask.where_cond(scores, &neg)
+    }
+
+    /// Every token's code on the host (for subset searches), read from the device.
+    fn host_codes(&self) -> Result<Vec<u32>> {
+        self.codes.to_device(&Device::Cpu)?.to_vec1()
+    }
+}
+
+/// The subset of [`PlaidIndex::allowed`]: `[1 or Nq, ⌈Nd/32⌉]` U32 document
+/// bitmaps and `[1 or Nq, C]` U8 centroid masks.
+struct Allowed {
+    docs: Tensor,
+    centroids: Tensor,
+}
+
+/// `qcs [C, Nq·Lq]` with the rows of centroids whose best score against a
+/// query's tokens is below `t` set to -inf for that query (PLAID's pruning).
+fn prune(qcs: &Tensor, nq: usize, lq: usize, t: f32) -> Result<Tensor> {
+    let n_c = qcs.dim(0)?;
+    let best = qcs.reshape((n_c, nq, lq))?.max_keepdim(2)?; // [C, Nq, 1]
+    let keep = best.ge(t as f64)?.broadcast_as((n_c, nq, lq))?.contiguous()?.reshape((n_c, nq * lq))?;
+    keep.where_cond(qcs, &Tensor::full(f32::NEG_INFINITY, qcs.shape(), qcs.device())?)
+}

@@ -1,0 +1,292 @@
+//! The PLAID engine: building an index, PLAID search against exhaustive
+//! exact search, adding and deleting documents, shards on two devices, and
+//! bad indexes and arguments. Each check runs on the CPU and, under the
+//! `cuda` feature, on the GPU.
+
+mod support;
+
+use candle_core::{DType, Device, Result, Tensor};
+use candle_maxsim_plaid::{create, IndexConfig, PackedDocuments, PlaidIndex, SearchParams, ShardedIndex, Subset};
+use candle_maxsim_testing::*;
+use support::*;
+
+/// A small clustered collection and an index of it in a fresh directory.
+struct Built {
+    dir: std::path::PathBuf,
+    x: Tensor,
+    lens: Vec<u32>,
+    index: PlaidIndex,
+}
+
+impl Drop for Built {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn build(name: &str, dev: &Device, n_docs: usize, nbits: usize) -> Result<Built> {
+    let (x, lens, _) = clustered(n_docs, 64, 40, n_docs as u64)?;
+    let dir = temp_dir(&format!("{name}_{}", dev.is_cuda()));
+    let docs = PackedDocuments::new(x.clone(), &lens)?;
+    let config = IndexConfig { nbits, n_centroids: Some(256), chunk_documents: 70, ..Default::default() };
+    let index = create(&dir, &docs, &config, dev)?;
+    Ok(Built { dir, x, lens, index })
+}
+
+/// Search parameters under which PLAID scores every document exactly.
+fn exhaustive(index: &PlaidIndex, top_k: usize) -> SearchParams {
+    SearchParams {
+        top_k,
+        n_ivf_probe: index.num_centroids(),
+        n_full_scores: 4 * index.num_documents(),
+        ..Default::default()
+    }
+}
+
+/// `search` results against `search_exact`'s: the same ids in order, scores within `tol`.
+fn assert_same(what: &str, got: &[Vec<(u32, f32)>], want: (&Tensor, &Tensor), tol: f32) -> Result<()> {
+    let (ws, wi): (Vec<Vec<f32>>, Vec<Vec<u32>>) = (want.0.to_vec2()?, want.1.to_vec2()?);
+    for (qi, g) in got.iter().enumerate() {
+        assert_eq!(g.iter().map(|r| r.0).collect::<Vec<_>>(), wi[qi], "{what}: query {qi} ids");
+        for (r, &s) in g.iter().zip(&ws[qi]) {
+            assert!((r.1 - s).abs() <= tol * s.abs().max(1.0), "{what}: query {qi}: {} vs {s}", r.1);
+        }
+    }
+    Ok(())
+}
+
+fn tol(dev: &Device) -> f32 {
+    if dev.is_cuda() {
+        1e-4
+    } else {
+        1e-5
+    }
+}
+
+/// A built index holds every document, decodes close to the input tokens,
+/// and PLAID search (default parameters) ranks each query's source
+/// document first; with every centroid probed and every candidate scored it
+/// equals the exhaustive exact search, with and without a subset.
+fn build_and_search(dev: &Device) -> Result<()> {
+    for nbits in [2, 4] {
+        let b = build(&format!("build{nbits}"), dev, 300, nbits)?;
+        let idx = &b.index;
+        assert_eq!(idx.num_documents(), 300);
+        assert_eq!(idx.doc_lens(), b.lens);
+        // Decompressed tokens are close to the originals (cosine).
+        let d0 = idx.embeddings(7)?.to_device(&Device::Cpu)?;
+        let start: usize = b.lens[..7].iter().map(|&l| l as usize).sum();
+        let orig = b.x.narrow(0, start, b.lens[7] as usize)?;
+        let cos = (d0 * &orig)?.sum(1)?.mean_all()?.to_scalar::<f32>()?;
+        let floor = if nbits == 2 { 0.85 } else { 0.93 };
+        assert!(cos > floor, "nbits {nbits}: mean cosine of decoded tokens {cos}");
+        let targets: Vec<usize> = (0..300).step_by(13).collect();
+        let q = queries_from(&b.x, &b.lens, &targets, 32, 5)?.to_device(dev)?;
+        let res = idx.search(&q, &SearchParams::default(), None)?;
+        let hits = res.iter().zip(&targets).filter(|(r, &t)| r.first().map(|x| x.0) == Some(t as u32)).count();
+        assert!(
+            hits * 10 >= targets.len() * 9,
+            "nbits {nbits}: {hits}/{} planted documents ranked first",
+            targets.len()
+        );
+        let want = idx.search_exact(&q, 10, None)?;
+        assert_same(
+            &format!("nbits {nbits} exhaustive"),
+            &idx.search(&q, &exhaustive(idx, 10), None)?,
+            (&want.0, &want.1),
+            tol(dev),
+        )?;
+        let subset: Vec<u32> = (0..300).filter(|d| d % 3 != 1).collect();
+        let want = idx.search_exact(&q, 10, Some(&subset))?;
+        let got = idx.search(&q, &exhaustive(idx, 10), Some(Subset::Shared(&subset)))?;
+        assert_same(&format!("nbits {nbits} subset"), &got, (&want.0, &want.1), tol(dev))?;
+        // Per-query subsets: each query restricted to its own target (and two others).
+        let per: Vec<Vec<u32>> = targets.iter().map(|&t| vec![t as u32, (t as u32 + 1) % 300, 299]).collect();
+        let got = idx.search(&q, &exhaustive(idx, 3), Some(Subset::PerQuery(&per)))?;
+        for (qi, g) in got.iter().enumerate() {
+            assert!(g.iter().all(|r| per[qi].contains(&r.0)), "query {qi}: results outside its subset");
+        }
+        // Small batches give the same results as one.
+        let small = SearchParams { batch_size: 3, ..exhaustive(idx, 5) };
+        let want = idx.search_exact(&q, 5, None)?;
+        assert_same("batches of 3", &idx.search(&q, &small, None)?, (&want.0, &want.1), tol(dev))?;
+    }
+    Ok(())
+}
+
+test_device!(build_and_search, build_and_search_cpu, build_and_search_cuda);
+
+/// Added documents are found under the ids after the last; deleted ones are
+/// never returned, every other id is unchanged, and both survive a reload.
+fn add_and_delete(dev: &Device) -> Result<()> {
+    let mut b = build("life", dev, 200, 4)?;
+    let (x2, lens2, _) = clustered(40, 64, 40, 999)?;
+    let added = b.index.add(&PackedDocuments::new(x2.clone(), &lens2)?, 15)?;
+    assert_eq!(added, 200..240);
+    assert_eq!(b.index.num_documents(), 240);
+    let targets: Vec<usize> = (0..40).step_by(4).collect();
+    let q = queries_from(&x2, &lens2, &targets, 32, 7)?.to_device(dev)?;
+    let res = b.index.search(&q, &SearchParams::default(), None)?;
+    let hits = res.iter().zip(&targets).filter(|(r, &t)| r.first().map(|x| x.0) == Some(200 + t as u32)).count();
+    assert!(hits * 10 >= targets.len() * 8, "{hits}/{} added documents found first", targets.len());
+    // Delete every other target, and an old document.
+    let gone: Vec<u32> = targets.iter().step_by(2).map(|&t| 200 + t as u32).chain([3]).collect();
+    let before = b.index.search_exact(&q, 20, None)?;
+    b.index.delete(&gone)?;
+    let reopened = PlaidIndex::load(&b.dir, dev)?;
+    assert_eq!(reopened.deleted(), {
+        let mut g = gone.clone();
+        g.sort_unstable();
+        g
+    });
+    for idx in [&b.index, &reopened] {
+        for r in idx.search(&q, &exhaustive(idx, 20), None)? {
+            assert!(r.iter().all(|(d, _)| !gone.contains(d)), "a deleted document was returned");
+        }
+        // The survivors keep their ids and scores: exact search minus the deleted.
+        let (s, i) = idx.search_exact(&q, 20, None)?;
+        let (bs, bi): (Vec<Vec<f32>>, Vec<Vec<u32>>) = (before.0.to_vec2()?, before.1.to_vec2()?);
+        let (s, i): (Vec<Vec<f32>>, Vec<Vec<u32>>) = (s.to_vec2()?, i.to_vec2()?);
+        for qi in 0..targets.len() {
+            let kept: Vec<(u32, f32)> =
+                bi[qi].iter().zip(&bs[qi]).filter(|(d, _)| !gone.contains(d)).map(|(&d, &s)| (d, s)).collect();
+            let n = kept.len();
+            assert_eq!(&i[qi][..n], &kept.iter().map(|k| k.0).collect::<Vec<_>>()[..], "query {qi} after delete");
+            assert!(s[qi][..n].iter().zip(&kept).all(|(a, b)| (a - b.1).abs() <= 1e-5 * b.1.abs().max(1.0)));
+        }
+    }
+    Ok(())
+}
+
+test_device!(add_and_delete, add_and_delete_cpu, add_and_delete_cuda);
+
+/// Two shards, one on `dev` and one on the CPU, search as one index with the
+/// same codec: every document scored, the merged top-k equals the exact
+/// search of the whole collection.
+fn shards_search_as_one(dev: &Device) -> Result<()> {
+    let (x, lens, _) = clustered(260, 64, 40, 11)?;
+    let dir = temp_dir(&format!("shards_{}", dev.is_cuda()));
+    let docs = PackedDocuments::new(x.clone(), &lens)?;
+    let config = IndexConfig { n_centroids: Some(128), chunk_documents: 50, ..Default::default() };
+    let sharded = ShardedIndex::create(&dir, &docs, &config, &[dev.clone(), Device::Cpu])?;
+    assert_eq!(sharded.num_documents(), 260);
+    let single = create(dir.join("single"), &docs, &config, dev)?;
+    let targets: Vec<usize> = (0..260).step_by(17).collect();
+    let q = queries_from(&x, &lens, &targets, 32, 3)?.to_device(dev)?;
+    let params = SearchParams { n_ivf_probe: 128, n_full_scores: 4 * 260, top_k: 12, ..Default::default() };
+    let got = sharded.search(&q, &params, None)?;
+    let want = single.search_exact(&q, 12, None)?;
+    assert_same("shards", &got, (&want.0, &want.1), 1e-4)?;
+    let subset: Vec<u32> = (100..200).collect();
+    let got = sharded.search(&q, &params, Some(Subset::Shared(&subset)))?;
+    let want = single.search_exact(&q, 12, Some(&subset))?;
+    assert_same("shards subset", &got, (&want.0, &want.1), 1e-4)?;
+    // Reopened with the devices swapped.
+    let reopened = ShardedIndex::load(&dir, &[Device::Cpu, dev.clone()])?;
+    let want = single.search_exact(&q, 12, None)?;
+    assert_same("reopened shards", &reopened.search(&q, &params, None)?, (&want.0, &want.1), 1e-4)?;
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(())
+}
+
+test_device!(shards_search_as_one, shards_search_as_one_cpu, shards_search_as_one_cuda);
+
+/// The fast-plaid fixture (built by the real package) searched with every
+/// centroid probed returns what its exhaustive exact search returns.
+fn fixture_plaid_search(dev: &Device) -> Result<()> {
+    for dir in ["nb2", "nb4"].into_iter().filter_map(fixture).map(|d| d.join("index")) {
+        let idx = PlaidIndex::load(&dir, dev)?;
+        let q = Tensor::read_npy(dir.parent().unwrap().join("expected/queries.npy"))?.to_device(dev)?;
+        let want = idx.search_exact(&q, 10, None)?;
+        assert_same(
+            &format!("{}", dir.display()),
+            &idx.search(&q, &exhaustive(&idx, 10), None)?,
+            (&want.0, &want.1),
+            tol(dev),
+        )?;
+        // Default parameters still find most of the exact top 10.
+        let got = idx.search(&q, &SearchParams::default(), None)?;
+        let wi: Vec<Vec<u32>> = want.1.to_vec2()?;
+        let overlap: usize = got.iter().zip(&wi).map(|(g, w)| g.iter().filter(|r| w.contains(&r.0)).count()).sum();
+        assert!(overlap * 10 >= 8 * 10 * wi.len(), "{}: {overlap} of the exact top-10 entries", dir.display());
+    }
+    Ok(())
+}
+
+test_device!(fixture_plaid_search, fixture_plaid_search_cpu, fixture_plaid_search_cuda);
+
+/// Bad arguments and damaged files: each an `Err` naming the argument or the
+/// file; a failed add leaves the index on disk as it was.
+fn engine_errors(dev: &Device) -> Result<()> {
+    let mut b = build("errors", dev, 120, 2)?;
+    let q = randn(&[2, 8, 64], DType::F32, dev)?;
+    expect_err(b.index.search(&randn(&[2, 8, 32], DType::F32, dev)?, &SearchParams::default(), None), "q");
+    expect_err(b.index.search(&randn(&[2, 70, 64], DType::F32, dev)?, &SearchParams::default(), None), "q");
+    expect_err(b.index.search(&q, &SearchParams { top_k: 0, ..Default::default() }, None), "params");
+    expect_err(b.index.search(&q, &Default::default(), Some(Subset::Shared(&[5, 500]))), "subset");
+    expect_err(b.index.search(&q, &Default::default(), Some(Subset::PerQuery(&[vec![1]]))), "subset");
+    expect_err(b.index.delete(&[120]), "ids");
+    // An add whose documents have the wrong dim fails before writing anything;
+    // one that fails halfway (a document whose embeddings cannot be read) too.
+    let before: Vec<String> = list(&b.dir);
+    let (x2, lens2, _) = clustered(10, 32, 4, 1)?;
+    expect_err(b.index.add(&PackedDocuments::new(x2, &lens2)?, 5), "docs");
+    struct Failing;
+    impl candle_maxsim_plaid::Documents for Failing {
+        fn len(&self) -> usize {
+            20
+        }
+        fn dim(&self) -> usize {
+            64
+        }
+        fn doc_len(&self, _: usize) -> usize {
+            3
+        }
+        fn embeddings(&self, ids: &[u32]) -> Result<Tensor> {
+            if ids.contains(&12) {
+                candle_core::bail!("docs: cannot read document 12")
+            }
+            Tensor::ones((3 * ids.len(), 64), DType::F32, &Device::Cpu)
+        }
+    }
+    expect_err(b.index.add(&Failing, 5), "docs");
+    assert_eq!(list(&b.dir), before, "a failed add changed the index directory");
+    assert_eq!(PlaidIndex::load(&b.dir, dev)?.num_documents(), 120);
+    // Damaged files, each named.
+    let damage = |file: &str, f: &dyn Fn(&std::path::Path)| -> Result<()> {
+        let c = build(&format!("damage_{}", file.replace('.', "_")), dev, 80, 2)?;
+        f(&c.dir);
+        expect_err_containing(PlaidIndex::load(&c.dir, dev), file);
+        Ok(())
+    };
+    damage("0.residuals.npy", &|d| truncate(&d.join("0.residuals.npy"), 100))?;
+    damage("ivf.npy", &|d| truncate(&d.join("ivf.npy"), 200))?;
+    damage("ivf_lengths.npy", &|d| std::fs::remove_file(d.join("ivf_lengths.npy")).unwrap())?;
+    damage("centroids.npy", &|d| std::fs::write(d.join("centroids.npy"), b"not an array").unwrap())?;
+    damage("ivf.npy", &|d| {
+        let mut v = Tensor::read_npy(d.join("ivf.npy")).unwrap().to_vec1::<i64>().unwrap();
+        v[0] = 10_000;
+        Tensor::new(v, &Device::Cpu).unwrap().write_npy(d.join("ivf.npy")).unwrap()
+    })?;
+    damage("deleted.json", &|d| std::fs::write(d.join("deleted.json"), r#"{"deleted": [5, 999]}"#).unwrap())?;
+    Ok(())
+}
+
+test_device!(engine_errors, engine_errors_cpu, engine_errors_cuda);
+
+fn list(dir: &std::path::Path) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| {
+            let e = e.unwrap();
+            format!("{} {}", e.file_name().to_string_lossy(), e.metadata().unwrap().len())
+        })
+        .collect();
+    v.sort();
+    v
+}
+
+fn truncate(path: &std::path::Path, keep: u64) {
+    let f = std::fs::OpenOptions::new().write(true).open(path).unwrap();
+    f.set_len(keep).unwrap();
+}
