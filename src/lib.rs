@@ -51,8 +51,8 @@ pub use ops::hidden::{
 pub use ops::normalize::l2_normalize;
 pub use ops::plaid_approx::{plaid_approx_candidates, plaid_approx_score, plaid_candidates, NO_CENTROID};
 pub use ops::residual::{
-    maxsim_residual, maxsim_residual_pairs, maxsim_residual_varlen, pack_bucket_indices, unpack_bucket_indices,
-    BitOrder, ResidualCodec, NO_DOCUMENT,
+    maxsim_residual, maxsim_residual_pairs, maxsim_residual_varlen, nearest_centroids, pack_bucket_indices,
+    unpack_bucket_indices, BitOrder, ResidualCodec, NO_DOCUMENT,
 };
 pub use ops::retrieve::{retrieve, TopK};
 pub use ops::rows::scatter_add_rows;

@@ -418,3 +418,18 @@ pub fn scatter_add_rows(src: &Tensor, idx: &Tensor, n_out: usize) -> Result<Tens
     let src = src.to_dtype(DType::F32)?;
     Tensor::zeros((n_out, src.dim(1)?), DType::F32, src.device())?.index_add(idx, &src, 0)
 }
+
+/// Naive [`crate::nearest_centroids`]: the full `[T, C]` product in F32 (F64
+/// for F64), then the first maximum of each row on the host.
+pub fn nearest_centroids(x: &Tensor, centroids: &Tensor) -> Result<Tensor> {
+    let wd = work_dtype(x);
+    let s: Vec<Vec<f64>> = x.to_dtype(wd)?.matmul(&centroids.to_dtype(wd)?.t()?)?.to_dtype(DType::F64)?.to_vec2()?;
+    let best: Vec<u32> = s
+        .iter()
+        .map(|row| {
+            row.iter().enumerate().fold((0, f64::NEG_INFINITY), |b, (j, &v)| if v > b.1 { (j, v) } else { b }).0 as u32
+        })
+        .collect();
+    let n = best.len();
+    Tensor::from_vec(best, n, x.device())
+}

@@ -7,19 +7,20 @@
 //! `min(1 + 16·√(120·N), N)` documents; `K = 2^⌊log2(16·√(tokens))⌋`
 //! centroids (at most the sampled tokens) by k-means over at most
 //! `K · max_points_per_centroid` sampled tokens, `kmeans_niters` iterations
-//! from random tokens; the bucket cutoffs and weights from the last 5 % (at
-//! most 50 000) of the sampled tokens, as quantiles of their pooled residual
-//! values. One difference: the k-means is spherical (tokens are assigned to
-//! the centroid of largest dot product, centroids are re-normalized each
-//! iteration), the rule every token is later coded by; fast-plaid assigns by
-//! Euclidean distance and normalizes once at the end.
+//! from random tokens; the bucket cutoffs and weights from 5 % (at most
+//! 50 000) of the sampled tokens, as quantiles of their pooled residual
+//! values. k-means assigns by Euclidean distance, as fastkmeans does (or,
+//! with `spherical_kmeans`, by dot product to unit centroids); tokens are
+//! then coded by the largest dot product with the unit centroids. Samples
+//! are drawn with this crate's seeded generator, so the centroids are not
+//! fast-plaid's own, but an index of either engine is searched by both.
 
 use crate::documents::Documents;
 use crate::index::{PlaidIndex, DELETED};
 use crate::npy;
 use crate::store::{read_json, write_json, Staging};
 use candle_core::{bail, DType, Device, Result, Tensor};
-use candle_maxsim::{l2_normalize, maxsim_with_argmax, scatter_add_rows, BitOrder, ResidualCodec};
+use candle_maxsim::{l2_normalize, nearest_centroids, scatter_add_rows, BitOrder, ResidualCodec};
 use indicatif::{ProgressBar, ProgressStyle};
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
@@ -40,6 +41,10 @@ pub struct IndexConfig {
     pub seed: u64,
     /// Documents per chunk file.
     pub chunk_documents: usize,
+    /// k-means assigns tokens by dot product to unit centroids, re-normalized
+    /// every iteration (spherical), instead of by Euclidean distance to the
+    /// means (fast-plaid's, the default), normalized once at the end.
+    pub spherical_kmeans: bool,
     /// Draw a progress bar on stderr.
     pub show_progress: bool,
 }
@@ -53,6 +58,7 @@ impl Default for IndexConfig {
             n_centroids: None,
             seed: 42,
             chunk_documents: 25_000,
+            spherical_kmeans: false,
             show_progress: false,
         }
     }
@@ -69,54 +75,71 @@ fn work_dtype(device: &Device) -> DType {
 }
 
 /// For each row of `points [S, dim]`, the row of `centroids [K, dim]` of
-/// largest dot product (both in the same dtype): the argmax of MaxSim's
-/// fused forward, so the `[S, K]` products are never materialized.
+/// largest dot product (both in the same dtype).
 pub(crate) fn nearest(points: &Tensor, centroids: &Tensor) -> Result<Tensor> {
-    let (s, dim) = points.dims2()?;
-    if s == 0 {
-        return crate::index::empty(&[0], DType::U32, points.device());
-    }
-    const ROWS: usize = 128;
-    let pad = s.div_ceil(ROWS) * ROWS - s;
-    let p = if pad > 0 {
-        Tensor::cat(&[points, &Tensor::zeros((pad, dim), points.dtype(), points.device())?], 0)?
-    } else {
-        points.clone()
-    };
-    let q = p.reshape(((s + pad) / ROWS, ROWS, dim))?;
-    let (_, argmax) = maxsim_with_argmax(&q, &centroids.unsqueeze(0)?, None, None)?;
-    argmax.flatten_all()?.narrow(0, 0, s)?.to_dtype(DType::U32)
+    nearest_centroids(points, centroids)
 }
 
-/// Spherical k-means of `points [S, dim]` (in the work dtype) into `k`
-/// unit centroids `[k, dim]` F32.
-fn kmeans(points: &Tensor, k: usize, iters: usize, rng: &mut impl Rng, bar: &ProgressBar) -> Result<Tensor> {
-    let s = points.dim(0)?;
+/// k-means of `points [S, dim]` (in the work dtype) into `k` centroids
+/// `[k, dim]` F32, unit vectors: spherical (assignment by dot product to the
+/// normalized centroids), or Euclidean (to the means, as fastkmeans:
+/// argmin ‖x − c‖² = argmax x·c − ‖c‖²/2, the dot product of `[x, 1]` and
+/// `[c, −‖c‖²/2]`), normalized at the end.
+fn kmeans(
+    points: &Tensor,
+    k: usize,
+    iters: usize,
+    spherical: bool,
+    rng: &mut impl Rng,
+    bar: &ProgressBar,
+) -> Result<Tensor> {
+    let (s, dim) = points.dims2()?;
     let dev = points.device().clone();
     let pick = |rng: &mut dyn rand::RngCore, n: usize| -> Result<Tensor> {
         let ids: Vec<u32> = rand::seq::index::sample(rng, s, n).into_iter().map(|i| i as u32).collect();
         Tensor::from_vec(ids, n, &dev)
     };
-    let mut cents = l2_normalize(&points.index_select(&pick(rng, k)?, 0)?.to_dtype(DType::F32)?)?;
+    // Euclidean: the points once with a column of ones (padded to a multiple of 8 columns).
+    let pad = 8;
+    let augmented = if spherical {
+        None
+    } else {
+        let extra = Tensor::cat(
+            &[&Tensor::ones((s, 1), points.dtype(), &dev)?, &Tensor::zeros((s, pad - 1), points.dtype(), &dev)?],
+            1,
+        )?;
+        Some(Tensor::cat(&[points, &extra], 1)?)
+    };
+    let init = points.index_select(&pick(rng, k)?, 0)?.to_dtype(DType::F32)?;
+    let mut cents = if spherical { l2_normalize(&init)? } else { init };
     for it in 0..iters {
         bar.set_message(format!("k-means iteration {}/{iters}", it + 1));
-        let codes = nearest(points, &cents.to_dtype(points.dtype())?)?;
+        let codes = match &augmented {
+            None => nearest(points, &cents.to_dtype(points.dtype())?)?,
+            Some(x) => {
+                let half_sq = (cents.sqr()?.sum_keepdim(1)? * -0.5)?;
+                let c = Tensor::cat(&[&cents, &half_sq, &Tensor::zeros((k, pad - 1), DType::F32, &dev)?], 1)?;
+                nearest(x, &c.to_dtype(points.dtype())?)?
+            }
+        };
         let sums = scatter_add_rows(points, &codes, k)?;
-        let counts: Vec<f32> =
-            scatter_add_rows(&Tensor::ones((s, 1), DType::F32, &dev)?, &codes, k)?.flatten_all()?.to_vec1()?;
-        let updated = l2_normalize(&sums)?;
-        let empty: Vec<usize> = counts.iter().enumerate().filter(|(_, &c)| c == 0.0).map(|(i, _)| i).collect();
-        cents = if empty.is_empty() {
+        let counts = scatter_add_rows(&Tensor::ones((s, 1), DType::F32, &dev)?, &codes, k)?;
+        let updated =
+            if spherical { l2_normalize(&sums)? } else { sums.broadcast_div(&counts.clamp(1f32, f32::MAX)?)? };
+        let counts: Vec<f32> = counts.flatten_all()?.to_vec1()?;
+        cents = if counts.iter().all(|&c| c > 0.0) {
             updated
         } else {
             // Empty clusters restart from random tokens (as fastkmeans does).
-            let fresh = l2_normalize(&points.index_select(&pick(rng, k)?, 0)?.to_dtype(DType::F32)?)?;
+            let fresh = points.index_select(&pick(rng, k)?, 0)?.to_dtype(DType::F32)?;
+            let fresh = if spherical { l2_normalize(&fresh)? } else { fresh };
             let keep: Vec<u8> = counts.iter().map(|&c| u8::from(c > 0.0)).collect();
             let keep = Tensor::from_vec(keep, (k, 1), &dev)?.broadcast_as(updated.shape())?;
             keep.where_cond(&updated, &fresh)?
         };
+        let _ = dim;
     }
-    Ok(cents)
+    l2_normalize(&cents)
 }
 
 /// numpy's "linear" quantile of sorted values.
@@ -297,6 +320,8 @@ pub(crate) fn train(docs: &dyn Documents, config: &IndexConfig, device: &Device,
     let mut ids: Vec<u32> = (0..n as u32).collect();
     ids.shuffle(&mut rng);
     ids.truncate(n_sample);
+    // Read in id order (sequential reads); the held-out tokens are drawn at random below.
+    ids.sort_unstable();
     let sample = docs.embeddings(&ids)?.to_device(device)?.to_dtype(wd)?;
     let s = sample.dim(0)?;
     if s == 0 || sample.dim(1)? != dim {
@@ -315,12 +340,15 @@ pub(crate) fn train(docs: &dyn Documents, config: &IndexConfig, device: &Device,
     } else {
         sample.clone()
     };
-    let centroids = kmeans(&points, k, config.kmeans_niters, &mut rng, bar)?.to_dtype(DType::F16)?;
+    let centroids =
+        kmeans(&points, k, config.kmeans_niters, config.spherical_kmeans, &mut rng, bar)?.to_dtype(DType::F16)?;
     drop(points);
-    // 3. The codec, calibrated on the last 5 % (at most 50 000) of the sampled tokens.
+    // 3. The codec, calibrated on 5 % (at most 50 000) of the sampled tokens.
     bar.set_message("calibrating buckets");
     let h = ((0.05 * s as f64).round() as usize).clamp(1, 50_000).min(s);
-    let cal = calibrate(&sample.narrow(0, s - h, h)?, &centroids.to_dtype(wd)?, config.nbits)?;
+    let held: Vec<u32> = rand::seq::index::sample(&mut rng, s, h).into_iter().map(|i| i as u32).collect();
+    let heldout = sample.index_select(&Tensor::from_vec(held, h, device)?, 0)?;
+    let cal = calibrate(&heldout, &centroids.to_dtype(wd)?, config.nbits)?;
     let codec = ResidualCodec {
         centroids,
         bucket_weights: Tensor::new(cal.weights.as_slice(), device)?,

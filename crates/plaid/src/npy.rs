@@ -78,6 +78,16 @@ impl MappedNpy {
         Ok(Self { path: path.to_path_buf(), dtype, shape, map, offset })
     }
 
+    /// The bytes of rows `a..b` of the first axis.
+    pub fn row_bytes(&self, a: usize, b: usize) -> Result<&[u8]> {
+        let rows = self.shape.first().copied().unwrap_or(1);
+        if a > b || b > rows {
+            return Err(err(&self.path, format!("rows {a}..{b} of {rows}")));
+        }
+        let row: usize = self.shape.iter().skip(1).product::<usize>() * self.dtype.size_in_bytes();
+        Ok(&self.map[self.offset + a * row..self.offset + b * row])
+    }
+
     /// Rows `a..b` of the first axis as a tensor on `device` (CUDA: copied
     /// from the mapping to the device, no intermediate buffer).
     pub fn rows(&self, a: usize, b: usize, device: &Device) -> Result<Tensor> {
@@ -97,8 +107,8 @@ impl MappedNpy {
             shape[0] = 1;
             return Tensor::zeros(shape, self.dtype, device)?.narrow(0, 0, 0);
         }
-        let bytes = &self.map[self.offset + a * row_elems * es..self.offset + b * row_elems * es];
-        Tensor::from_raw_buffer(bytes, self.dtype, &shape, device)
+        let _ = (row_elems, es);
+        Tensor::from_raw_buffer(self.row_bytes(a, b)?, self.dtype, &shape, device)
     }
 
     /// The whole array on `device`.
@@ -120,10 +130,65 @@ pub(crate) fn read(path: &Path, device: &Device) -> Result<Tensor> {
     MappedNpy::open(path)?.tensor(device)
 }
 
-/// Writes `t` to `path` (numpy format 1.0), via a host copy.
+/// The bytes of a host tensor's elements, little-endian (as the machine's).
+fn raw_bytes(t: &Tensor) -> Result<Vec<u8>> {
+    fn bytes<T: Copy>(v: Vec<T>) -> Vec<u8> {
+        let n = v.len() * std::mem::size_of::<T>();
+        let mut v = std::mem::ManuallyDrop::new(v);
+        let cap = v.capacity() * std::mem::size_of::<T>();
+        // SAFETY: a Vec of plain numbers reinterpreted as its bytes (same allocation,
+        // byte alignment 1 divides T's; the capacity is converted to bytes too).
+        unsafe { Vec::from_raw_parts(v.as_mut_ptr() as *mut u8, n, cap) }
+    }
+    let t = t.flatten_all()?;
+    Ok(match t.dtype() {
+        DType::U8 => t.to_vec1::<u8>()?,
+        DType::U32 => bytes(t.to_vec1::<u32>()?),
+        DType::I32 => bytes(t.to_vec1::<i32>()?),
+        DType::I64 => bytes(t.to_vec1::<i64>()?),
+        DType::F16 => bytes(t.to_vec1::<half::f16>()?),
+        DType::F32 => bytes(t.to_vec1::<f32>()?),
+        DType::F64 => bytes(t.to_vec1::<f64>()?),
+        dt => bail!("npy: cannot write {dt:?}"),
+    })
+}
+
+/// Writes `t` to `path` (numpy format 1.0, the prologue padded to 64 bytes
+/// as numpy pads it), with one write of its bytes.
 pub(crate) fn write(path: &Path, t: &Tensor) -> Result<()> {
-    let t = t.to_device(&Device::Cpu)?.contiguous()?;
-    t.write_npy(path).map_err(|e| Error::Msg(format!("dir: cannot write {}: {e}", path.display())))
+    if !cfg!(target_endian = "little") {
+        bail!("npy: writing needs a little-endian machine")
+    }
+    let descr = match t.dtype() {
+        DType::U8 => "|u1",
+        DType::U32 => "<u4",
+        DType::I32 => "<i4",
+        DType::I64 => "<i8",
+        DType::F16 => "<f2",
+        DType::F32 => "<f4",
+        DType::F64 => "<f8",
+        dt => bail!("npy: cannot write {dt:?}"),
+    };
+    let shape = match t.dims() {
+        [] => "()".to_string(),
+        [n] => format!("({n},)"),
+        d => format!("({})", d.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(", ")),
+    };
+    let mut header = format!("{{'descr': '{descr}', 'fortran_order': False, 'shape': {shape}, }}");
+    let total = 10 + header.len() + 1;
+    header.push_str(&" ".repeat(total.div_ceil(64) * 64 - total));
+    header.push('\n');
+    let mut out = Vec::with_capacity(10 + header.len());
+    out.extend_from_slice(b"\x93NUMPY\x01\x00");
+    out.extend_from_slice(&(header.len() as u16).to_le_bytes());
+    out.extend_from_slice(header.as_bytes());
+    let data = raw_bytes(&t.to_device(&Device::Cpu)?)?;
+    let io = |e: std::io::Error| Error::Msg(format!("dir: cannot write {}: {e}", path.display()));
+    use std::io::Write;
+    let mut f = File::create(path).map_err(io)?;
+    f.write_all(&out).map_err(io)?;
+    f.write_all(&data).map_err(io)?;
+    f.sync_all().map_err(io)
 }
 
 /// `Err` unless `t` has `dtype` and, where given, `shape`.

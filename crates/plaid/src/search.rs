@@ -70,6 +70,42 @@ impl PlaidIndex {
     /// tokens (queries are normalized too; ColBERT queries already are unit
     /// vectors). `Lq` may be at most 64.
     pub fn search(&self, q: &Tensor, params: &SearchParams, subset: Option<Subset>) -> Result<SearchResults> {
+        self.search_marked(q, params, subset, &mut |_| Ok(()))
+    }
+
+    /// [`Self::search`] and the time of each stage of the pipeline (summed
+    /// over batches), the device synchronized after each: slower than
+    /// `search`, for breaking a search down.
+    pub fn search_profiled(
+        &self,
+        q: &Tensor,
+        params: &SearchParams,
+        subset: Option<Subset>,
+    ) -> Result<(SearchResults, Vec<(&'static str, std::time::Duration)>)> {
+        let mut times: Vec<(&'static str, std::time::Duration)> = Vec::new();
+        let dev = self.device().clone();
+        dev.synchronize()?;
+        let mut last = std::time::Instant::now();
+        let res = self.search_marked(q, params, subset, &mut |stage| {
+            dev.synchronize()?;
+            let now = std::time::Instant::now();
+            match times.iter_mut().find(|t| t.0 == stage) {
+                Some(t) => t.1 += now - last,
+                None => times.push((stage, now - last)),
+            }
+            last = now;
+            Ok(())
+        })?;
+        Ok((res, times))
+    }
+
+    fn search_marked(
+        &self,
+        q: &Tensor,
+        params: &SearchParams,
+        subset: Option<Subset>,
+        mark: &mut dyn FnMut(&'static str) -> Result<()>,
+    ) -> Result<SearchResults> {
         self.check_queries(q)?;
         let (nq, lq, _) = q.dims3()?;
         if params.top_k == 0 || params.n_ivf_probe == 0 || params.n_full_scores == 0 {
@@ -100,12 +136,18 @@ impl PlaidIndex {
                 Some(Subset::PerQuery(s)) => Some(Subset::PerQuery(&s[start..start + n])),
                 s => s,
             };
-            out.extend(self.search_batch(&q.narrow(0, start, n)?, params, sub)?);
+            out.extend(self.search_batch(&q.narrow(0, start, n)?, params, sub, mark)?);
         }
         Ok(out)
     }
 
-    fn search_batch(&self, q: &Tensor, params: &SearchParams, subset: Option<Subset>) -> Result<SearchResults> {
+    fn search_batch(
+        &self,
+        q: &Tensor,
+        params: &SearchParams,
+        subset: Option<Subset>,
+        mark: &mut dyn FnMut(&'static str) -> Result<()>,
+    ) -> Result<SearchResults> {
         let (nq, lq, dim) = q.dims3()?;
         let dev = self.device();
         let (ivf, ivf_off) = self.ivf.as_ref().expect("checked by search");
@@ -134,24 +176,29 @@ impl PlaidIndex {
             Some(t) => prune(&qcs, nq, lqp, t)?,
             None => qcs,
         };
+        mark("query-centroid scores")?;
         // 2. The probed centroids of every real token (zero rows and -inf scores: none).
         let (pv, probes) = topk_rows(&probe_scores, params.n_ivf_probe.min(n_c))?;
         let real = q.reshape((m, dim))?.abs()?.to_dtype(DType::F32)?.max_keepdim(1)?.gt(0f64)?; // [M, 1]
         let keep = real.broadcast_as(probes.shape())?.mul(&pv.gt(f64::NEG_INFINITY)?)?;
         let none = Tensor::full(NO_CENTROID, probes.shape(), dev)?;
         let probes = keep.where_cond(&probes, &none)?.reshape((nq, lqp * params.n_ivf_probe.min(n_c)))?;
+        mark("probe")?;
         // 3-4. Candidates and their approximate scores.
         let cand = plaid_candidates(&probes, ivf, ivf_off, nd)?;
+        mark("candidates")?;
         let mask = match (&allowed, &self.live) {
             (Some(Allowed { docs, .. }), _) => Some(docs.clone()),
             (None, Some(live)) => Some(live.clone()),
             (None, None) => None,
         };
         let approx = plaid_approx_candidates(&qcs, lqp, &self.codes, &self.cu, &cand, mask.as_ref())?;
+        mark("approximate scores")?;
         let k1 = (params.n_full_scores / 4).clamp(1, TOPK_MAX_K).min(nd.max(1));
         let (av, ai) = topk_rows(&approx, k1)?;
         let none = Tensor::full(NO_DOCUMENT, ai.shape(), dev)?;
         let ai = av.gt(f64::NEG_INFINITY)?.where_cond(&ai, &none)?;
+        mark("candidate top-k")?;
         // 5. Exact scores of those, and the best top_k.
         let pair_q = Tensor::arange(0u32, nq as u32, dev)?.unsqueeze(1)?.broadcast_as((nq, k1))?.contiguous()?;
         let exact = maxsim_residual_pairs(
@@ -166,10 +213,12 @@ impl PlaidIndex {
             true,
         )?
         .reshape((nq, k1))?;
+        mark("exact scores")?;
         let (ev, ei) = topk_rows(&exact, params.top_k.min(k1))?;
         let ids = ai.gather(&ei.contiguous()?, 1)?;
         // The one host copy: the final top-k.
         let (ev, ids): (Vec<Vec<f32>>, Vec<Vec<u32>>) = (ev.to_vec2()?, ids.to_vec2()?);
+        mark("top-k")?;
         Ok(ev
             .into_iter()
             .zip(ids)
