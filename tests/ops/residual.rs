@@ -391,3 +391,43 @@ fn compress_matches_definition(dev: &Device) -> Result<()> {
 }
 
 test_device!(compress_matches_definition, compress_matches_definition_cpu, compress_matches_definition_cuda);
+
+/// `nearest_centroids` against the full product: every dtype, a number of
+/// rows that is not a multiple of 128, several dims; an empty input.
+fn nearest_centroids_match_reference(dev: &Device) -> Result<()> {
+    let cpu = Device::Cpu;
+    for (t, c, dim) in [(300, 37, 32), (129, 256, 64), (5, 1, 16), (1000, 100, 128)] {
+        for dt in DTYPES {
+            let x = randn(&[t, dim], dt, &cpu)?;
+            let cents = randn(&[c, dim], dt, &cpu)?;
+            let want: Vec<u32> = r::nearest_centroids(&x, &cents)?.to_vec1()?;
+            let got: Vec<u32> = ms::nearest_centroids(&x.to_device(dev)?, &cents.to_device(dev)?)?.to_vec1()?;
+            // Rounding may flip a near-tie: the chosen centroid's product is within rounding of the best.
+            let s: Vec<Vec<f32>> = x.to_dtype(DType::F32)?.matmul(&cents.to_dtype(DType::F32)?.t()?)?.to_vec2()?;
+            let tol = if dt == DType::F32 { 1e-4 } else { 5e-2 };
+            for (i, (&g, &w)) in got.iter().zip(&want).enumerate() {
+                let (sg, sw) = (s[i][g as usize], s[i][w as usize]);
+                assert!(
+                    g == w || (sw - sg).abs() <= tol * sw.abs().max(1.0),
+                    "{t}x{c} d{dim} {dt:?} row {i}: {g} ({sg}) vs {w} ({sw})"
+                );
+            }
+            let same = got.iter().zip(&want).filter(|(a, b)| a == b).count();
+            assert!(same * 100 >= t * 97, "{t}x{c} d{dim} {dt:?}: {same}/{t} identical");
+        }
+    }
+    let e =
+        ms::nearest_centroids(&randn(&[4, 8], DType::F32, dev)?.narrow(0, 0, 0)?, &randn(&[3, 8], DType::F32, dev)?)?;
+    assert_eq!(e.dims(), &[0]);
+    expect_err(
+        ms::nearest_centroids(&randn(&[4, 8], DType::F32, dev)?, &randn(&[3, 9], DType::F32, dev)?),
+        "centroids",
+    );
+    Ok(())
+}
+
+test_device!(
+    nearest_centroids_match_reference,
+    nearest_centroids_match_reference_cpu,
+    nearest_centroids_match_reference_cuda
+);
