@@ -1,6 +1,6 @@
-//! ColBERT inference: load a checkpoint, encode queries and documents as
-//! the reference implementations (PyLate, colbert-ai) do, and rank with this
-//! crate's MaxSim.
+//! ColBERT models in candle: load a checkpoint, encode queries and documents
+//! as the reference implementations (PyLate, colbert-ai) do, rank with
+//! candle-maxsim's MaxSim, and fine-tune the whole model ([`train`]).
 //!
 //! Layouts read by [`ColBert::load`]:
 //! - PyLate / Sentence Transformers: `config.json`, `model.safetensors`,
@@ -18,10 +18,15 @@
 //! documents are truncated to `document_length`, and padding and skiplist
 //! tokens (punctuation) are masked out of the max.
 
-use candle_core::{bail, DType, Device, Module, Result, Tensor};
+mod checkpoint;
+pub mod encoder;
+pub mod train;
+
+use candle_core::{bail, DType, Device, Result, Tensor};
 use candle_maxsim::{l2_normalize, maxsim};
-use candle_nn::{Linear, VarBuilder};
-use candle_transformers::models::{bert, modernbert};
+use candle_nn::VarBuilder;
+use checkpoint::{Checkpoint, Layout};
+use encoder::Encoder;
 use std::path::Path;
 use tokenizers::Tokenizer;
 
@@ -64,15 +69,17 @@ pub struct Tokenized {
     pub score_mask: Vec<Vec<u8>>,
 }
 
-enum Backbone {
-    Bert(Box<bert::BertModel>),
-    ModernBert(modernbert::ModernBert),
+/// A linear projection `[dout, din]` (and bias).
+#[derive(Clone, Debug)]
+pub(crate) struct Projection {
+    pub(crate) weight: Tensor,
+    pub(crate) bias: Option<Tensor>,
 }
 
-/// A ColBERT model: backbone, optional projection, tokenizer and encoding rules.
+/// A ColBERT model: encoder, optional projection, tokenizer and encoding rules.
 pub struct ColBert {
-    backbone: Backbone,
-    projection: Option<Linear>,
+    encoder: Encoder,
+    projection: Option<Projection>,
     tokenizer: Tokenizer,
     pub config: EncodeConfig,
     query_marker: Option<u32>,
@@ -82,13 +89,9 @@ pub struct ColBert {
     sep_id: Option<u32>,
     skip_ids: Vec<u32>,
     device: Device,
+    /// The dtype the encoder computes in.
+    dtype: DType,
     out_dtype: DType,
-}
-
-fn read_json(path: &Path) -> Result<serde_json::Value> {
-    let text =
-        std::fs::read_to_string(path).map_err(|e| candle_core::Error::Msg(format!("{}: {e}", path.display())))?;
-    serde_json::from_str(&text).map_err(|e| candle_core::Error::Msg(format!("{}: {e}", path.display())))
 }
 
 fn tok_err(e: impl std::fmt::Display) -> candle_core::Error {
@@ -96,129 +99,61 @@ fn tok_err(e: impl std::fmt::Display) -> candle_core::Error {
 }
 
 impl ColBert {
-    /// Loads a checkpoint directory (see the module docs for the layouts).
-    /// Embeddings come out in `dtype`; the encoder always runs in F32:
-    /// candle's BERT builds its attention bias from `f32::MIN`, which rounds
-    /// to -inf in F16 and BF16 and turns attended positions into NaN (0 x
-    /// -inf); NaN embeddings were seen on CPU and on CUDA (H200) in both
-    /// (candle-transformers 0.11).
+    /// Loads a checkpoint directory (see the module docs for the layouts);
+    /// the encoder computes and the embeddings come out in `dtype`
+    /// (F16 and BF16 included: the encoders' masks stay finite).
     pub fn load(dir: impl AsRef<Path>, device: &Device, dtype: DType) -> Result<Self> {
-        let dir = dir.as_ref();
-        let out_dtype = dtype;
-        let dtype = DType::F32;
-        let config = read_json(&dir.join("config.json"))?;
-        let weights = dir.join("model.safetensors");
-        if !weights.exists() {
-            bail!("model_dir: {} has no model.safetensors", dir.display())
-        }
+        let ck = Checkpoint::open(dir.as_ref())?;
         // SAFETY: the file is memory-mapped read-only for the model's lifetime.
-        let vb = unsafe { VarBuilder::from_mmaped_safetensors(&[&weights], dtype, device)? };
-        let model_type = config.get("model_type").and_then(|v| v.as_str()).unwrap_or("bert");
-        let hidden = config.get("hidden_size").and_then(|v| v.as_u64()).unwrap_or(0) as usize;
-        let backbone = if model_type == "modernbert" {
-            let c: modernbert::Config = serde_json::from_value(config.clone())
-                .map_err(|e| candle_core::Error::Msg(format!("config.json: {e}")))?;
-            Backbone::ModernBert(modernbert::ModernBert::load(vb.clone(), &c)?)
-        } else {
-            let c: bert::Config = serde_json::from_value(config.clone())
-                .map_err(|e| candle_core::Error::Msg(format!("config.json: {e}")))?;
-            Backbone::Bert(Box::new(bert::BertModel::load(vb.clone(), &c)?))
+        let vb = unsafe { VarBuilder::from_mmaped_safetensors(&[&ck.weights], dtype, device)? };
+        let encoder = Encoder::load(ck.encoder_vb(vb.clone()), &ck.config)?;
+        let projection = match ck.layout {
+            Layout::PyLate => Some(Self::load_dense(ck.dir.as_path(), device, dtype)?),
+            Layout::ColBertAi => Some(Projection { weight: vb.get_unchecked("linear.weight")?, bias: None }),
+            Layout::Plain => None,
         };
+        Self::from_parts(encoder, projection, &ck, device, dtype)
+    }
 
-        let st = dir.join("config_sentence_transformers.json");
-        let colbert_ir = vb.contains_tensor("linear.weight");
-        let dense = Self::load_dense(dir, device, dtype)?;
-        // A plain encoder (no projection head): token embeddings, no markers, no expansion.
-        let plain = dense.is_none() && !colbert_ir;
-        let mut enc = if plain {
-            EncodeConfig {
-                query_prefix: String::new(),
-                document_prefix: String::new(),
-                do_query_expansion: false,
-                ..Default::default()
-            }
-        } else {
-            EncodeConfig::default()
-        };
-        let projection = if let Some(p) = dense {
-            Some(p)
-        } else if colbert_ir {
-            // colbert-ai: `linear.weight` [dim, hidden] next to the encoder, markers [unused0]/[unused1].
-            let w = vb.get_unchecked("linear.weight")?;
-            enc.query_prefix = "[unused0]".into();
-            enc.document_prefix = "[unused1]".into();
-            Some(Linear::new(w, None))
-        } else {
-            None
-        };
-        if st.exists() {
-            let v = read_json(&st)?;
-            let s = |k: &str| v.get(k).and_then(|x| x.as_str()).map(str::to_string);
-            let n = |k: &str| v.get(k).and_then(|x| x.as_u64()).map(|x| x as usize);
-            let b = |k: &str| v.get(k).and_then(|x| x.as_bool());
-            if let Some(x) = s("query_prefix") {
-                enc.query_prefix = x;
-            }
-            if let Some(x) = s("document_prefix") {
-                enc.document_prefix = x;
-            }
-            if let Some(x) = n("query_length") {
-                enc.query_length = x;
-            }
-            if let Some(x) = n("document_length") {
-                enc.document_length = x;
-            }
-            if let Some(x) = b("do_query_expansion") {
-                enc.do_query_expansion = x;
-            }
-            if let Some(x) = b("attend_to_expansion_tokens") {
-                enc.attend_to_expansion_tokens = x;
-            }
-            if let Some(words) = v.get("skiplist_words").and_then(|x| x.as_array()) {
-                enc.skiplist_words = words.iter().filter_map(|w| w.as_str().map(str::to_string)).collect();
-            }
-        } else if colbert_ir && dir.join("artifact.metadata").exists() {
-            let m = read_json(&dir.join("artifact.metadata"))?;
-            if let Some(x) = m.get("query_maxlen").and_then(|x| x.as_u64()) {
-                enc.query_length = x as usize;
-            }
-            if let Some(x) = m.get("doc_maxlen").and_then(|x| x.as_u64()) {
-                enc.document_length = x as usize;
-            }
-        }
+    /// The model of checkpoint `ck` with `encoder` and `projection`: the
+    /// tokenizer and encoding rules read from the checkpoint.
+    pub(crate) fn from_parts(
+        encoder: Encoder,
+        projection: Option<Projection>,
+        ck: &Checkpoint,
+        device: &Device,
+        dtype: DType,
+    ) -> Result<Self> {
+        let hidden = ck.config.get("hidden_size").and_then(|v| v.as_u64()).unwrap_or(0) as usize;
         if let (Some(p), true) = (&projection, hidden > 0) {
-            if p.weight().dim(1)? != hidden {
-                bail!("projection: weight {:?} does not take the encoder's hidden size {hidden}", p.weight().dims())
+            if p.weight.dim(1)? != hidden {
+                bail!("projection: weight {:?} does not take the encoder's hidden size {hidden}", p.weight.dims())
             }
         }
-        let mut tokenizer = Tokenizer::from_file(dir.join("tokenizer.json")).map_err(tok_err)?;
+        let mut tokenizer = Tokenizer::from_file(ck.dir.join("tokenizer.json")).map_err(tok_err)?;
         // Lengths, padding and masks are ours to decide (tokenizer.json files often pad to 128).
         tokenizer.with_padding(None);
         tokenizer.with_truncation(None).map_err(tok_err)?;
-        Self::new(backbone, projection, tokenizer, enc, device, out_dtype)
+        Self::new(encoder, projection, tokenizer, ck.encode_config()?, device, dtype)
     }
 
-    /// `1_Dense/` of a Sentence Transformers checkpoint, if there is one.
-    fn load_dense(dir: &Path, device: &Device, dtype: DType) -> Result<Option<Linear>> {
-        let d = dir.join("1_Dense");
-        let file = d.join("model.safetensors");
-        if !file.exists() {
-            return Ok(None);
-        }
+    /// `1_Dense/` of a Sentence Transformers checkpoint.
+    fn load_dense(dir: &Path, device: &Device, dtype: DType) -> Result<Projection> {
+        let file = dir.join("1_Dense/model.safetensors");
         // SAFETY: read-only memory map.
         let vb = unsafe { VarBuilder::from_mmaped_safetensors(&[&file], dtype, device)? };
-        let w = vb.get_unchecked("linear.weight")?;
-        let b = if vb.contains_tensor("linear.bias") { Some(vb.get_unchecked("linear.bias")?) } else { None };
-        Ok(Some(Linear::new(w, b)))
+        let weight = vb.get_unchecked("linear.weight")?;
+        let bias = if vb.contains_tensor("linear.bias") { Some(vb.get_unchecked("linear.bias")?) } else { None };
+        Ok(Projection { weight, bias })
     }
 
-    fn new(
-        backbone: Backbone,
-        projection: Option<Linear>,
+    pub(crate) fn new(
+        encoder: Encoder,
+        projection: Option<Projection>,
         tokenizer: Tokenizer,
         config: EncodeConfig,
         device: &Device,
-        out_dtype: DType,
+        dtype: DType,
     ) -> Result<Self> {
         let id = |t: &str| tokenizer.token_to_id(t);
         let marker = |prefix: &str| -> Result<Option<u32>> {
@@ -226,7 +161,8 @@ impl ColBert {
             if t.is_empty() {
                 return Ok(None);
             }
-            match id(t) {
+            // PyLate adds the prefix itself ("[Q] ", trailing space included) as a token.
+            match id(prefix).or_else(|| id(t)) {
                 Some(i) => Ok(Some(i)),
                 None => bail!("tokenizer: the prefix {t:?} is not a single token of the vocabulary"),
             }
@@ -238,7 +174,7 @@ impl ColBert {
             query_marker: marker(&config.query_prefix)?,
             document_marker: marker(&config.document_prefix)?,
             sep_id: id("[SEP]").or_else(|| id("</s>")),
-            backbone,
+            encoder,
             projection,
             tokenizer,
             config,
@@ -246,7 +182,8 @@ impl ColBert {
             pad_id,
             skip_ids,
             device: device.clone(),
-            out_dtype,
+            dtype,
+            out_dtype: dtype,
         })
     }
 
@@ -330,19 +267,55 @@ impl ColBert {
         Tensor::from_vec(rows.concat(), (n, l), &self.device)
     }
 
-    /// Contextual token embeddings, projected and L2-normalized: `[N, L, dim]`.
+    /// Contextual token embeddings, projected and L2-normalized: `[N, L, dim]`
+    /// (differentiable when the weights are `Var`s: see [`train`]).
     pub fn embed(&self, tok: &Tokenized) -> Result<Tensor> {
         let ids = self.to_tensor(&tok.ids)?;
         let att = self.to_tensor(&tok.attention)?;
-        let hidden = match &self.backbone {
-            Backbone::Bert(m) => m.forward(&ids, &ids.zeros_like()?, Some(&att.to_dtype(DType::U32)?))?,
-            Backbone::ModernBert(m) => m.forward(&ids, &att.to_dtype(DType::U32)?)?,
-        };
+        let hidden = self.encoder.forward(&ids, &att, self.dtype)?;
         let x = match &self.projection {
-            Some(p) => p.forward(&hidden)?,
+            Some(p) => {
+                let (n, l, h) = hidden.dims3()?;
+                let mut y = hidden.reshape((n * l, h))?.matmul(&p.weight.to_dtype(self.dtype)?.t()?)?;
+                if let Some(b) = &p.bias {
+                    y = y.broadcast_add(&b.to_dtype(self.dtype)?)?;
+                }
+                y.reshape((n, l, ()))?
+            }
             None => hidden,
         };
         l2_normalize(&x)?.to_dtype(self.out_dtype)
+    }
+
+    /// A `[N, L]` U8 mask (a [`Tokenized`] field) as a tensor on the model's device.
+    pub fn mask_tensor(&self, rows: &[Vec<u8>]) -> Result<Tensor> {
+        self.to_tensor(rows)
+    }
+
+    /// Whether token `id` is one the encoding adds ([CLS], [SEP], padding,
+    /// [MASK], the markers): not text.
+    pub fn is_special(&self, id: u32) -> bool {
+        Some(id) == self.query_marker
+            || Some(id) == self.document_marker
+            || Some(id) == self.sep_id
+            || id == self.mask_id
+            || id == self.pad_id
+            || self.tokenizer.id_to_token(id).is_some_and(|t| t == "[CLS]" || t == "<s>" || t == "</s>")
+    }
+
+    /// The dtype the encoder computes in.
+    pub fn compute_dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// The tokenizer.
+    pub fn tokenizer(&self) -> &Tokenizer {
+        &self.tokenizer
+    }
+
+    /// The device the model runs on.
+    pub fn device(&self) -> &Device {
+        &self.device
     }
 
     /// `(embeddings [N, query_length, dim], score mask [N, query_length] U8)`.

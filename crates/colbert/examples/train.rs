@@ -1,0 +1,271 @@
+//! Fine-tune a ColBERT model end to end in candle (encoder and projection),
+//! with candle-maxsim scoring, and save it in the PyLate layout.
+//!
+//!   cargo run --release -p candle-maxsim-colbert --example train -- \
+//!       --train train.jsonl [--eval eval.jsonl] --model-dir DIR --out OUT \
+//!       [--loss contrastive|cached|distill|margin-mse] [--cuda] [...]
+//!
+//! Data: JSONL in PyLate's conventions (see candle_maxsim_colbert::train::data):
+//! `query`, `positive`, `negative` (or a list, or `negative_1`..) rows; for
+//! distillation and margin MSE, `query_id`, `document_ids`, `scores` rows with
+//! `--queries` and `--documents` files of `{id, text}`.
+//! `--eval-only` scores `--model-dir` on `--eval` without training;
+//! `--profile N` times N training steps by phase (encode, scores and loss,
+//! backward, optimizer) instead of a run. `--help` lists every flag.
+
+use anyhow::{bail, Result};
+use candle_core::{DType, Device};
+use candle_maxsim_colbert::train::{self, EvalSet, Loss, TrainConfig, TrainableColBert};
+use candle_maxsim_colbert::ColBert;
+use clap::{Parser, ValueEnum};
+use std::path::PathBuf;
+use std::time::Instant;
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum LossKind {
+    Contrastive,
+    Cached,
+    Distill,
+    MarginMse,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum Dtype {
+    F32,
+    Bf16,
+}
+
+/// Fine-tune a ColBERT model (the whole encoder and its projection).
+#[derive(Parser)]
+#[command(name = "train")]
+struct Args {
+    /// Training data (JSONL).
+    #[arg(long)]
+    train: Option<PathBuf>,
+    /// Evaluation data (JSONL triples: each query's positive is its relevant document).
+    #[arg(long)]
+    eval: Option<PathBuf>,
+    /// The starting checkpoint (PyLate / Sentence Transformers, colbert-ai, or a plain BERT / ModernBERT).
+    #[arg(long = "model-dir")]
+    model_dir: PathBuf,
+    /// Where the trained model (and checkpoint-N/) go.
+    #[arg(long)]
+    out: Option<PathBuf>,
+    #[arg(long, value_enum, default_value_t = LossKind::Contrastive)]
+    loss: LossKind,
+    /// Queries file (distillation).
+    #[arg(long)]
+    queries: Option<PathBuf>,
+    /// Documents file (distillation).
+    #[arg(long)]
+    documents: Option<PathBuf>,
+    #[arg(long = "batch-size", default_value_t = 32)]
+    batch_size: usize,
+    /// Queries and documents embedded at a time by the cached loss.
+    #[arg(long = "mini-batch", default_value_t = 32)]
+    mini_batch: usize,
+    #[arg(long, default_value_t = 3e-5)]
+    lr: f64,
+    #[arg(long, default_value_t = 1)]
+    epochs: usize,
+    #[arg(long = "max-steps")]
+    max_steps: Option<usize>,
+    #[arg(long = "warmup-ratio", default_value_t = 0.0)]
+    warmup_ratio: f64,
+    #[arg(long = "weight-decay", default_value_t = 0.0)]
+    weight_decay: f64,
+    #[arg(long = "max-grad-norm", default_value_t = 1.0)]
+    max_grad_norm: f64,
+    #[arg(long = "grad-accum", default_value_t = 1)]
+    grad_accum: usize,
+    /// Score scale of the contrastive losses (PyLate's temperature is 1 / scale).
+    #[arg(long, default_value_t = 1.0)]
+    scale: f64,
+    /// Temperature of the distillation loss.
+    #[arg(long, default_value_t = 1.0)]
+    temperature: f64,
+    #[arg(long = "eval-steps")]
+    eval_steps: Option<usize>,
+    #[arg(long = "save-steps")]
+    save_steps: Option<usize>,
+    #[arg(long, default_value_t = 42)]
+    seed: u64,
+    /// Resume from this checkpoint directory (an earlier run's OUT/checkpoint-N).
+    #[arg(long)]
+    resume: Option<PathBuf>,
+    /// Output dimension of a new projection (for a checkpoint without one).
+    #[arg(long, default_value_t = 128)]
+    dim: usize,
+    /// Documents per distillation row.
+    #[arg(long = "n-ways", default_value_t = 32)]
+    n_ways: usize,
+    /// Compute dtype (default: bf16 on CUDA, f32 on the CPU); weights stay F32.
+    #[arg(long, value_enum)]
+    dtype: Option<Dtype>,
+    /// Only evaluate --model-dir on --eval.
+    #[arg(long = "eval-only")]
+    eval_only: bool,
+    /// Save the starting model (projection and markers added) to this directory and stop.
+    #[arg(long = "save-init")]
+    save_init: Option<PathBuf>,
+    /// Time this many training steps by phase instead of training.
+    #[arg(long)]
+    profile: Option<usize>,
+    /// Run on CUDA device 0.
+    #[arg(long)]
+    cuda: bool,
+}
+
+fn main() -> Result<()> {
+    let a = Args::parse();
+    let dev = if a.cuda { Device::new_cuda(0)? } else { Device::Cpu };
+    let dtype = match a.dtype {
+        Some(Dtype::F32) => DType::F32,
+        Some(Dtype::Bf16) => DType::BF16,
+        None if a.cuda => DType::BF16,
+        None => DType::F32,
+    };
+    let eval = a.eval.as_ref().map(train::read_triples).transpose()?.map(|e| EvalSet::from_examples(&e));
+    if a.eval_only {
+        let Some(set) = &eval else { bail!("--eval-only needs --eval") };
+        let m = ColBert::load(&a.model_dir, &dev, dtype)?;
+        let t = Instant::now();
+        let r = train::evaluate(&m, set, 64)?;
+        println!(
+            "{}",
+            serde_json::json!({"phase": "eval", "model": a.model_dir, "queries": set.queries.len(), "corpus": set.corpus.len(),
+                "mrr@10": r.mrr_at_10, "recall@10": r.recall_at_10, "seconds": t.elapsed().as_secs_f64()})
+        );
+        return Ok(());
+    }
+    let mut model = TrainableColBert::load(&a.model_dir, &dev, dtype, a.dim, a.seed)?;
+    if let Some(dir) = &a.save_init {
+        model.save(dir)?;
+        println!("{}", serde_json::json!({"phase": "save_init", "dir": dir}));
+        return Ok(());
+    }
+    let Some(train_path) = &a.train else { bail!("--train is needed to train") };
+    let data = match a.loss {
+        LossKind::Distill | LossKind::MarginMse => {
+            let (Some(q), Some(d)) = (&a.queries, &a.documents) else {
+                bail!("--loss distill / margin-mse need --queries and --documents")
+            };
+            train::read_distillation(train_path, q, d, a.n_ways)?
+        }
+        _ => train::read_triples(train_path)?,
+    };
+    let loss = match a.loss {
+        LossKind::Contrastive => Loss::Contrastive { scale: a.scale },
+        LossKind::Cached => Loss::Cached { scale: a.scale, mini_batch: a.mini_batch },
+        LossKind::Distill => Loss::Distill { temperature: a.temperature },
+        LossKind::MarginMse => Loss::MarginMse,
+    };
+    if let Some(n) = a.profile {
+        return profile(&model, &data, loss, a.batch_size, n, &dev);
+    }
+    let Some(out) = &a.out else { bail!("--out is needed to train") };
+    let cfg = TrainConfig {
+        loss,
+        batch_size: a.batch_size,
+        grad_accum: a.grad_accum,
+        lr: a.lr,
+        epochs: a.epochs,
+        max_steps: a.max_steps,
+        warmup_ratio: a.warmup_ratio,
+        weight_decay: a.weight_decay,
+        max_grad_norm: a.max_grad_norm,
+        eval_steps: a.eval_steps,
+        save_steps: a.save_steps,
+        seed: a.seed,
+        show_progress: true,
+    };
+    let r = train::train(&mut model, &data, eval.as_ref(), &cfg, out, a.resume.as_deref())?;
+    let first = r.steps.first().map_or(0.0, |s| s.1);
+    let last = r.steps.last().map_or(0.0, |s| s.1);
+    println!(
+        "{}",
+        serde_json::json!({"phase": "train", "steps": r.steps.len(), "seconds": r.seconds,
+            "first_loss": first, "last_loss": last, "out": out})
+    );
+    for (step, m) in &r.evals {
+        println!(
+            "{}",
+            serde_json::json!({"phase": "eval", "step": step, "mrr@10": m.mrr_at_10, "recall@10": m.recall_at_10})
+        );
+    }
+    Ok(())
+}
+
+/// Times `n` training steps (after one warm-up) by phase, the device
+/// synchronized between phases; prints the median of each.
+fn profile(
+    model: &TrainableColBert,
+    data: &[train::Example],
+    loss: Loss,
+    batch: usize,
+    n: usize,
+    dev: &Device,
+) -> Result<()> {
+    use candle_maxsim::{maxsim_with, Backward, MaxSimOptions};
+    let m = &model.model;
+    let vars = model.vars();
+    let mut opt = train::optim::AdamW::new(vars.clone(), 0.0);
+    let mut times: Vec<[f64; 5]> = Vec::new();
+    for s in 0..=n {
+        let exs: Vec<&train::Example> = (0..batch).map(|i| &data[(s * batch + i) % data.len()]).collect();
+        let lap = |t: &mut Instant| -> Result<f64> {
+            dev.synchronize()?;
+            let ms = t.elapsed().as_secs_f64() * 1e3;
+            *t = Instant::now();
+            Ok(ms)
+        };
+        let mut t = Instant::now();
+        let q: Vec<&str> = exs.iter().map(|e| e.query.as_str()).collect();
+        let d: Vec<&str> = exs.iter().flat_map(|e| e.documents.iter().map(String::as_str)).collect();
+        let (qt, dt) = (m.tokenize_queries(&q)?, m.tokenize_documents(&d)?);
+        let t_tok = lap(&mut t)?;
+        let (qe, de) = (m.embed(&qt)?, m.embed(&dt)?);
+        let t_enc = lap(&mut t)?;
+        let (qm, dm) = (m.mask_tensor(&qt.score_mask)?, m.mask_tensor(&dt.score_mask)?);
+        let nd = exs[0].documents.len();
+        let scale = match loss {
+            Loss::Contrastive { scale } | Loss::Cached { scale, .. } => scale,
+            _ => 1.0,
+        };
+        let opts = MaxSimOptions { backward: Backward::LowMem, ..Default::default() };
+        let scores = maxsim_with(&qe, &de, Some(&qm), Some(&dm), &opts)?;
+        let targets =
+            candle_core::Tensor::arange(0u32, batch as u32, dev)?.affine(nd as f64, 0.0)?.to_dtype(DType::U32)?;
+        let l = train::loss::contrastive(&scores, &targets, scale)?;
+        let t_score = lap(&mut t)?;
+        let g = l.backward()?;
+        let t_bwd = lap(&mut t)?;
+        let mut grads = std::collections::HashMap::new();
+        for (name, v) in &vars {
+            if let Some(x) = g.get(v.as_tensor()) {
+                grads.insert(name.clone(), x.clone());
+            }
+        }
+        train::optim::AdamW::clip(&mut grads, 1.0)?;
+        opt.apply(&grads, 3e-5)?;
+        let t_opt = lap(&mut t)?;
+        if s > 0 {
+            times.push([t_tok, t_enc, t_score, t_bwd, t_opt]);
+        }
+    }
+    let names = ["tokenize", "encode (forward)", "scores + loss", "backward", "optimizer"];
+    let mut total = 0.0;
+    for (k, name) in names.iter().enumerate() {
+        let mut v: Vec<f64> = times.iter().map(|t| t[k]).collect();
+        v.sort_by(f64::total_cmp);
+        let ms = v[v.len() / 2];
+        total += ms;
+        println!("{}", serde_json::json!({"phase": "profile", "part": name, "median_ms": ms}));
+    }
+    println!(
+        "{}",
+        serde_json::json!({"phase": "profile", "part": "step", "median_ms": total, "batch": batch,
+        "documents_per_query": data[0].documents.len()})
+    );
+    Ok(())
+}
