@@ -42,9 +42,17 @@ struct Args {
     /// Training data (JSONL).
     #[arg(long)]
     train: Option<PathBuf>,
-    /// Evaluation data (JSONL triples: each query's positive is its relevant document).
+    /// Evaluation data: a BEIR directory (corpus.jsonl, queries.jsonl,
+    /// qrels/SPLIT.tsv), or JSONL triples (each query's positive its relevant document).
     #[arg(long)]
     eval: Option<PathBuf>,
+    /// The qrels split of a BEIR --eval directory.
+    #[arg(long = "eval-split", default_value = "dev")]
+    eval_split: String,
+    /// With --eval-only: write the scores of the first 64 queries over the first
+    /// 256 corpus documents to this .npy file (F32), to compare with another stack.
+    #[arg(long = "dump-scores")]
+    dump_scores: Option<PathBuf>,
     /// The starting checkpoint (PyLate / Sentence Transformers, colbert-ai, or a plain BERT / ModernBERT).
     #[arg(long = "model-dir")]
     model_dir: PathBuf,
@@ -125,12 +133,23 @@ fn main() -> Result<()> {
         None if a.cuda => DType::BF16,
         None => DType::F32,
     };
-    let eval = a.eval.as_ref().map(train::read_triples).transpose()?.map(|e| EvalSet::from_examples(&e));
+    let eval = match &a.eval {
+        Some(p) if p.is_dir() => Some(train::read_beir(p, &a.eval_split)?),
+        Some(p) => Some(EvalSet::from_examples(&train::read_triples(p)?)),
+        None => None,
+    };
     if a.eval_only {
         let Some(set) = &eval else { bail!("--eval-only needs --eval") };
         let m = ColBert::load(&a.model_dir, &dev, dtype)?;
         let t = Instant::now();
         let r = train::evaluate(&m, set, 64)?;
+        if let Some(path) = &a.dump_scores {
+            let q: Vec<&str> = set.queries.iter().take(64).map(String::as_str).collect();
+            let d: Vec<&str> = set.corpus.iter().take(256).map(String::as_str).collect();
+            let ((qe, qm), (de, dm)) = (m.encode_queries(&q)?, m.encode_documents(&d)?);
+            let s = candle_maxsim::maxsim(&qe, &de, Some(&qm), Some(&dm))?.to_dtype(DType::F32)?;
+            s.to_device(&Device::Cpu)?.write_npy(path)?;
+        }
         println!(
             "{}",
             serde_json::json!({"phase": "eval", "model": a.model_dir, "queries": set.queries.len(), "corpus": set.corpus.len(),

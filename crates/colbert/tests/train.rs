@@ -233,3 +233,39 @@ fn bad_data_names_file_and_line() -> anyhow::Result<()> {
     assert!(!Path::new(&blocker.join("ckpt")).exists());
     Ok(())
 }
+
+#[test]
+fn beir_eval_set() -> anyhow::Result<()> {
+    let dir = tmpdir("beir");
+    std::fs::create_dir_all(dir.join("qrels"))?;
+    let write = |name: &str, text: &str| std::fs::write(dir.join(name), text);
+    write(
+        "corpus.jsonl",
+        "{\"_id\": \"d1\", \"title\": \"Cats\", \"text\": \"the cat sat\"}\n{\"_id\": \"d2\", \"title\": \"\", \"text\": \"a dog ran\"}\n{\"_id\": 3, \"text\": \"birds fly\"}\n",
+    )?;
+    write("queries.jsonl", "{\"_id\": \"q1\", \"text\": \"cat\"}\n{\"_id\": \"q2\", \"text\": \"dog or bird\"}\n{\"_id\": \"q3\", \"text\": \"fish\"}\n")?;
+    write("qrels/dev.tsv", "query-id\tcorpus-id\tscore\nq2\td2\t1\nq1\td1\t2\nq2\t3\t1\nq3\td1\t0\n")?;
+    let set = train::read_beir(&dir, "dev")?;
+    assert_eq!(set.corpus, ["Cats the cat sat", "a dog ran", "birds fly"]);
+    assert_eq!(set.queries, ["dog or bird", "cat"]);
+    assert_eq!(set.relevant, [vec![1, 2], vec![0]]);
+    let err = |text: &str| -> String {
+        write("qrels/bad.tsv", text).unwrap();
+        match train::read_beir(&dir, "bad") {
+            Err(e) => e.to_string(),
+            Ok(_) => panic!("expected an error for {text:?}"),
+        }
+    };
+    let e = err("query-id\tcorpus-id\tscore\nq1\td1\t1\nq1\td9\t1\n");
+    assert!(e.contains("bad.tsv:3") && e.contains("d9"), "{e}");
+    let e = err("q1\td1\n");
+    assert!(e.contains("bad.tsv:1") && e.contains("3 tab-separated"), "{e}");
+    let e = err("q1\td1\thigh\n");
+    assert!(e.contains("bad.tsv:1") && e.contains("high"), "{e}");
+    let e = err("q1\td1\t0\n");
+    assert!(e.contains("no query"), "{e}");
+    assert!(train::read_beir(&dir, "test").is_err_and(|e| e.to_string().contains("test.tsv")));
+    write("corpus.jsonl", "{\"_id\": \"d1\", \"text\": \"x\"}\n{\"_id\": \"d1\", \"text\": \"y\"}\n")?;
+    assert!(train::read_beir(&dir, "dev").is_err_and(|e| e.to_string().contains("corpus.jsonl:2")));
+    Ok(())
+}

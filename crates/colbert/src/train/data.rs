@@ -8,6 +8,9 @@
 //!   list of the teacher's scores, as long as `document_ids`), with the texts
 //!   in a queries file (`query_id`, `text`) and a documents file
 //!   (`document_id`, `text`).
+//! - Evaluation sets in the BEIR layout ([`read_beir`]): `corpus.jsonl`
+//!   (`_id`, `title`, `text`), `queries.jsonl` (`_id`, `text`) and
+//!   `qrels/SPLIT.tsv` (`query-id`, `corpus-id`, `score`, a header line).
 
 use candle_core::{bail, Error, Result};
 use std::collections::HashMap;
@@ -181,4 +184,78 @@ pub fn read_distillation(
         bail!("{}: every row needs the same number of documents (at most n_ways = {n_ways})", path.display())
     }
     Ok(out)
+}
+
+/// A BEIR-layout evaluation set (see the [module docs](self)): the queries
+/// of `qrels/{split}.tsv` with a positive score, in file order, ranked over
+/// the whole corpus. A document's text is `title text` (the title left out
+/// when empty), as Sentence Transformers' BEIR loaders join them.
+pub fn read_beir(dir: impl AsRef<Path>, split: &str) -> Result<super::EvalSet> {
+    let dir = dir.as_ref();
+    let (cp, qp) = (dir.join("corpus.jsonl"), dir.join("queries.jsonl"));
+    let rp = dir.join("qrels").join(format!("{split}.tsv"));
+    let field =
+        |path: &Path, line: usize, row: &serde_json::Map<String, serde_json::Value>, k: &str| -> Result<String> {
+            match row.get(k) {
+                Some(v) => {
+                    id_string(v).ok_or_else(|| Error::Msg(format!("{}:{line}: `{k}` must be a string", path.display())))
+                }
+                None => bail!("{}:{line}: missing field `{k}`", path.display()),
+            }
+        };
+    let mut corpus = Vec::new();
+    let mut corpus_id = HashMap::new();
+    for (line, row) in jsonl(&cp)? {
+        let id = field(&cp, line, &row, "_id")?;
+        let body = text(&cp, line, &row, &["text"])?;
+        let title = match row.get("title") {
+            Some(serde_json::Value::String(t)) => t.trim().to_string(),
+            None | Some(serde_json::Value::Null) => String::new(),
+            Some(v) => bail!("{}:{line}: `title` must be a string, got {v}", cp.display()),
+        };
+        if corpus_id.insert(id.clone(), corpus.len()).is_some() {
+            bail!("{}:{line}: duplicate `_id` {id}", cp.display())
+        }
+        corpus.push(if title.is_empty() { body } else { format!("{title} {body}") });
+    }
+    let mut query_text = HashMap::new();
+    for (line, row) in jsonl(&qp)? {
+        query_text.insert(field(&qp, line, &row, "_id")?, text(&qp, line, &row, &["text"])?);
+    }
+    let tsv = std::fs::read_to_string(&rp).map_err(|e| Error::Msg(format!("{}: cannot read: {e}", rp.display())))?;
+    let (mut queries, mut relevant) = (Vec::new(), Vec::<Vec<usize>>::new());
+    let mut slot: HashMap<String, usize> = HashMap::new();
+    for (i, l) in tsv.lines().enumerate() {
+        let cols: Vec<&str> = l.split('\t').map(str::trim).collect();
+        if l.trim().is_empty() || (i == 0 && cols.first() == Some(&"query-id")) {
+            continue;
+        }
+        let &[q, d, score] = cols.as_slice() else {
+            bail!("{}:{}: expected 3 tab-separated columns (query-id, corpus-id, score)", rp.display(), i + 1)
+        };
+        let score: f64 = score
+            .parse()
+            .map_err(|_| Error::Msg(format!("{}:{}: score `{score}` is not a number", rp.display(), i + 1)))?;
+        let Some(&doc) = corpus_id.get(d) else {
+            bail!("{}:{}: corpus-id {d} is not in {}", rp.display(), i + 1, cp.display())
+        };
+        let Some(qt) = query_text.get(q) else {
+            bail!("{}:{}: query-id {q} is not in {}", rp.display(), i + 1, qp.display())
+        };
+        if score <= 0.0 {
+            continue;
+        }
+        let k = *slot.entry(q.to_string()).or_insert_with(|| {
+            queries.push(qt.clone());
+            relevant.push(Vec::new());
+            queries.len() - 1
+        });
+        if !relevant[k].contains(&doc) {
+            relevant[k].push(doc);
+        }
+    }
+    if queries.is_empty() {
+        bail!("{}: no query with a relevant document", rp.display())
+    }
+    Ok(super::EvalSet { queries, corpus, relevant })
 }

@@ -13,7 +13,7 @@ pub mod model;
 pub mod optim;
 pub mod trainer;
 
-pub use data::{read_distillation, read_triples, Example};
+pub use data::{read_beir, read_distillation, read_triples, Example};
 pub use eval::{evaluate, EvalSet, Metrics};
 pub use loss::Loss;
 pub use model::TrainableColBert;
