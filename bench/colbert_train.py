@@ -246,8 +246,8 @@ def st6_eval(a):
     t = time.perf_counter()
     pad = lambda xs: torch.nn.utils.rnn.pad_sequence([torch.as_tensor(x) for x in xs], batch_first=True)
     lens = lambda xs: torch.tensor([len(x) for x in xs])
-    qe = m.encode_query([qtext[q] for q in qids], batch_size=64, convert_to_tensor=False)
-    de = m.encode_document(docs, batch_size=64, convert_to_tensor=False)
+    qe = m.encode_query([qtext[q] for q in qids], batch_size=64)
+    de = m.encode_document(docs, batch_size=64)
     Q, D = pad(qe).cuda().float(), pad(de).cuda().float()
     qm = (torch.arange(Q.shape[1])[None] < lens(qe)[:, None]).cuda()
     dm = (torch.arange(D.shape[1])[None] < lens(de)[:, None]).cuda()
@@ -305,11 +305,14 @@ def run(a):
                 f.write(json.dumps({**r, "peak_host_mb": mem["peak_host_mb"], "peak_device_mb": mem["peak_device_mb"]}) + "\n")
         return rows
 
+    ph = set(a.phases.split(","))
     step("save_init", [B, "--model-dir", D + "/minilm", "--save-init", W("init"), "--cuda"])
-    step("train ours", [B, "--train", D + "/train.jsonl", "--model-dir", W("init"), "--out", W("ours"), *flags])
-    step("train sentence-transformers", me + ["st6-train", "--init", W("init"), "--train", D + "/train.jsonl", "--out", W("st6")])
-    step("profile ours", [B, "--train", D + "/train.jsonl", "--model-dir", W("init"), "--profile", "20", *flags])
-    for name in ("init", "ours", "st6"):
+    if "train" in ph:
+        step("train ours", [B, "--train", D + "/train.jsonl", "--model-dir", W("init"), "--out", W("ours"), *flags])
+        step("train sentence-transformers", me + ["st6-train", "--init", W("init"), "--train", D + "/train.jsonl", "--out", W("st6")])
+    if "profile" in ph:
+        step("profile ours", [B, "--train", D + "/train.jsonl", "--model-dir", W("init"), "--profile", "20", *flags])
+    for name in [n for n in ("init", "ours", "st6") if "eval" in ph or "eval-" + n in ph]:
         scores = W(name + "-scores.npy")
         step("eval ours " + name, [B, "--eval-only", "--eval", D + "/beir", "--eval-split", "dev", "--model-dir", W(name),
                                    "--dtype", "f32", "--dump-scores", scores, "--cuda"])
@@ -328,6 +331,7 @@ def main():
     s.add_argument("--train-bin", required=True)
     s.add_argument("--data", required=True)
     s.add_argument("--work", required=True)
+    s.add_argument("--phases", default="train,profile,eval", help="of train, profile, eval (or eval-init, eval-ours, eval-st6)")
     s = sub.add_parser("st6-train")
     s.add_argument("--init", required=True)
     s.add_argument("--train", required=True)

@@ -61,7 +61,13 @@ def run(cmd, what):
     t.join()
     if status != 0:
         print(json.dumps({"phase": what, "error": f"exit status {status}", "cmd": cmd}), flush=True)
-    lines = [json.loads(l) for l in out.splitlines() if l.startswith("{")]
+    lines = []
+    for l in out.splitlines():
+        try:
+            lines.append(json.loads(l))
+        except ValueError:  # other output (a library's log lines)
+            pass
+    lines = [l for l in lines if isinstance(l, dict)]
     mem = {"phase": what, "peak_host_mb": usage.ru_maxrss / 1024, "peak_device_mb": peak[0] - idle}
     print(json.dumps(mem), flush=True)
     for l in lines:
