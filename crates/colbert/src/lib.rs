@@ -292,8 +292,8 @@ impl ColBert {
         self.to_tensor(rows)
     }
 
-    /// Whether token `id` is one the encoding adds ([CLS], [SEP], padding,
-    /// [MASK], the markers): not text.
+    /// Whether token `id` is one the encoding adds (`[CLS]`, `[SEP]`, padding,
+    /// `[MASK]`, the markers): not text.
     pub fn is_special(&self, id: u32) -> bool {
         Some(id) == self.query_marker
             || Some(id) == self.document_marker

@@ -18,6 +18,25 @@
 //! | `merged_codes.npy`, `merged_residuals.npy` | fast-plaid ≥ 1.7: all chunks back to back (plus padding rows), in place of the per-chunk files |
 //! | `deleted.json` | this crate's: deleted document ids (dropped from the inverted file too) |
 //!
+//! ## Search
+//!
+//! [`PlaidIndex::search`] runs the PLAID pipeline on the index's device for a batch of queries
+//! at a time, with no host round trip but the final top-k:
+//!
+//! 1. query-centroid scores, `centroids · Qᵀ` (a `[C, Nq·Lq]` table for the
+//!    approximate scores, `Q · centroidsᵀ` rows for probing);
+//! 2. per query token, the `n_ivf_probe` best centroids ([`topk_rows`](candle_maxsim::topk_rows));
+//! 3. their inverted lists, the query's candidates ([`plaid_candidates`](candle_maxsim::plaid_candidates)),
+//!    less the deleted documents and those outside the subset;
+//! 4. the centroid-only approximate score of every candidate
+//!    ([`plaid_approx_candidates`](candle_maxsim::plaid_approx_candidates)), centroids below the optional
+//!    `centroid_score_threshold` pruned; the best `n_full_scores / 4` kept;
+//! 5. exact scores of those from their compressed residuals
+//!    ([`maxsim_residual_pairs`](candle_maxsim::maxsim_residual_pairs)), and the `top_k` best.
+//!
+//! Parameter names, defaults and the candidate cut are fast-plaid 1.7's: it
+//! too decompresses only the best quarter of its `n_full_scores` candidates.
+//!
 //! fast-plaid features not covered: its metadata database (`metadata.db`,
 //! filtering by SQL; pass the ids as a [`Subset`] instead), the update
 //! buffer and outlier centroids it adds on `update`, and its renumbering on

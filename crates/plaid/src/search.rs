@@ -1,19 +1,4 @@
-//! The PLAID search pipeline, on the index's device for a batch of queries
-//! at a time, with no host round trip but the final top-k:
-//!
-//! 1. query-centroid scores, `centroids · Qᵀ` (a `[C, Nq·Lq]` table for the
-//!    approximate scores, `Q · centroidsᵀ` rows for probing);
-//! 2. per query token, the `n_ivf_probe` best centroids ([`topk_rows`]);
-//! 3. their inverted lists, the query's candidates ([`plaid_candidates`]),
-//!    less the deleted documents and those outside the subset;
-//! 4. the centroid-only approximate score of every candidate
-//!    ([`plaid_approx_candidates`]), centroids below the optional
-//!    `centroid_score_threshold` pruned; the best `n_full_scores / 4` kept;
-//! 5. exact scores of those from their compressed residuals
-//!    ([`maxsim_residual_pairs`]), and the `top_k` best.
-//!
-//! Parameter names, defaults and the candidate cut are fast-plaid 1.7's: it
-//! too decompresses only the best quarter of its `n_full_scores` candidates.
+//! The PLAID search pipeline (the steps are in the crate docs).
 
 use crate::index::PlaidIndex;
 use candle_core::{bail, DType, Device, Result, Tensor};
@@ -65,7 +50,7 @@ const BATCH_BYTES: usize = 1 << 30;
 impl PlaidIndex {
     /// PLAID search of the queries `q [Nq, Lq, dim]` (rows of zeros are
     /// padding: they are not probed and add nothing); see the [module
-    /// docs](self). Queries are scored as fast-plaid scores them: the exact
+    /// docs](crate#search). Queries are scored as fast-plaid scores them: the exact
     /// score of a document is MaxSim against its decompressed, L2-normalized
     /// tokens (queries are normalized too; ColBERT queries already are unit
     /// vectors). `Lq` may be at most 64.

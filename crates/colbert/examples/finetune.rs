@@ -1,7 +1,7 @@
 //! Fine-tune a ColBERT model end to end in candle (encoder and projection),
 //! with candle-maxsim scoring, and save it in the PyLate layout.
 //!
-//!   cargo run --release -p candle-maxsim-colbert --example train -- \
+//!   cargo run --release -p candle-maxsim-colbert --example finetune -- \
 //!       --train train.jsonl [--eval eval.jsonl] --model-dir DIR --out OUT \
 //!       [--loss contrastive|cached|distill|margin-mse] [--cuda] [...]
 //!
@@ -37,7 +37,7 @@ enum Dtype {
 
 /// Fine-tune a ColBERT model (the whole encoder and its projection).
 #[derive(Parser)]
-#[command(name = "train")]
+#[command(name = "finetune")]
 struct Args {
     /// Training data (JSONL).
     #[arg(long)]
