@@ -577,17 +577,16 @@ pub fn maxsim_residual(
     score(&q, docs, problem)?.reshape((nq, nd))
 }
 
-/// Exact MaxSim against packed compressed documents: `codes [T]`,
-/// `residuals [T, dim·nbits/8]`, `cu_d [Nd+1]` → `[Nq, Nd]`.
-pub fn maxsim_residual_varlen(
+/// The checks the packed residual entry points share: `q [Nq, Lq, dim]`
+/// floating point, `codes [T]`, `residuals [T, dim·nbits/8]` and `cu_d` on
+/// `q`'s device → `(Nq, Lq, dim, T)`.
+fn check_packed(
     q: &Tensor,
     codes: &Tensor,
     residuals: &Tensor,
     cu_d: &Tensor,
-    max_ld: usize,
     codec: &ResidualCodec,
-    normalize: bool,
-) -> Result<Tensor> {
+) -> Result<(usize, usize, usize, usize)> {
     check_rank("q", q, &[3], "rank 3 [Nq, Lq, dim]")?;
     let (nq, lq, dim) = q.dims3()?;
     check_float("q", q)?;
@@ -603,6 +602,21 @@ pub fn maxsim_residual_varlen(
         bail!("residuals: {} rows, but codes has {t}", residuals.dim(0)?)
     }
     check_residuals("residuals", residuals, t, codec.residual_width(dim))?;
+    Ok((nq, lq, dim, t))
+}
+
+/// Exact MaxSim against packed compressed documents: `codes [T]`,
+/// `residuals [T, dim·nbits/8]`, `cu_d [Nd+1]` → `[Nq, Nd]`.
+pub fn maxsim_residual_varlen(
+    q: &Tensor,
+    codes: &Tensor,
+    residuals: &Tensor,
+    cu_d: &Tensor,
+    max_ld: usize,
+    codec: &ResidualCodec,
+    normalize: bool,
+) -> Result<Tensor> {
+    let (nq, lq, dim, t) = check_packed(q, codes, residuals, cu_d, codec)?;
     let ds = Seqs::packed("cu_d", cu_d, t, "max_ld", max_ld)?;
     let nd = ds.n();
     let problem = Problem {
@@ -705,22 +719,10 @@ pub fn maxsim_residual_pairs(
     codec: &ResidualCodec,
     normalize: bool,
 ) -> Result<Tensor> {
-    check_rank("q", q, &[3], "rank 3 [Nq, Lq, dim]")?;
-    let (nq, lq, dim) = q.dims3()?;
-    check_float("q", q)?;
-    codec.check(dim)?;
-    check_rank("codes", codes, &[1], "rank 1 [T] (packed)")?;
-    check_codes_dtype(codes)?;
-    check_rank("residuals", residuals, &[2], "rank 2 [T, dim·nbits/8] (packed)")?;
-    for (arg, t) in [("codes", codes), ("residuals", residuals), ("cu_d", cu_d), ("pair_q", pair_q), ("pair_d", pair_d)]
-    {
-        check_device(arg, t, q.device())?;
+    let (nq, lq, dim, t) = check_packed(q, codes, residuals, cu_d, codec)?;
+    for (arg, p) in [("pair_q", pair_q), ("pair_d", pair_d)] {
+        check_device(arg, p, q.device())?;
     }
-    let t = codes.dim(0)?;
-    if residuals.dim(0)? != t {
-        bail!("residuals: {} rows, but codes has {t}", residuals.dim(0)?)
-    }
-    check_residuals("residuals", residuals, t, codec.residual_width(dim))?;
     for (arg, p) in [("pair_q", pair_q), ("pair_d", pair_d)] {
         if p.dtype() != DType::U32 || p.rank() != 1 {
             bail!("{arg}: expected a rank-1 U32 tensor, got {:?} {:?}", p.dtype(), p.dims())

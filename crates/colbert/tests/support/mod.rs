@@ -95,9 +95,8 @@ pub fn tmpdir(name: &str) -> PathBuf {
     d
 }
 
-/// PyLate / Sentence Transformers layout: encoder, 1_Dense, ST config.
-pub fn pylate_checkpoint() -> anyhow::Result<PathBuf> {
-    let dir = tmpdir("pylate");
+/// A random tiny BERT encoder in `dir`: config.json and model.safetensors.
+fn random_bert(dir: &Path) -> anyhow::Result<()> {
     std::fs::write(dir.join("config.json"), bert_config().to_string())?;
     let vm = VarMap::new();
     bert::BertModel::load(
@@ -105,6 +104,13 @@ pub fn pylate_checkpoint() -> anyhow::Result<PathBuf> {
         &serde_json::from_value(bert_config())?,
     )?;
     vm.save(dir.join("model.safetensors"))?;
+    Ok(())
+}
+
+/// PyLate / Sentence Transformers layout: encoder, 1_Dense, ST config.
+pub fn pylate_checkpoint() -> anyhow::Result<PathBuf> {
+    let dir = tmpdir("pylate");
+    random_bert(&dir)?;
     std::fs::create_dir_all(dir.join("1_Dense"))?;
     let dense = VarMap::new();
     VarBuilder::from_varmap(&dense, DType::F32, &Device::Cpu).get_with_hints(
@@ -149,13 +155,7 @@ pub fn colbert_ai_checkpoint() -> anyhow::Result<PathBuf> {
 /// all-MiniLM-L6-v2).
 pub fn plain_checkpoint() -> anyhow::Result<PathBuf> {
     let dir = tmpdir("plain");
-    std::fs::write(dir.join("config.json"), bert_config().to_string())?;
-    let vm = VarMap::new();
-    bert::BertModel::load(
-        VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu),
-        &serde_json::from_value(bert_config())?,
-    )?;
-    vm.save(dir.join("model.safetensors"))?;
+    random_bert(&dir)?;
     write_tokenizer(&dir, &[])?;
     Ok(dir)
 }
