@@ -45,17 +45,19 @@ pub use layers::{MaxSim, MaxSimPairwise, EMPTY_DOC_SCORE};
 pub use ops::dense::{
     maxsim, maxsim_pairs, maxsim_pairs_with, maxsim_value_and_grads, maxsim_with, maxsim_with_argmax,
 };
+pub use ops::encoder::{attention_softmax, layer_norm};
 pub use ops::hidden::{
     maxsim_from_hidden, maxsim_from_hidden_is_fused, maxsim_from_hidden_value_and_grads, FromHiddenGrads,
 };
 pub use ops::normalize::l2_normalize;
+pub use ops::optim::{adamw_sum_sq, adamw_update, AdamWStep};
 pub use ops::plaid_approx::{plaid_approx_candidates, plaid_approx_score, plaid_candidates, NO_CENTROID};
 pub use ops::residual::{
     maxsim_residual, maxsim_residual_pairs, maxsim_residual_varlen, nearest_centroids, pack_bucket_indices,
     unpack_bucket_indices, BitOrder, ResidualCodec, NO_DOCUMENT,
 };
 pub use ops::retrieve::{retrieve, TopK};
-pub use ops::rows::scatter_add_rows;
+pub use ops::rows::{add_bias, embedding, scatter_add_rows};
 pub use ops::topk::{topk_rows, TOPK_MAX_K};
 pub use ops::varlen::{maxsim_varlen, score_pairs_packed};
 pub use options::{set_tile_selection, tile_selection, Backward, MaxSimOptions, TileSelection};

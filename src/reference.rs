@@ -433,3 +433,54 @@ pub fn nearest_centroids(x: &Tensor, centroids: &Tensor) -> Result<Tensor> {
     let n = best.len();
     Tensor::from_vec(best, n, x.device())
 }
+
+/// Naive [`crate::attention_softmax`]: scale, bias and softmax as candle ops
+/// in F64, rounded to `scores`' dtype (differentiable by candle's autograd).
+pub fn attention_softmax(scores: &Tensor, bias: &Tensor, scale: f64) -> Result<Tensor> {
+    let x = (scores.to_dtype(DType::F64)? * scale)?.broadcast_add(&bias.to_dtype(DType::F64)?)?;
+    let e = x.broadcast_sub(&x.max_keepdim(D::Minus1)?.detach())?.exp()?;
+    e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?.to_dtype(scores.dtype())
+}
+
+/// Naive [`crate::layer_norm`]: mean, biased variance and the affine map as
+/// candle ops in F64, rounded to `x`'s dtype (differentiable).
+pub fn layer_norm(x: &Tensor, w: &Tensor, b: Option<&Tensor>, eps: f64) -> Result<Tensor> {
+    let x64 = x.to_dtype(DType::F64)?;
+    let xc = x64.broadcast_sub(&x64.mean_keepdim(D::Minus1)?)?;
+    let var = xc.sqr()?.mean_keepdim(D::Minus1)?;
+    let mut y = xc.broadcast_div(&(var + eps)?.sqrt()?)?.broadcast_mul(&w.to_dtype(DType::F64)?)?;
+    if let Some(b) = b {
+        y = y.broadcast_add(&b.to_dtype(DType::F64)?)?;
+    }
+    y.to_dtype(x.dtype())
+}
+
+/// Naive [`crate::embedding`]: candle's `index_select` (differentiable).
+pub fn embedding(table: &Tensor, ids: &Tensor) -> Result<Tensor> {
+    let mut shape = ids.dims().to_vec();
+    shape.push(table.dim(1)?);
+    table.index_select(&ids.flatten_all()?, 0)?.reshape(shape)
+}
+
+/// Naive [`crate::adamw_update`] as torch writes it, in F64, not in place:
+/// the clip factor from `sum_sq` (the squared global gradient norm), then
+/// the new `(p, m, v)`.
+pub fn adamw_update(
+    p: &Tensor,
+    m: &Tensor,
+    v: &Tensor,
+    g: &Tensor,
+    sum_sq: f64,
+    s: &crate::AdamWStep,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let f = |t: &Tensor| t.to_dtype(DType::F64);
+    let clip = if s.max_grad_norm > 0.0 { (s.max_grad_norm / (sum_sq.sqrt() + 1e-6)).min(1.0) } else { 1.0 };
+    let g = (f(g)? * clip)?;
+    let m = ((f(m)? * s.beta1)? + (&g * (1.0 - s.beta1))?)?;
+    let v = ((f(v)? * s.beta2)? + (g.sqr()? * (1.0 - s.beta2))?)?;
+    let t = s.t as i32;
+    let (c1, c2) = (1.0 - s.beta1.powi(t), 1.0 - s.beta2.powi(t));
+    let denom = ((&v / c2)?.sqrt()? + s.eps)?;
+    let p = ((f(p)? * (1.0 - s.lr * s.weight_decay))? - ((&m / c1)? / denom)?.affine(s.lr, 0.0)?)?;
+    Ok((p, m, v))
+}

@@ -1,10 +1,12 @@
 //! CUDA path: PTX modules built from kernels/ by build.rs, picked per device
 //! at run time, and the launch code of each op.
 
+pub(crate) mod encoder;
 mod hidden;
 mod maxsim_bwd;
 mod maxsim_fwd;
 mod normalize;
+pub(crate) mod optim;
 mod params;
 pub(crate) mod plaid_approx;
 mod residual;
@@ -20,7 +22,7 @@ pub(crate) use residual::{
     codes_u32, compress_residual, decompress as decompress_residual, residual_path, residual_scores_tile,
     residual_scores_warp, warp_applies, CodecDev, ResidualPath, WarpDocs, WarpTasks,
 };
-pub(crate) use rows::{add_bias, gather_rows, scatter_add_rows};
+pub(crate) use rows::{add_bias, gather_rows, scatter_add_rows, sum_rows};
 pub(crate) use topk::topk_rows;
 
 use candle_core::backend::BackendStorage;
@@ -133,6 +135,8 @@ const PLAID_APPROX: Modules =
     Modules { sm75: ptx::PLAID_APPROX_SM75, sm80: ptx::PLAID_APPROX_SM80, sm90a: ptx::PLAID_APPROX_SM90A };
 const NORMALIZE: Modules =
     Modules { sm75: ptx::NORMALIZE_SM75, sm80: ptx::NORMALIZE_SM80, sm90a: ptx::NORMALIZE_SM90A };
+const ENCODER: Modules = Modules { sm75: ptx::ENCODER_SM75, sm80: ptx::ENCODER_SM80, sm90a: ptx::ENCODER_SM90A };
+const OPTIM: Modules = Modules { sm75: ptx::OPTIM_SM75, sm80: ptx::OPTIM_SM80, sm90a: ptx::OPTIM_SM90A };
 const TOPK: Modules = Modules { sm75: ptx::TOPK_SM75, sm80: ptx::TOPK_SM80, sm90a: ptx::TOPK_SM90A };
 
 /// Loads `name` from the forward module for this device; raises the dynamic

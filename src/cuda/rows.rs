@@ -118,3 +118,32 @@ pub(crate) fn scatter_add_rows(
     }
     Ok(out)
 }
+
+/// `[C]` F32 column sums of `g` `[R, C]` (contiguous F16/BF16/F32).
+pub(crate) fn sum_rows(g: (&CudaStorage, &Layout)) -> Result<CudaStorage> {
+    let dev = &g.0.device;
+    let (r, c) = g.1.shape().dims2()?;
+    if c > i32::MAX as usize {
+        bail!("x: {c} columns exceed the row-sum kernel's 32-bit column index")
+    }
+    let out = CudaStorage::wrap_cuda_slice(dev.alloc_zeros::<f32>(c.max(1))?, dev.clone());
+    if r * c == 0 {
+        return Ok(out);
+    }
+    let func = load_func(dev, &format!("sum_rows_{}", dtype_tag(g.0.dtype())), 0, "rows", &ROWS)?;
+    let (gp, op) = (storage_ptr(g.0, g.1)?, storage_ptr(&out, &Layout::contiguous(1))?);
+    let (rows, cols) = (r as i64, c as i32);
+    // Enough blocks to fill the device (4 per SM), each at least 64 rows.
+    let bx = c.div_ceil(256);
+    let by = (4 * device_info(dev)?.sm_count.max(1) as usize).div_ceil(bx).clamp(1, r.div_ceil(64).max(1)) as u32;
+    let cfg = LaunchConfig { grid_dim: (bx as u32, by, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+    let stream = dev.cuda_stream();
+    let mut b = stream.launch_builder(&func);
+    b.arg(&gp);
+    b.arg(&op);
+    b.arg(&rows);
+    b.arg(&cols);
+    // SAFETY: (const T*, float*, long long, int) as in rows.cu; g holds rows x cols of T, out cols F32.
+    unsafe { b.launch(cfg) }.w()?;
+    Ok(out)
+}

@@ -4,9 +4,11 @@
 //! projection-head ops call for the parts they do not fuse.
 
 pub(crate) mod dense;
+pub(crate) mod encoder;
 pub(crate) mod hidden;
 pub(crate) mod maxsim;
 pub(crate) mod normalize;
+pub(crate) mod optim;
 pub(crate) mod plaid_approx;
 pub(crate) mod residual;
 pub(crate) mod retrieve;

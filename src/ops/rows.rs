@@ -11,12 +11,83 @@ pub(crate) fn gather_rows(src: &Tensor, idx: &Tensor) -> Result<Tensor> {
     src.contiguous()?.apply_op2_no_bwd(&idx.contiguous()?, &GatherRows)
 }
 
-/// `x + b` for `x` `[R, C]`, `b` `[C]`: added in F32 (F64 for F64) and
-/// rounded once (candle's broadcast add indexes every element through the
-/// broadcast strides).
-pub(crate) fn add_bias(x: &Tensor, b: &Tensor) -> Result<Tensor> {
+/// The rows of an embedding table `[R, C]` (F16, BF16 or F32) picked by
+/// `ids` (U32, any shape), as `[ids…, C]`: a row gather whose backward is a
+/// row scatter-add (candle's `index_select` backward is an `index_add`
+/// that loops over every id in each of C threads, milliseconds for a
+/// training batch's 40 000 tokens). Out-of-range ids give zero rows forward
+/// and an `Err` backward.
+pub fn embedding(table: &Tensor, ids: &Tensor) -> Result<Tensor> {
+    crate::layout::check_rank("table", table, &[2], "rank 2 [R, C]")?;
+    if !matches!(table.dtype(), DType::F16 | DType::BF16 | DType::F32) {
+        bail!("table: expected F16, BF16 or F32 rows, got {:?}", table.dtype())
+    }
+    if ids.dtype() != DType::U32 {
+        bail!("ids: expected U32 token ids, got {:?}", ids.dtype())
+    }
+    crate::layout::check_device("ids", ids, table.device())?;
+    let mut shape = ids.dims().to_vec();
+    shape.push(table.dim(1)?);
+    table.contiguous()?.apply_op2(&ids.flatten_all()?.contiguous()?, GatherRows)?.reshape(shape)
+}
+
+/// `x + b` for `x` `[R, C]` (a float dtype), `b` `[C]`: added in F32 (F64
+/// for F64) and rounded once, in `x`'s dtype. Differentiable: `b`'s gradient
+/// is the column sums of the output's, one kernel (candle's broadcast add
+/// indexes every element through the broadcast strides, and its backward
+/// sums over the leading axis one strided element per thread).
+pub fn add_bias(x: &Tensor, b: &Tensor) -> Result<Tensor> {
+    crate::layout::check_rank("x", x, &[2], "rank 2 [R, C]")?;
+    crate::layout::check_float("x", x)?;
+    if b.dims() != [x.dim(1)?] || !b.dtype().is_float() {
+        bail!("b: expected a float [{}], got {:?} {:?}", x.dim(1)?, b.dtype(), b.dims())
+    }
+    crate::layout::check_device("b", b, x.device())?;
     let acc = if x.dtype() == DType::F64 { DType::F64 } else { DType::F32 };
-    x.contiguous()?.apply_op2_no_bwd(&b.to_dtype(acc)?.contiguous()?, &AddBias)
+    x.contiguous()?.apply_op2(&b.to_dtype(acc)?.contiguous()?, AddBias)
+}
+
+/// The column sums `[C]` F32 of `g` `[R, C]` (F16, BF16 or F32; F64 for F64).
+fn sum_rows(g: &Tensor) -> Result<Tensor> {
+    g.contiguous()?.apply_op1_no_bwd(&SumRows)
+}
+
+struct SumRows;
+
+impl candle_core::CustomOp1 for SumRows {
+    fn name(&self) -> &'static str {
+        "sum_rows"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (_, c) = l.shape().dims2()?;
+        let (a, b) = range(l)?;
+        fn cols<T: Copy>(v: &[T], c: usize, get: impl Fn(T) -> f64) -> Vec<f64> {
+            let mut out = vec![0f64; c];
+            for row in v.chunks(c.max(1)) {
+                for (o, &x) in out.iter_mut().zip(row) {
+                    *o += get(x);
+                }
+            }
+            out
+        }
+        let out = match s {
+            CpuStorage::F16(v) => cols(&v[a..b], c, |x| x.to_f64()),
+            CpuStorage::BF16(v) => cols(&v[a..b], c, |x| x.to_f64()),
+            CpuStorage::F32(v) => cols(&v[a..b], c, |x| x as f64),
+            CpuStorage::F64(v) => return Ok((CpuStorage::F64(cols(&v[a..b], c, |x| x)), Shape::from(c))),
+            s => bail!("sum_rows: expected a float dtype, got {:?}", s.dtype()),
+        };
+        Ok((CpuStorage::F32(out.into_iter().map(|x| x as f32).collect()), Shape::from(c)))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
+        if s.dtype() == DType::F64 {
+            bail!("sum_rows: F64 gradients are summed on the CPU only")
+        }
+        Ok((crate::cuda::sum_rows((s, l))?, Shape::from(l.shape().dims2()?.1)))
+    }
 }
 
 /// The sums `[n_out, C]` F32 of the rows of `src [R, C]` (F16, BF16 or F32)
@@ -147,6 +218,12 @@ impl CustomOp2 for GatherRows {
         let c = ls.shape().dims2()?.1;
         Ok((crate::cuda::gather_rows((s, ls), (i, li))?, Shape::from((li.shape().elem_count(), c))))
     }
+
+    /// The table's gradient: each output row's gradient added to its source row.
+    fn bwd(&self, src: &Tensor, idx: &Tensor, _out: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let dsrc = scatter_add_rows(&g.contiguous()?, idx, src.dim(0)?)?.to_dtype(src.dtype())?;
+        Ok((Some(dsrc), None))
+    }
 }
 
 impl CustomOp2 for AddBias {
@@ -172,6 +249,10 @@ impl CustomOp2 for AddBias {
             (x, b) => bail!("add_bias: internal error, dtypes {:?} / {:?}", x.dtype(), b.dtype()),
         };
         Ok((out, lx.shape().clone()))
+    }
+
+    fn bwd(&self, _x: &Tensor, b: &Tensor, _y: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        Ok((Some(g.clone()), Some(sum_rows(g)?.to_dtype(b.dtype())?)))
     }
 
     #[cfg(feature = "cuda")]

@@ -8,11 +8,13 @@
 mod common;
 
 mod dense;
+mod encoder;
 mod errors;
 mod grads;
 mod hidden;
 mod layers;
 mod normalize;
+mod optim;
 mod plaid_approx;
 mod props;
 mod residual;

@@ -1,0 +1,156 @@
+// Layers of the transformer encoders that candle would otherwise run as a
+// chain of elementwise passes and reductions: the attention softmax and the
+// layer norm, each one kernel forward and one (two for the norm) backward,
+// computed in f32 and rounded once to T. A warp per row, a grid-stride loop
+// over rows; a row is read twice, the second time from cache.
+#include "common.cuh"
+
+#define WARP_ROWS(r, rows)                                                        \
+    const int lane = threadIdx.x % 32;                                            \
+    const long long nw_ = (long long)gridDim.x * blockDim.x / 32;                 \
+    for (long long r = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / 32; r < rows; r += nw_)
+
+// p = softmax(scale * s + bias) over the last axis of s [B, H, Lq, Lk]; the
+// f32 bias of row (b, h, i) starts at bias + b * bias_b + i * bias_i (0
+// strides broadcast). Online max and sum in one pass, then the writes. A row
+// whose every logit is -inf gets zeros.
+template <typename T>
+__device__ void attn_softmax_fwd(const T* s, const float* bias, T* p, long long rows, int lk, int lq, int heads,
+                                 long long bias_b, int bias_i, float scale) {
+    WARP_ROWS(r, rows) {
+        const float* br = bias + (r / ((long long)heads * lq)) * bias_b + (long long)(r % lq) * bias_i;
+        const T* sr = s + r * lk;
+        float m = MAXSIM_NEG_INF, l = 0.f;
+        for (int j = lane; j < lk; j += 32) {
+            const float x = scale * Elem<T>::to_float(sr[j]) + br[j];
+            if (x > m) {
+                l = l * expf(m - x) + 1.f;
+                m = x;
+            } else if (x != MAXSIM_NEG_INF) {
+                l += expf(x - m);
+            }
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const float om = __shfl_xor_sync(0xffffffffu, m, o), ol = __shfl_xor_sync(0xffffffffu, l, o);
+            const float nm = fmaxf(m, om);
+            l = (m == MAXSIM_NEG_INF ? 0.f : l * expf(m - nm)) + (om == MAXSIM_NEG_INF ? 0.f : ol * expf(om - nm));
+            m = nm;
+        }
+        const float inv = (m == MAXSIM_NEG_INF || l == 0.f) ? 0.f : 1.f / l;
+        T* pr = p + r * lk;
+        for (int j = lane; j < lk; j += 32) {
+            const float x = scale * Elem<T>::to_float(sr[j]) + br[j];
+            pr[j] = Elem<T>::from(inv == 0.f ? 0.f : expf(x - m) * inv);
+        }
+    }
+}
+
+// ds = scale * p * (dp - sum(p * dp)) per row.
+template <typename T>
+__device__ void attn_softmax_bwd(const T* p, const T* dp, T* ds, long long rows, int lk, float scale) {
+    WARP_ROWS(r, rows) {
+        const T *pr = p + r * lk, *gr = dp + r * lk;
+        float dot = 0.f;
+        for (int j = lane; j < lk; j += 32) dot += Elem<T>::to_float(pr[j]) * Elem<T>::to_float(gr[j]);
+        dot = warp_sum(dot);
+        for (int j = lane; j < lk; j += 32)
+            ds[r * lk + j] = Elem<T>::from(scale * Elem<T>::to_float(pr[j]) * (Elem<T>::to_float(gr[j]) - dot));
+    }
+}
+
+// Mean and 1 / sqrt(biased variance + eps) of a row, every lane of the warp.
+template <typename T>
+__device__ __forceinline__ void row_stats(const T* xr, int c, int lane, float eps, float& mean, float& rstd) {
+    float s = 0.f;
+    for (int j = lane; j < c; j += 32) s += Elem<T>::to_float(xr[j]);
+    mean = warp_sum(s) / c;
+    float v = 0.f;
+    for (int j = lane; j < c; j += 32) {
+        const float d = Elem<T>::to_float(xr[j]) - mean;
+        v += d * d;
+    }
+    rstd = 1.f / sqrtf(warp_sum(v) / c + eps);
+}
+
+// y = (x - mean) * rstd * w + b over rows of c; w, b f32 (b may be null).
+template <typename T>
+__device__ void layer_norm_fwd(const T* x, const float* w, const float* b, T* y, long long rows, int c, float eps) {
+    WARP_ROWS(r, rows) {
+        const T* xr = x + r * c;
+        float mean, rstd;
+        row_stats(xr, c, lane, eps, mean, rstd);
+        for (int j = lane; j < c; j += 32)
+            y[r * c + j] = Elem<T>::from((Elem<T>::to_float(xr[j]) - mean) * rstd * w[j] + (b ? b[j] : 0.f));
+    }
+}
+
+// dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dy * w.
+template <typename T>
+__device__ void layer_norm_bwd_x(const T* x, const float* w, const T* dy, T* dx, long long rows, int c, float eps) {
+    WARP_ROWS(r, rows) {
+        const T *xr = x + r * c, *gr = dy + r * c;
+        float mean, rstd;
+        row_stats(xr, c, lane, eps, mean, rstd);
+        float sg = 0.f, sgx = 0.f;
+        for (int j = lane; j < c; j += 32) {
+            const float g = Elem<T>::to_float(gr[j]) * w[j];
+            sg += g;
+            sgx += g * (Elem<T>::to_float(xr[j]) - mean) * rstd;
+        }
+        sg = warp_sum(sg) / c;
+        sgx = warp_sum(sgx) / c;
+        for (int j = lane; j < c; j += 32) {
+            const float xh = (Elem<T>::to_float(xr[j]) - mean) * rstd;
+            dx[r * c + j] = Elem<T>::from(rstd * (Elem<T>::to_float(gr[j]) * w[j] - sg - xh * sgx));
+        }
+    }
+}
+
+// dwb[0:c] += sum over rows of dy * xhat, dwb[c:2c] += sum of dy (dwb zeroed
+// by the host): each block sums its rows in shared memory (2c floats), then
+// one global atomic per column.
+template <typename T>
+__device__ void layer_norm_bwd_wb(const T* x, const T* dy, float* dwb, long long rows, int c, float eps) {
+    extern __shared__ float acc[];
+    for (int j = threadIdx.x; j < 2 * c; j += blockDim.x) acc[j] = 0.f;
+    __syncthreads();
+    WARP_ROWS(r, rows) {
+        const T *xr = x + r * c, *gr = dy + r * c;
+        float mean, rstd;
+        row_stats(xr, c, lane, eps, mean, rstd);
+        for (int j = lane; j < c; j += 32) {
+            const float g = Elem<T>::to_float(gr[j]);
+            atomicAdd(acc + j, g * (Elem<T>::to_float(xr[j]) - mean) * rstd);
+            atomicAdd(acc + c + j, g);
+        }
+    }
+    __syncthreads();
+    for (int j = threadIdx.x; j < 2 * c; j += blockDim.x) atomicAdd(dwb + j, acc[j]);
+}
+
+#define ENCODER_KERNELS(NAME, T)                                                                               \
+    extern "C" __global__ void attn_softmax_fwd_##NAME(const T* s, const float* bias, T* p, long long rows,      \
+                                                       int lk, int lq, int heads, long long bias_b, int bias_i, \
+                                                       float scale) {                                          \
+        attn_softmax_fwd(s, bias, p, rows, lk, lq, heads, bias_b, bias_i, scale);                              \
+    }                                                                                                          \
+    extern "C" __global__ void attn_softmax_bwd_##NAME(const T* p, const T* dp, T* ds, long long rows, int lk,   \
+                                                       float scale) {                                          \
+        attn_softmax_bwd(p, dp, ds, rows, lk, scale);                                                          \
+    }                                                                                                          \
+    extern "C" __global__ void layer_norm_fwd_##NAME(const T* x, const float* w, const float* b, T* y,          \
+                                                     long long rows, int c, float eps) {                       \
+        layer_norm_fwd(x, w, b, y, rows, c, eps);                                                              \
+    }                                                                                                          \
+    extern "C" __global__ void layer_norm_bwd_x_##NAME(const T* x, const float* w, const T* dy, T* dx,          \
+                                                       long long rows, int c, float eps) {                     \
+        layer_norm_bwd_x(x, w, dy, dx, rows, c, eps);                                                          \
+    }                                                                                                          \
+    extern "C" __global__ void layer_norm_bwd_wb_##NAME(const T* x, const T* dy, float* dwb, long long rows,    \
+                                                        int c, float eps) {                                    \
+        layer_norm_bwd_wb(x, dy, dwb, rows, c, eps);                                                           \
+    }
+ENCODER_KERNELS(f16, __half)
+ENCODER_KERNELS(bf16, __nv_bfloat16)
+ENCODER_KERNELS(f32, float)

@@ -1,0 +1,162 @@
+//! `attention_softmax`, `layer_norm` and `embedding` (src/ops/encoder.rs,
+//! src/ops/rows.rs) against their naive versions in `reference`: forward
+//! values and, through candle's autograd of the naive side in F64, every
+//! gradient.
+
+use crate::common::*;
+use candle_core::{DType, Device, Result, Tensor, Var};
+use candle_maxsim::{self as ms, reference};
+
+/// A random additive mask `[b, 1, lb, lk]`: 0 where attended, `f32::MIN`
+/// elsewhere, every row keeping its first key (plus, in batch 0, a fully
+/// masked row when `lb > 1`).
+fn mask_bias(b: usize, lb: usize, lk: usize, dev: &Device) -> Result<Tensor> {
+    let keep = Tensor::rand(0f32, 1f32, (b, 1, lb, lk), &Device::Cpu)?.ge(0.3)?.to_dtype(DType::F32)?;
+    let mut v: Vec<f32> = keep.flatten_all()?.to_vec1()?;
+    for (i, x) in v.iter_mut().enumerate() {
+        let (row, col) = (i / lk, i % lk);
+        *x = if col == 0 || *x > 0.5 { 0.0 } else { f32::MIN };
+        if lb > 1 && row == 1 {
+            *x = f32::MIN;
+        }
+    }
+    Tensor::from_vec(v, (b, 1, lb, lk), dev)
+}
+
+fn softmax_case(
+    dev: &Device,
+    (b, h, lq, lk): (usize, usize, usize, usize),
+    lb: usize,
+    dt: DType,
+    tol: f64,
+) -> Result<()> {
+    let cpu = Device::Cpu;
+    let what = format!("attention_softmax [{b}, {h}, {lq}, {lk}] bias rows {lb} {dt:?} on {dev:?}");
+    let s = (randn(&[b, h, lq, lk], DType::F32, &cpu)? * 3.0)?.to_dtype(dt)?;
+    let bias = mask_bias(b, lb, lk, &cpu)?;
+    let w = randn(&[b, h, lq, lk], dt, &cpu)?.to_dtype(DType::F64)?;
+    let scale = 0.125;
+    let sv = Var::from_tensor(&s.to_device(dev)?)?;
+    let p = ms::attention_softmax(sv.as_tensor(), &bias.to_device(dev)?, scale)?;
+    assert_eq!(p.dtype(), dt);
+    let g = p.to_dtype(DType::F64)?.mul(&w.to_device(dev)?)?.sum_all()?.backward()?;
+    let gs = g.get(sv.as_tensor()).expect("grad of scores").to_device(&cpu)?;
+    let sn = Var::from_tensor(&s.to_dtype(DType::F64)?)?;
+    let pn = reference::attention_softmax(sn.as_tensor(), &bias, scale)?;
+    let gn = pn.mul(&w)?.sum_all()?.backward()?.get(sn.as_tensor()).expect("grad").clone();
+    assert_close(&format!("{what} forward"), &p, &pn, tol)?;
+    assert_close(&format!("{what} grad"), &gs, &gn, tol)?;
+    Ok(())
+}
+
+/// Key lengths within one and across several 32-lane passes, a bias per
+/// batch (`[B, 1, 1, Lk]`, BERT's padding) and per query row (ModernBERT's
+/// window), masked keys and a fully masked row.
+fn attention_softmax_matches_reference(dev: &Device) -> Result<()> {
+    for (dt, tol) in [(DType::F32, 1e-5), (DType::F16, 2e-3), (DType::BF16, 1e-2)] {
+        for (shape, lb) in [((2, 3, 5, 7), 1), ((2, 2, 9, 40), 9), ((3, 4, 33, 180), 1), ((1, 2, 4, 700), 4)] {
+            softmax_case(dev, shape, lb, dt, tol)?;
+        }
+    }
+    Ok(())
+}
+
+test_device!(
+    attention_softmax_matches_reference,
+    attention_softmax_matches_reference_cpu,
+    attention_softmax_matches_reference_cuda
+);
+
+/// Bad shapes and dtypes are errors naming the argument.
+fn attention_softmax_rejects_bad_input(dev: &Device) -> Result<()> {
+    let s = randn(&[2, 3, 4, 5], DType::F32, dev)?;
+    let err = |r: Result<Tensor>| r.err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(err(ms::attention_softmax(&s, &Tensor::zeros((2, 1, 1, 4), DType::F32, dev)?, 1.0)).starts_with("bias"));
+    assert!(err(ms::attention_softmax(&s, &Tensor::zeros((2, 1, 1, 5), DType::F16, dev)?, 1.0)).starts_with("bias"));
+    assert!(
+        err(ms::attention_softmax(&s.get(0)?, &Tensor::zeros((1, 1, 5), DType::F32, dev)?, 1.0)).starts_with("scores")
+    );
+    Ok(())
+}
+
+test_device!(
+    attention_softmax_rejects_bad_input,
+    attention_softmax_rejects_bad_input_cpu,
+    attention_softmax_rejects_bad_input_cuda
+);
+
+fn layer_norm_case(dev: &Device, rows: usize, c: usize, bias: bool, dt: DType, tol: f64) -> Result<()> {
+    let cpu = Device::Cpu;
+    let what = format!("layer_norm {rows}x{c} bias {bias} {dt:?} on {dev:?}");
+    let x = randn(&[rows, 1, c], DType::F32, &cpu)?.affine(2.0, 0.5)?.to_dtype(dt)?;
+    let w = randn(&[c], DType::F32, &cpu)?.affine(0.5, 1.0)?;
+    let b = randn(&[c], DType::F32, &cpu)?;
+    let up = randn(&[rows, 1, c], dt, &cpu)?.to_dtype(DType::F64)?;
+    let eps = 1e-5;
+    let (xv, wv, bv) = (
+        Var::from_tensor(&x.to_device(dev)?)?,
+        Var::from_tensor(&w.to_device(dev)?)?,
+        Var::from_tensor(&b.to_device(dev)?)?,
+    );
+    let y = ms::layer_norm(xv.as_tensor(), wv.as_tensor(), bias.then_some(bv.as_tensor()), eps)?;
+    assert_eq!(y.dtype(), dt);
+    let g = y.to_dtype(DType::F64)?.mul(&up.to_device(dev)?)?.sum_all()?.backward()?;
+    let (xn, wn, bn) = (
+        Var::from_tensor(&x.to_dtype(DType::F64)?)?,
+        Var::from_tensor(&w.to_dtype(DType::F64)?)?,
+        Var::from_tensor(&b.to_dtype(DType::F64)?)?,
+    );
+    let yn = reference::layer_norm(xn.as_tensor(), wn.as_tensor(), bias.then_some(bn.as_tensor()), eps)?;
+    let gn = yn.mul(&up)?.sum_all()?.backward()?;
+    assert_close(&format!("{what} forward"), &y, &yn, tol)?;
+    let grad = |g: &candle_core::backprop::GradStore, v: &Var| g.get(v.as_tensor()).expect("grad").to_device(&cpu);
+    assert_close(&format!("{what} dx"), &grad(&g, &xv)?, &grad(&gn, &xn)?, tol)?;
+    // dw and db sum over rows: relative to the sum of |terms|, as the sum's size grows with them.
+    let tol_w = tol * (rows as f64).sqrt();
+    assert_close(&format!("{what} dw"), &grad(&g, &wv)?, &grad(&gn, &wn)?, tol_w)?;
+    if bias {
+        assert_close(&format!("{what} db"), &grad(&g, &bv)?, &grad(&gn, &bn)?, tol_w)?;
+    } else {
+        assert!(g.get(bv.as_tensor()).is_none());
+    }
+    Ok(())
+}
+
+/// Row widths within one and across several lanes' passes (BERT's 384 and
+/// 768), more rows than the CUDA grid has warps, with and without a bias.
+fn layer_norm_matches_reference(dev: &Device) -> Result<()> {
+    for (dt, tol) in [(DType::F32, 1e-5), (DType::F16, 3e-3), (DType::BF16, 2e-2)] {
+        for (rows, c, bias) in [(7, 5, true), (37, 33, false), (300, 384, true), (5000, 96, true), (40, 768, false)] {
+            layer_norm_case(dev, rows, c, bias, dt, tol)?;
+        }
+    }
+    Ok(())
+}
+
+test_device!(layer_norm_matches_reference, layer_norm_matches_reference_cpu, layer_norm_matches_reference_cuda);
+
+/// The embedding gather and its scatter-add backward (repeated ids sum).
+fn embedding_matches_index_select(dev: &Device) -> Result<()> {
+    let cpu = Device::Cpu;
+    for dt in [DType::F32, DType::F16, DType::BF16] {
+        let table = randn(&[50, 24], dt, &cpu)?;
+        let ids: Vec<u32> = (0..3 * 70).map(|i| (i * 7 + i / 5) as u32 % 50).collect();
+        let ids = Tensor::from_vec(ids, (3, 70), &cpu)?;
+        let up = randn(&[3, 70, 24], DType::F32, &cpu)?;
+        let tv = Var::from_tensor(&table.to_device(dev)?)?;
+        let e = ms::embedding(tv.as_tensor(), &ids.to_device(dev)?)?;
+        assert_eq!(e.dims(), [3, 70, 24]);
+        let g = e.to_dtype(DType::F32)?.mul(&up.to_device(dev)?)?.sum_all()?.backward()?;
+        let tn = Var::from_tensor(&table.to_dtype(DType::F32)?)?;
+        let en = reference::embedding(tn.as_tensor(), &ids)?;
+        let gn = en.mul(&up)?.sum_all()?.backward()?;
+        assert_close(&format!("embedding {dt:?} on {dev:?}"), &e.to_dtype(DType::F32)?, &en, 1e-7)?;
+        let tol = if dt == DType::F32 { 1e-5 } else { 1e-2 };
+        let gt = g.get(tv.as_tensor()).expect("grad").to_device(&cpu)?;
+        assert_eq!(gt.dtype(), dt);
+        assert_close(&format!("embedding grad {dt:?} on {dev:?}"), &gt, gn.get(tn.as_tensor()).expect("grad"), tol)?;
+    }
+    Ok(())
+}
+
+test_device!(embedding_matches_index_select, embedding_matches_index_select_cpu, embedding_matches_index_select_cuda);
