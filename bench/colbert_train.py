@@ -26,8 +26,13 @@ lr 3e-5, 5 % linear warm-up then linear decay, AdamW, gradient clipping at
      projection, [Q] / [D] markers), in the PyLate layout both stacks load;
   2. trains it with BIN and with Sentence Transformers, each in its own
      process (wall time of the training loop, peak device memory);
-  3. times BIN's training step by phase (--profile);
-  4. evaluates the start and both trained models on the BoolQ dev split
+  3. times BIN's training step by phase (--profile), on the BoolQ triples
+     and (phase `step`) on DATA/train7.jsonl (made here: each train query,
+     its passage and 7 other train passages drawn at random, seeded) against
+     Sentence Transformers' step with late-interaction-kernels 0.4.5 scoring
+     and with its own (st6-step); phase `memory` finds the largest batch of
+     the cached and the plain contrastive loss that trains on the device;
+  4. evaluates the untrained MiniLM (its token embeddings, `eval-raw`), the start and both trained models on the BoolQ dev split
      (3 270 queries ranking all 12 271 passages, MRR@10, Recall@10) with
      both stacks, in F32, and compares their scores of the same model.
 Prints JSON lines (also to WORK/results.jsonl).
@@ -225,6 +230,112 @@ def st6_train_loop(a, model, rows, loss_fn, why):
                       "first_loss": losses[0], "last_loss": losses[-1], "train_loss": sum(losses) / len(losses)}))
 
 
+def st6_step(a):
+    """One training step of Sentence Transformers 6, written out as its trainer
+    runs it (bf16 autocast, fused AdamW, clipping), timed by phase with a
+    synchronization between phases, then pipelined (no synchronization) for
+    the wall time per step. Scoring: late-interaction-kernels' `maxsim` or
+    Sentence Transformers' own `colbert_scores`."""
+    import torch
+    import torch.nn.functional as F
+    from sentence_transformers import MultiVectorEncoder
+    from sentence_transformers.base.losses.merged_forward import embed_columns_padded
+    from sentence_transformers.multi_vector_encoder.losses import multiple_negatives_ranking as mnrl
+    from sentence_transformers.multi_vector_encoder.scoring import colbert_scores
+
+    rows = [json.loads(l) for l in open(a.train) if l.strip()]
+    negs = rows[0]["negative"] if isinstance(rows[0]["negative"], list) else [rows[0]["negative"]]
+    n_neg = len(negs)
+    model = MultiVectorEncoder(a.init, device="cuda")
+    model.train()
+    if a.scoring == "lik":
+        import late_interaction_kernels as lik
+
+        def score(q, d, queries_mask=None, documents_mask=None):
+            nd, n, ld, dim = d.shape
+            return lik.maxsim(q, d.reshape(nd * n, ld, dim), queries_mask.bool(), documents_mask.reshape(nd * n, ld).bool())
+    else:
+        score = colbert_scores
+    opt = torch.optim.AdamW(model.parameters(), lr=HYPER["lr"], weight_decay=0.0, fused=True)
+    bs = a.batch_size
+
+    def feats(texts, prompt, task):
+        f = model.preprocess(texts, prompt=prompt, task=task)
+        f = {k: v.to("cuda", non_blocking=True) if torch.is_tensor(v) else v for k, v in f.items()}
+        f["task"] = task
+        return f
+
+    def batch(s):
+        b = [rows[(s * bs + i) % len(rows)] for i in range(bs)]
+        neg = lambda r: r["negative"] if isinstance(r["negative"], list) else [r["negative"]]
+        cols = [[r["query"] for r in b], [r["positive"] for r in b]] + [[neg(r)[k] for r in b] for k in range(n_neg)]
+        return [feats(cols[0], "[Q] ", "query")] + [feats(c, "[D] ", "document") for c in cols[1:]]
+
+    def step(f, lap):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            qo = model(f[0], task="query")
+            q, qm = qo["token_embeddings"], qo["attention_mask"].bool()
+            de, dm = embed_columns_padded(model, f[1:], None, task_default="document")
+            d, dmask = mnrl.stack_padded_token_embeddings(de, dm)
+            lap("encode (forward)")
+            scores = score(q, d, queries_mask=qm, documents_mask=dmask)
+            loss = F.cross_entropy(scores * HYPER["scale"], torch.arange(bs, device="cuda") * (1 + n_neg))
+        lap("scores + loss")
+        loss.backward()
+        lap("backward")
+        torch.nn.utils.clip_grad_norm_(model.parameters(), HYPER["max_grad_norm"])
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        lap("optimizer")
+        return loss
+
+    parts = {}
+    for s in range(a.steps + 3):
+        torch.cuda.synchronize()
+        t = [time.perf_counter()]
+
+        def lap(name):
+            torch.cuda.synchronize()
+            now = time.perf_counter()
+            if s >= 3:
+                parts.setdefault(name, []).append((now - t[0]) * 1e3)
+            t[0] = now
+
+        f = batch(s)
+        lap("tokenize")
+        step(f, lap)
+    med = lambda v: sorted(v)[len(v) // 2]
+    for k, v in parts.items():
+        print(json.dumps({"phase": "profile", "part": k, "median_ms": med(v), "scoring": a.scoring}))
+    print(json.dumps({"phase": "profile", "part": "step (phases synchronized)", "median_ms": sum(med(v) for v in parts.values()),
+                      "batch": bs, "documents_per_query": 1 + n_neg, "scoring": a.scoring}))
+    # Pipelined: tokenization in the loop (as the trainer's collator in the main process), no synchronization.
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for s in range(a.steps):
+        loss = step(batch(s), lambda _: None)
+    float(loss)
+    torch.cuda.synchronize()
+    print(json.dumps({"phase": "profile", "part": "step (trainer)", "mean_ms": (time.perf_counter() - t0) * 1e3 / a.steps,
+                      "batch": bs, "documents_per_query": 1 + n_neg, "scoring": a.scoring,
+                      "peak_allocated_mb": torch.cuda.max_memory_allocated() / 2**20}))
+
+
+def make_train7(data, out, k=7, seed=0):
+    """DATA/train.jsonl with `k` negatives per query: other train passages at random (seeded)."""
+    rows = [json.loads(l) for l in open(data + "/train.jsonl") if l.strip()]
+    pool = sorted({r["positive"] for r in rows})
+    rng = random.Random(seed)
+    with open(out, "w") as f:
+        for r in rows:
+            negs = []
+            while len(negs) < k:
+                n = rng.choice(pool)
+                if n != r["positive"] and n not in negs:
+                    negs.append(n)
+            f.write(json.dumps({"query": r["query"], "positive": r["positive"], "negative": negs}) + "\n")
+
+
 def st6_eval(a):
     """MRR@10 and Recall@10 of a checkpoint as Sentence Transformers 6 loads
     and encodes it, scored with exact MaxSim in torch (F32, padded rows masked)."""
@@ -312,6 +423,24 @@ def run(a):
         step("train sentence-transformers", me + ["st6-train", "--init", W("init"), "--train", D + "/train.jsonl", "--out", W("st6")])
     if "profile" in ph:
         step("profile ours", [B, "--train", D + "/train.jsonl", "--model-dir", W("init"), "--profile", "20", *flags])
+    if "step" in ph:
+        t7 = W("train7.jsonl")
+        make_train7(D, t7)
+        step("step ours 1+7", [B, "--train", t7, "--model-dir", W("init"), "--profile", "10", *flags])
+        for sc in a.step_scoring.split(","):
+            step("step sentence-transformers 1+7 " + sc, me + ["st6-step", "--init", W("init"), "--train", t7, "--scoring", sc])
+    if "memory" in ph:
+        # The largest batch each loss trains at (one step; BoolQ triples, documents <= 180 tokens).
+        for loss, sizes in (("contrastive", (256, 1024, 2048, 4096, 8192)), ("cached", (8192,))):
+            for bs in sizes:
+                f2 = [x if x != str(h["batch_size"]) else str(bs) for x in flags]
+                rows = step("memory ours %s %d" % (loss, bs), [B, "--train", D + "/train.jsonl", "--model-dir", W("init"), "--out", W("mem"),
+                                                          "--loss", loss, "--mini-batch", "32", "--max-steps", "1", *f2])
+                if not any(r.get("phase") == "train" for r in rows):
+                    break
+    if "eval-raw" in ph:
+        step("eval ours raw-minilm", [B, "--eval-only", "--eval", D + "/beir", "--eval-split", "dev", "--model-dir", D + "/minilm",
+                                       "--dtype", "f32", "--cuda"])
     for name in [n for n in ("init", "ours", "st6") if "eval" in ph or "eval-" + n in ph]:
         scores = W(name + "-scores.npy")
         step("eval ours " + name, [B, "--eval-only", "--eval", D + "/beir", "--eval-split", "dev", "--model-dir", W(name),
@@ -331,18 +460,25 @@ def main():
     s.add_argument("--train-bin", required=True)
     s.add_argument("--data", required=True)
     s.add_argument("--work", required=True)
-    s.add_argument("--phases", default="train,profile,eval", help="of train, profile, eval (or eval-init, eval-ours, eval-st6)")
+    s.add_argument("--phases", default="train,profile,eval", help="of train, profile, step, memory, eval (or eval-raw, eval-init, eval-ours, eval-st6)")
+    s.add_argument("--step-scoring", default="lik,st6", help="Sentence Transformers' scoring in the step phase: lik, st6 or both")
     s = sub.add_parser("st6-train")
     s.add_argument("--init", required=True)
     s.add_argument("--train", required=True)
     s.add_argument("--out", required=True)
+    s = sub.add_parser("st6-step")
+    s.add_argument("--init", required=True)
+    s.add_argument("--train", required=True)
+    s.add_argument("--scoring", choices=("lik", "st6"), default="lik")
+    s.add_argument("--batch-size", type=int, default=32)
+    s.add_argument("--steps", type=int, default=10)
     s = sub.add_parser("st6-eval")
     s.add_argument("--model", required=True)
     s.add_argument("--beir", required=True)
     s.add_argument("--split", default="dev")
     s.add_argument("--compare", help="our scores (.npy) of the first queries over the first documents")
     a = p.parse_args()
-    {"prepare": prepare, "run": run, "st6-train": st6_train, "st6-eval": st6_eval}[a.cmd](a)
+    {"prepare": prepare, "run": run, "st6-train": st6_train, "st6-step": st6_step, "st6-eval": st6_eval}[a.cmd](a)
 
 
 if __name__ == "__main__":

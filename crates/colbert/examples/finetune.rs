@@ -53,6 +53,12 @@ struct Args {
     /// 256 corpus documents to this .npy file (F32), to compare with another stack.
     #[arg(long = "dump-scores")]
     dump_scores: Option<PathBuf>,
+    /// With --eval-only: write the --eval corpus's token embeddings to DIR
+    /// (emb.npy `[T, dim]` F16 packed, scored tokens only; lens.npy) and its
+    /// queries' (queries.npy `[Nq, Lq, dim]` F16, unscored tokens zero), for
+    /// indexing benchmarks on real text.
+    #[arg(long = "export", value_name = "DIR")]
+    export: Option<PathBuf>,
     /// The starting checkpoint (PyLate / Sentence Transformers, colbert-ai, or a plain BERT / ModernBERT).
     #[arg(long = "model-dir")]
     model_dir: PathBuf,
@@ -150,6 +156,9 @@ fn main() -> Result<()> {
             let s = candle_maxsim::maxsim(&qe, &de, Some(&qm), Some(&dm))?.to_dtype(DType::F32)?;
             s.to_device(&Device::Cpu)?.write_npy(path)?;
         }
+        if let Some(dir) = &a.export {
+            export(&m, set, dir)?;
+        }
         println!(
             "{}",
             serde_json::json!({"phase": "eval", "model": a.model_dir, "queries": set.queries.len(), "corpus": set.corpus.len(),
@@ -180,7 +189,7 @@ fn main() -> Result<()> {
         LossKind::MarginMse => Loss::MarginMse,
     };
     if let Some(n) = a.profile {
-        return profile(&model, &data, loss, a.batch_size, n, &dev);
+        return profile(&mut model, &data, loss, a.batch_size, n, &dev);
     }
     let Some(out) = &a.out else { bail!("--out is needed to train") };
     let cfg = TrainConfig {
@@ -217,8 +226,58 @@ fn main() -> Result<()> {
 
 /// Times `n` training steps (after one warm-up) by phase, the device
 /// synchronized between phases; prints the median of each.
+/// The embeddings of `set` for an index (see `--export`).
+fn export(m: &ColBert, set: &EvalSet, dir: &std::path::Path) -> Result<()> {
+    std::fs::create_dir_all(dir)?;
+    let (mut parts, mut lens) = (Vec::new(), Vec::<i64>::new());
+    for chunk in set.corpus.chunks(64) {
+        let texts: Vec<&str> = chunk.iter().map(String::as_str).collect();
+        let (d, dm) = m.encode_documents(&texts)?;
+        let (n, l, dim) = d.dims3()?;
+        let keep: Vec<u8> = dm.flatten_all()?.to_vec1()?;
+        let rows: Vec<u32> = (0..(n * l) as u32).filter(|&r| keep[r as usize] != 0).collect();
+        lens.extend(keep.chunks(l).map(|k| k.iter().map(|&v| v as i64).sum::<i64>()));
+        let nr = rows.len();
+        let rows = candle_core::Tensor::from_vec(rows, nr, d.device())?;
+        parts.push(d.reshape((n * l, dim))?.index_select(&rows, 0)?.to_dtype(DType::F16)?.to_device(&Device::Cpu)?);
+    }
+    write_f16_npy(&dir.join("emb.npy"), &candle_core::Tensor::cat(&parts, 0)?)?;
+    let nd = lens.len();
+    candle_core::Tensor::from_vec(lens, nd, &Device::Cpu)?.write_npy(dir.join("lens.npy"))?;
+    let mut qs = Vec::new();
+    for chunk in set.queries.chunks(256) {
+        let texts: Vec<&str> = chunk.iter().map(String::as_str).collect();
+        let (q, qm) = m.encode_queries(&texts)?;
+        let q = q.broadcast_mul(&qm.to_dtype(q.dtype())?.unsqueeze(2)?)?;
+        qs.push(q.to_dtype(DType::F16)?.to_device(&Device::Cpu)?);
+    }
+    write_f16_npy(&dir.join("queries.npy"), &candle_core::Tensor::cat(&qs, 0)?)?;
+    Ok(())
+}
+
+/// An F16 tensor as a .npy file, its bytes written at once (candle's
+/// `write_npy` formats element by element: a minute for 300 MB).
+fn write_f16_npy(path: &std::path::Path, t: &candle_core::Tensor) -> Result<()> {
+    let shape: Vec<String> = t.dims().iter().map(|d| d.to_string()).collect();
+    let shape = if shape.len() == 1 { format!("{},", shape[0]) } else { shape.join(", ") };
+    let mut header = format!("{{'descr': '<f2', 'fortran_order': False, 'shape': ({shape}), }}");
+    while (10 + header.len() + 1) % 64 != 0 {
+        header.push(' ');
+    }
+    header.push('\n');
+    let mut bytes = b"\x93NUMPY\x01\x00".to_vec();
+    bytes.extend((header.len() as u16).to_le_bytes());
+    bytes.extend(header.as_bytes());
+    let v: Vec<half::f16> = t.flatten_all()?.to_vec1()?;
+    for x in v {
+        bytes.extend(x.to_le_bytes());
+    }
+    std::fs::write(path, bytes)?;
+    Ok(())
+}
+
 fn profile(
-    model: &TrainableColBert,
+    model: &mut TrainableColBert,
     data: &[train::Example],
     loss: Loss,
     batch: usize,
@@ -265,8 +324,7 @@ fn profile(
                 grads.insert(name.clone(), x.clone());
             }
         }
-        train::optim::AdamW::clip(&mut grads, 1.0)?;
-        opt.apply(&grads, 3e-5)?;
+        opt.apply(&grads, 3e-5, 1.0)?;
         let t_opt = lap(&mut t)?;
         if s > 0 {
             times.push([t_tok, t_enc, t_score, t_bwd, t_opt]);
@@ -283,8 +341,20 @@ fn profile(
     }
     println!(
         "{}",
-        serde_json::json!({"phase": "profile", "part": "step", "median_ms": total, "batch": batch,
-        "documents_per_query": data[0].documents.len()})
+        serde_json::json!({"phase": "profile", "part": "step (phases synchronized)", "median_ms": total,
+        "batch": batch, "documents_per_query": data[0].documents.len()})
+    );
+    // The same steps as the trainer runs them (tokenization ahead on a thread, no
+    // synchronization but the loss read back): the wall time per step.
+    let cfg = train::TrainConfig { batch_size: batch, max_steps: Some(n), loss, ..Default::default() };
+    let shown: Vec<train::Example> = (0..batch * (n + 1)).map(|i| data[i % data.len()].clone()).collect();
+    let out = std::env::temp_dir().join(format!("candle-maxsim-profile-{}", std::process::id()));
+    let report = train::train(model, &shown, None, &cfg, &out, None)?;
+    let _ = std::fs::remove_dir_all(&out);
+    println!(
+        "{}",
+        serde_json::json!({"phase": "profile", "part": "step (trainer)", "mean_ms": report.seconds * 1e3 / n as f64,
+        "batch": batch, "documents_per_query": data[0].documents.len(), "note": "mean over the steps, the first included"})
     );
     Ok(())
 }

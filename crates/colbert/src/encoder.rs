@@ -5,8 +5,8 @@
 //! call (weights are cast to it, so F32 master weights train in BF16).
 //!
 //! Attention masks are additive biases of `f32::MIN` (finite), added to
-//! the scores in F32 and followed by an F32 softmax, as transformers' eager
-//! attention does: no `0 · -inf` (the NaN of a mask built by multiplying in
+//! the scores in F32 before an F32 softmax (one fused op,
+//! `candle_maxsim::attention_softmax`), as transformers' eager attention does: no `0 · -inf` (the NaN of a mask built by multiplying in
 //! F16) and no all-`-inf` row (a padding row attends uniformly, like
 //! transformers', instead of producing NaN that would reach the valid rows
 //! through the values).
@@ -22,25 +22,12 @@ fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
     let rows = x.elem_count() / inner.max(1);
     let mut y = x.reshape((rows, inner))?.matmul(&w.t()?)?;
     if let Some(b) = b {
-        y = y.broadcast_add(&b.to_dtype(x.dtype())?)?;
+        // One fused op with a one-kernel backward (the column sums).
+        y = candle_maxsim::add_bias(&y, b)?;
     }
     let mut shape = dims;
     *shape.last_mut().unwrap() = out;
     y.reshape(shape)
-}
-
-/// Layer normalization over the last dim, computed in F32, returned in `x`'s dtype.
-fn layer_norm(x: &Tensor, w: &Tensor, b: Option<&Tensor>, eps: f64) -> Result<Tensor> {
-    let dt = x.dtype();
-    let x = x.to_dtype(DType::F32)?;
-    let mean = x.mean_keepdim(D::Minus1)?;
-    let xc = x.broadcast_sub(&mean)?;
-    let var = xc.sqr()?.mean_keepdim(D::Minus1)?;
-    let mut y = xc.broadcast_div(&(var + eps)?.sqrt()?)?.broadcast_mul(&w.to_dtype(DType::F32)?)?;
-    if let Some(b) = b {
-        y = y.broadcast_add(&b.to_dtype(DType::F32)?)?;
-    }
-    y.to_dtype(dt)
 }
 
 /// A layer-norm's weight (and bias), named `weight`/`bias` or, in older
@@ -60,24 +47,19 @@ impl Norm {
         };
         Ok(Self { w, b, eps })
     }
+    /// In F32, returned in `x`'s dtype (one fused op, and one backward).
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        layer_norm(x, &self.w, self.b.as_ref(), self.eps)
+        candle_maxsim::layer_norm(x, &self.w, self.b.as_ref(), self.eps)
     }
-}
-
-/// Softmax over the last dim in F32 (the max is a constant of the backward).
-fn softmax_f32(x: &Tensor) -> Result<Tensor> {
-    let x = x.to_dtype(DType::F32)?;
-    let e = x.broadcast_sub(&x.max_keepdim(D::Minus1)?.detach())?.exp()?;
-    e.broadcast_div(&e.sum_keepdim(D::Minus1)?)
 }
 
 /// Scaled dot-product attention of `q, k, v [B, H, L, dh]` with an
 /// additive F32 bias broadcast to `[B, H, L, L]`; returns `[B, L, H·dh]`.
 fn attention(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor) -> Result<Tensor> {
     let (b, h, l, dh) = q.dims4()?;
-    let scores = (q.contiguous()?.matmul(&k.t()?.contiguous()?)? * (dh as f64).powf(-0.5))?;
-    let p = softmax_f32(&scores.to_dtype(DType::F32)?.broadcast_add(bias)?)?.to_dtype(q.dtype())?;
+    let scores = q.contiguous()?.matmul(&k.t()?.contiguous()?)?;
+    // Scaled, biased and normalized in F32 in one op, rounded once.
+    let p = candle_maxsim::attention_softmax(&scores, bias, (dh as f64).powf(-0.5))?;
     p.matmul(&v.contiguous()?)?.transpose(1, 2)?.reshape((b, l, h * dh))
 }
 
@@ -203,11 +185,13 @@ impl Bert {
         }
         let dev = ids.device();
         let pos = Tensor::arange(0u32, l as u32, dev)?;
-        let x = self.word.embedding_rows(&ids.flatten_all()?)?.reshape((b, l, ()))?;
-        let x = x.broadcast_add(&self.position.embedding_rows(&pos)?)?.broadcast_add(&self.token_type.get(0)?)?;
+        let h = self.word.dim(1)?;
+        // Word + position + token type 0, each added as a bias of rows (`[B, L·H]`, then `[B·L, H]`).
+        let x = self.word.embedding_rows(&ids.flatten_all()?)?.reshape((b, l * h))?;
+        let x = candle_maxsim::add_bias(&x, &self.position.embedding_rows(&pos)?.flatten_all()?)?;
+        let x = candle_maxsim::add_bias(&x.reshape((b * l, h))?, &self.token_type.get(0)?)?.reshape((b, l, h))?;
         let mut x = self.emb_norm.forward(&x.to_dtype(dt)?)?;
         let bias = padding_bias(att)?;
-        let h = x.dim(2)?;
         let dh = h / self.heads;
         let split = |t: Tensor| t.reshape((b, l, self.heads, dh))?.transpose(1, 2);
         for layer in &self.layers {
@@ -223,14 +207,14 @@ impl Bert {
     }
 }
 
-/// Rows of an embedding table (differentiable: an index_select).
+/// Rows of an embedding table (differentiable: a gather whose backward is a row scatter-add).
 trait Rows {
     fn embedding_rows(&self, ids: &Tensor) -> Result<Tensor>;
 }
 
 impl Rows for Tensor {
     fn embedding_rows(&self, ids: &Tensor) -> Result<Tensor> {
-        self.index_select(ids, 0)
+        candle_maxsim::embedding(self, ids)
     }
 }
 

@@ -6,15 +6,15 @@
 //! training resumes where it stopped.
 
 use candle_core::backprop::GradStore;
-use candle_core::{DType, Result, Tensor, Var};
+use candle_core::{bail, DType, Result, Tensor, Var};
 use std::collections::HashMap;
 
-/// AdamW over named `Var`s.
+/// AdamW over named `Var`s; the moments of each are one F32 `[2, n]`
+/// tensor, stepped in place by `candle_maxsim::adamw_update`.
 pub struct AdamW {
     vars: Vec<(String, Var)>,
-    /// First and second moments, by name.
-    m: HashMap<String, Tensor>,
-    v: HashMap<String, Tensor>,
+    /// First and second moments `[2, n]`, by name.
+    mv: HashMap<String, Tensor>,
     /// Optimizer steps taken.
     pub step: usize,
     pub beta1: f64,
@@ -41,7 +41,7 @@ pub fn linear_schedule(lr: f64, t: usize, warmup: usize, total: usize) -> f64 {
 impl AdamW {
     /// torch's defaults: betas (0.9, 0.999), eps 1e-8.
     pub fn new(vars: Vec<(String, Var)>, weight_decay: f64) -> Self {
-        Self { vars, m: HashMap::new(), v: HashMap::new(), step: 0, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay }
+        Self { vars, mv: HashMap::new(), step: 0, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay }
     }
 
     /// The gradients of `grads` for our vars (`None` where a var got none), by name.
@@ -49,73 +49,72 @@ impl AdamW {
         self.vars.iter().map(|(n, v)| (n.clone(), grads.get(v.as_tensor()).cloned())).collect()
     }
 
-    /// Clips `grads` (by name) to a global L2 norm of at most `max_norm`
-    /// (as torch's clip_grad_norm_); returns the norm before clipping.
-    pub fn clip(grads: &mut HashMap<String, Tensor>, max_norm: f64) -> Result<f64> {
-        let mut sq = 0f64;
-        for g in grads.values() {
-            sq += g.to_dtype(DType::F32)?.sqr()?.sum_all()?.to_scalar::<f32>()? as f64;
-        }
-        let norm = sq.sqrt();
-        if max_norm > 0.0 && norm > max_norm {
-            let scale = max_norm / (norm + 1e-6);
-            for g in grads.values_mut() {
-                *g = (&*g * scale)?;
-            }
-        }
-        Ok(norm)
-    }
-
-    /// One update with learning rate `lr` from `grads` (by name).
-    pub fn apply(&mut self, grads: &HashMap<String, Tensor>, lr: f64) -> Result<()> {
-        self.step += 1;
-        let t = self.step as i32;
-        let (b1, b2) = (self.beta1, self.beta2);
-        let (c1, c2) = (1.0 - b1.powi(t), 1.0 - b2.powi(t));
+    /// One update with learning rate `lr` from `grads` (by name), their
+    /// global L2 norm first clipped to `max_grad_norm` (0: no clipping) as
+    /// torch's `clip_grad_norm_` does. Returns the squared global norm
+    /// before clipping, an F32 tensor of one element: reading it waits for
+    /// the step, nothing else does.
+    pub fn apply(&mut self, grads: &HashMap<String, Tensor>, lr: f64, max_grad_norm: f64) -> Result<Tensor> {
+        let Some((_, first)) = self.vars.first() else { bail!("optimizer: no parameters") };
+        let sum_sq = Tensor::zeros(1, DType::F32, first.device())?;
+        let mut live = Vec::new();
         for (name, var) in &self.vars {
             let Some(g) = grads.get(name) else { continue };
-            let g = g.to_dtype(DType::F32)?;
-            let m = match self.m.get(name) {
-                Some(m) => ((m * b1)? + (&g * (1.0 - b1))?)?,
-                None => (&g * (1.0 - b1))?,
-            };
-            let v = match self.v.get(name) {
-                Some(v) => ((v * b2)? + (g.sqr()? * (1.0 - b2))?)?,
-                None => (g.sqr()? * (1.0 - b2))?,
-            };
-            let mut p = var.as_tensor().clone();
-            if self.weight_decay > 0.0 && decays(name) {
-                p = (p * (1.0 - lr * self.weight_decay))?;
-            }
-            let update = ((&m / c1)? / ((&v / c2)?.sqrt()? + self.eps)?)?;
-            var.set(&(p - (update * lr)?)?)?;
-            self.m.insert(name.clone(), m);
-            self.v.insert(name.clone(), v);
+            let g = g.to_dtype(DType::F32)?.contiguous()?;
+            candle_maxsim::adamw_sum_sq(&sum_sq, &g)?;
+            live.push((name, var, g));
         }
-        Ok(())
+        self.step += 1;
+        for (name, var, g) in live {
+            if !self.mv.contains_key(name) {
+                self.mv.insert(name.clone(), Tensor::zeros((2, var.elem_count()), DType::F32, var.device())?);
+            }
+            let step = candle_maxsim::AdamWStep {
+                lr,
+                beta1: self.beta1,
+                beta2: self.beta2,
+                eps: self.eps,
+                weight_decay: if decays(name) { self.weight_decay } else { 0.0 },
+                max_grad_norm,
+                t: self.step,
+            };
+            candle_maxsim::adamw_update(var.as_tensor(), &self.mv[name], &g, &sum_sq, &step)?;
+        }
+        Ok(sum_sq)
     }
 
-    /// The moments as tensors named `m.NAME` / `v.NAME` (for a checkpoint).
-    pub fn state(&self) -> HashMap<String, Tensor> {
+    /// The moments as tensors named `m.NAME` / `v.NAME`, each the parameter's shape (for a checkpoint).
+    pub fn state(&self) -> Result<HashMap<String, Tensor>> {
         let mut s = HashMap::new();
-        for (k, t) in &self.m {
-            s.insert(format!("m.{k}"), t.clone());
+        let shapes: HashMap<&String, &Var> = self.vars.iter().map(|(n, v)| (n, v)).collect();
+        for (k, mv) in &self.mv {
+            let shape = shapes.get(k).map(|v| v.shape().clone()).unwrap_or_else(|| (mv.dim(1).unwrap_or(0),).into());
+            s.insert(format!("m.{k}"), mv.get(0)?.reshape(shape.clone())?);
+            s.insert(format!("v.{k}"), mv.get(1)?.reshape(shape)?);
         }
-        for (k, t) in &self.v {
-            s.insert(format!("v.{k}"), t.clone());
-        }
-        s
+        Ok(s)
     }
 
     /// Restores the moments of [`Self::state`] and the step count.
-    pub fn restore(&mut self, state: HashMap<String, Tensor>, step: usize) {
-        for (k, t) in state {
-            if let Some(n) = k.strip_prefix("m.") {
-                self.m.insert(n.to_string(), t);
-            } else if let Some(n) = k.strip_prefix("v.") {
-                self.v.insert(n.to_string(), t);
+    pub fn restore(&mut self, state: HashMap<String, Tensor>, step: usize) -> Result<()> {
+        for (name, var) in &self.vars {
+            let (Some(m), Some(v)) = (state.get(&format!("m.{name}")), state.get(&format!("v.{name}"))) else {
+                continue;
+            };
+            let n = var.elem_count();
+            if m.elem_count() != n || v.elem_count() != n {
+                bail!(
+                    "optimizer state: the moments of {name} have {} / {} elements, the parameter {n}",
+                    m.elem_count(),
+                    v.elem_count()
+                )
             }
+            let mv = Tensor::stack(&[m.flatten_all()?, v.flatten_all()?], 0)?
+                .to_dtype(DType::F32)?
+                .to_device(var.device())?;
+            self.mv.insert(name.clone(), mv.contiguous()?);
         }
         self.step = step;
+        Ok(())
     }
 }

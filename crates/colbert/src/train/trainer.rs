@@ -75,6 +75,7 @@ pub struct TrainReport {
     /// `(step, loss, learning rate)` of each optimizer step, from the first.
     pub steps: Vec<(usize, f32, f64)>,
     pub evals: Vec<(usize, Metrics)>,
+    /// Wall time of the steps and evaluations (the final save excluded).
     pub seconds: f64,
 }
 
@@ -89,7 +90,8 @@ fn add_grads(
 ) -> Result<()> {
     for (name, v) in vars {
         if let Some(g) = grads.get(v.as_tensor()) {
-            let g = (g.to_dtype(DType::F32)? * scale)?;
+            let g = g.to_dtype(DType::F32)?;
+            let g = if scale == 1.0 { g } else { (g * scale)? };
             let sum = match into.remove(name) {
                 Some(a) => (a + g)?,
                 None => g,
@@ -113,7 +115,8 @@ struct Batch {
     queries: Tokenized,
     docs: Tokenized,
     n_docs: usize,
-    teacher: Option<Tensor>,
+    /// Teacher scores `[queries, n_docs]` row-major (distillation).
+    teacher: Option<Vec<f32>>,
 }
 
 fn tokenize(model: &TrainableColBert, examples: &[&Example]) -> Result<Batch> {
@@ -130,13 +133,10 @@ fn tokenize(model: &TrainableColBert, examples: &[&Example]) -> Result<Batch> {
     let d: Vec<&str> = examples.iter().flat_map(|e| e.documents.iter().map(String::as_str)).collect();
     let docs = m.tokenize_documents(&d)?;
     let n_docs = examples[0].documents.len();
-    let teacher = match examples[0].scores {
-        Some(_) => {
-            let s: Vec<f32> = examples.iter().flat_map(|e| e.scores.clone().unwrap_or_default()).collect();
-            Some(Tensor::from_vec(s, (examples.len(), n_docs), m.device())?)
-        }
-        None => None,
-    };
+    let teacher = examples[0]
+        .scores
+        .as_ref()
+        .map(|_| examples.iter().flat_map(|e| e.scores.clone().unwrap_or_default()).collect());
     Ok(Batch { queries, docs, n_docs, teacher })
 }
 
@@ -177,6 +177,7 @@ fn micro_step(
             let Some(teacher) = &b.teacher else {
                 bail!("loss: distillation and margin MSE need teacher scores (distillation data)")
             };
+            let teacher = &Tensor::from_slice(teacher, (nq, b.n_docs), dev)?;
             let (q, d) = (m.embed(&b.queries)?, m.embed(&b.docs)?);
             let (_, ld, dim) = d.dims3()?;
             let d4 = d.reshape((nq, b.n_docs, ld, dim))?;
@@ -289,7 +290,7 @@ pub fn train(
         *model = TrainableColBert::load(dir, model.model.device(), model.model.compute_dtype(), 128, cfg.seed)?;
         let state = candle_core::safetensors::load(dir.join("optimizer.safetensors"), model.model.device())?;
         opt = AdamW::new(model.vars(), cfg.weight_decay);
-        opt.restore(state, step);
+        opt.restore(state, step)?;
         if let Some(l) = st["losses"].as_array() {
             report.steps = l.iter().enumerate().map(|(i, v)| (i + 1, v.as_f64().unwrap_or(0.0) as f32, 0.0)).collect();
         }
@@ -303,57 +304,88 @@ pub fn train(
     bar.set_position(opt.step as u64);
     let t0 = Instant::now();
     let mut step = opt.step;
+    // The micro-batches of each remaining step (an epoch's last step may have fewer).
+    let mut plan: Vec<Vec<usize>> = Vec::new();
     let mut micro = step * cfg.grad_accum; // micro-batches done, over all epochs
-    while step < total {
+    for _ in step..total {
         let epoch = micro / micro_per_epoch;
-        let order = epoch_order(train.len(), cfg.batch_size, cfg.seed, epoch);
-        let mut grads = Grads::new();
-        let mut loss_sum = 0f32;
-        let mut n = 0;
-        while n < cfg.grad_accum && micro / micro_per_epoch == epoch {
-            let exs: Vec<&Example> = order[micro % micro_per_epoch].iter().map(|&i| &train[i]).collect();
-            let b = tokenize(model, &exs)?;
-            loss_sum += micro_step(model, &vars, cfg.loss, &b, &mut grads, 1.0 / cfg.grad_accum as f64)?;
+        let mut v = Vec::new();
+        while v.len() < cfg.grad_accum && micro / micro_per_epoch == epoch {
+            v.push(micro);
             micro += 1;
-            n += 1;
         }
-        let loss = loss_sum / n as f32;
-        if !loss.is_finite() {
-            bail!("train: the loss is {loss} at step {}", step + 1)
-        }
-        AdamW::clip(&mut grads, cfg.max_grad_norm)?;
-        let lr = linear_schedule(cfg.lr, step, warmup, total);
-        opt.apply(&grads, lr)?;
-        step += 1;
-        report.steps.push((step, loss, lr));
-        bar.set_message(format!("loss {loss:.4}"));
-        bar.set_position(step as u64);
-        let last = step == total;
-        if let (Some(set), Some(every)) = (eval, cfg.eval_steps) {
-            if step.is_multiple_of(every) || last {
-                report.evals.push((step, evaluate(&model.model, set, 64)?));
-            }
-        }
-        if let Some(every) = cfg.save_steps {
-            if step.is_multiple_of(every) && !last {
-                let mut files = model.files()?;
-                files.push(("optimizer.safetensors".into(), safetensors_bytes(&host(opt.state())?)?));
-                files.push((
-                    "trainer_state.json".into(),
-                    serde_json::to_vec_pretty(&state_json(step, &report)).unwrap(),
-                ));
-                write_dir(&out.join(format!("checkpoint-{step}")), &files)?;
-            }
-        }
+        plan.push(v);
     }
+    let model: &TrainableColBert = model;
+    // Tokenization runs on a thread, up to two micro-batches ahead of the device.
+    let (tx, rx) = std::sync::mpsc::sync_channel::<Result<Batch>>(2);
+    let feed = plan.concat();
+    std::thread::scope(|scope| -> Result<()> {
+        scope.spawn(move || {
+            let mut order: Option<(usize, Vec<Vec<usize>>)> = None;
+            for id in feed {
+                let epoch = id / micro_per_epoch;
+                if order.as_ref().is_none_or(|o| o.0 != epoch) {
+                    order = Some((epoch, epoch_order(train.len(), cfg.batch_size, cfg.seed, epoch)));
+                }
+                let exs: Vec<&Example> =
+                    order.as_ref().unwrap().1[id % micro_per_epoch].iter().map(|&i| &train[i]).collect();
+                if tx.send(tokenize(model, &exs)).is_err() {
+                    return; // the loop stopped early (an error)
+                }
+            }
+        });
+        let result = (|| -> Result<()> {
+            for micros in &plan {
+                let mut grads = Grads::new();
+                let mut loss_sum = 0f32;
+                let n = micros.len();
+                for _ in micros {
+                    let b = rx.recv().map_err(|_| Error::Msg("train: the tokenizer thread stopped".into()))??;
+                    loss_sum += micro_step(model, &vars, cfg.loss, &b, &mut grads, 1.0 / cfg.grad_accum as f64)?;
+                }
+                let loss = loss_sum / n as f32;
+                if !loss.is_finite() {
+                    bail!("train: the loss is {loss} at step {}", step + 1)
+                }
+                let lr = linear_schedule(cfg.lr, step, warmup, total);
+                opt.apply(&grads, lr, cfg.max_grad_norm)?;
+                step += 1;
+                report.steps.push((step, loss, lr));
+                bar.set_message(format!("loss {loss:.4}"));
+                bar.set_position(step as u64);
+                let last = step == total;
+                if let (Some(set), Some(every)) = (eval, cfg.eval_steps) {
+                    if step.is_multiple_of(every) || last {
+                        report.evals.push((step, evaluate(&model.model, set, 64)?));
+                    }
+                }
+                if let Some(every) = cfg.save_steps {
+                    if step.is_multiple_of(every) && !last {
+                        let mut files = model.files()?;
+                        files.push(("optimizer.safetensors".into(), safetensors_bytes(&host(opt.state()?)?)?));
+                        files.push((
+                            "trainer_state.json".into(),
+                            serde_json::to_vec_pretty(&state_json(step, &report)).unwrap(),
+                        ));
+                        write_dir(&out.join(format!("checkpoint-{step}")), &files)?;
+                    }
+                }
+            }
+            Ok(())
+        })();
+        drop(rx); // unblocks the thread if the loop stopped early
+        result
+    })?;
     bar.finish_and_clear();
     if let (Some(set), None) = (eval, cfg.eval_steps) {
         report.evals.push((step, evaluate(&model.model, set, 64)?));
     }
+    model.model.device().synchronize()?;
+    report.seconds = t0.elapsed().as_secs_f64();
     let mut files = model.files()?;
     files.push(("trainer_state.json".into(), serde_json::to_vec_pretty(&state_json(step, &report)).unwrap()));
     write_dir(out, &files)?;
-    report.seconds = t0.elapsed().as_secs_f64();
     Ok(report)
 }
 
