@@ -141,16 +141,16 @@ def fp_docs(work):
     return [torch.from_numpy(np.asarray(emb[s : s + l])) for s, l in zip(starts, lens)]
 
 
-def fp_build(work, index):
+def fp_build(work, index, seed=42):
     from fast_plaid import search
 
     docs = fp_docs(work)
     t = time.time()
-    search.FastPlaid(index=index, device="cuda:0").create(documents_embeddings=docs, nbits=4)
+    search.FastPlaid(index=index, device="cuda:0").create(documents_embeddings=docs, nbits=4, seed=seed)
     print(json.dumps({"phase": "build", "seconds": time.time() - t}), flush=True)
 
 
-def fp_search(work, index, out):
+def fp_search(work, index, out, timed=True):
     import numpy as np
     import torch
     from fast_plaid import search
@@ -163,7 +163,7 @@ def fp_search(work, index, out):
     fp.search(queries_embeddings=q[:1], top_k=10, show_progress=False)  # warm-up
     results = {}
     for probe, full in SETTINGS:
-        for b in BATCHES:
+        for b in BATCHES if timed else ():
             times = []
             for r in range(5 if b < 256 else 3):
                 start = (r * b) % (q.shape[0] - b + 1)
@@ -176,7 +176,10 @@ def fp_search(work, index, out):
             ms = sorted(times)[len(times) // 2]
             print(json.dumps({"phase": "search", "batch": b, "median_ms": ms, "queries_per_s": b / ms * 1e3,
                               "n_ivf_probe": probe, "n_full_scores": full}), flush=True)
-        res = fp.search(queries_embeddings=q, top_k=10, n_ivf_probe=probe, n_full_scores=full, show_progress=False)
+        res = []
+        for i in range(0, q.shape[0], 256):
+            res += fp.search(queries_embeddings=q[i : i + 256], top_k=10, n_ivf_probe=probe, n_full_scores=full,
+                             show_progress=False)
         results[f"{probe},{full}"] = {"ids": [[int(i) for i, _ in r] for r in res],
                                       "scores": [[float(s) for _, s in r] for r in res]}
     json.dump(results, open(out, "w"))
@@ -201,23 +204,60 @@ def main():
     ap.add_argument("--bench", required=True, help="the plaid_bench binary")
     ap.add_argument("--work", default="/tmp/plaid_engine")
     ap.add_argument("--docs", type=int, default=100_000)
+    ap.add_argument("--collection", help="a directory of emb.npy, lens.npy, queries.npy to index instead of the generated one")
+    ap.add_argument("--seeds", help="comma-separated build seeds: recall@10 of both engines' indexes per seed, nothing timed")
+    ap.add_argument("--ours-only", action="store_true", help="with --seeds: build and search our index only")
+    ap.add_argument("--seed", type=int, default=42, help=argparse.SUPPRESS)
+    ap.add_argument("--untimed", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--phase", help=argparse.SUPPRESS)
     ap.add_argument("--index", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.phase == "fp-build":
-        return fp_build(a.work, a.index)
+        return fp_build(a.work, a.index, a.seed)
     if a.phase == "fp-search":
-        return fp_search(a.work, a.index, a.out)
+        return fp_search(a.work, a.index, a.out, timed=not a.untimed)
     w = a.work
     os.makedirs(w, exist_ok=True)
-    if not os.path.exists(f"{w}/queries.npy"):
+    if a.collection:
+        for f in ("emb.npy", "lens.npy", "queries.npy"):
+            if not os.path.exists(f"{w}/{f}"):
+                os.symlink(os.path.abspath(f"{a.collection}/{f}"), f"{w}/{f}")
+    elif not os.path.exists(f"{w}/queries.npy"):
         generate(w, a.docs)
     me = [sys.executable, os.path.abspath(__file__), "--bench", a.bench, "--work", w]
     col = ["--docs", f"{w}/emb.npy", "--lens", f"{w}/lens.npy"]
     B = [a.bench]
     run(B + ["exact"] + col + ["--queries", f"{w}/queries.npy", "--out", f"{w}/exact.json", "--cuda"], "exact")
     exact = json.load(open(f"{w}/exact.json"))["ids"]
+    if a.seeds or a.collection:
+        # Quality only: each engine's index per seed, searched at every setting.
+        rows = []
+        for seed in [int(x) for x in (a.seeds or "42").split(",")]:
+            fp_i, ours_i = f"{w}/fp_s{seed}", f"{w}/ours_s{seed}"
+            if not a.ours_only:
+                run(me + ["--phase", "fp-build", "--index", fp_i, "--seed", str(seed)], f"fast-plaid build seed {seed}")
+            run(B + ["build"] + col + ["--index", ours_i, "--seed", str(seed), "--cuda"], f"ours build seed {seed}")
+            if not a.ours_only:
+                run(me + ["--phase", "fp-search", "--untimed", "--index", fp_i, "--out", f"{fp_i}.json"], f"fast-plaid search seed {seed}")
+            theirs = None if a.ours_only else json.load(open(f"{fp_i}.json"))
+            row = {"seed": seed}
+            for probe, full in SETTINGS:
+                out = f"{ours_i}_{probe}_{full}.json"
+                run(B + ["search", "--index", ours_i, "--queries", f"{w}/queries.npy", "--out", out, "--cuda", "--batch", "256",
+                         "--repeats", "1", "--n-ivf-probe", str(probe), "--n-full-scores", str(full)], f"ours search seed {seed}")
+                row[f"{probe},{full}"] = {"recall_ours": recall(json.load(open(out))["ids"], exact),
+                                          "recall_fast_plaid": theirs and recall(theirs[f"{probe},{full}"]["ids"], exact)}
+            rows.append(row)
+            print(json.dumps({"phase": "quality", "collection": a.collection or "generated", **row}), flush=True)
+        for probe, full in SETTINGS:
+            k = f"{probe},{full}"
+            mean = lambda who: None if a.ours_only and who == "recall_fast_plaid" else sum(r[k][who] for r in rows) / len(rows)
+            print(json.dumps({"phase": "quality_summary", "setting": k, "seeds": len(rows), "collection": a.collection or "generated",
+                              "recall_ours_mean": mean("recall_ours"), "recall_fast_plaid_mean": mean("recall_fast_plaid"),
+                              "recall_ours": [r[k]["recall_ours"] for r in rows],
+                              "recall_fast_plaid": [r[k]["recall_fast_plaid"] for r in rows]}), flush=True)
+        return
     run(me + ["--phase", "fp-build", "--index", f"{w}/fp"], "fast-plaid build")
     run(B + ["build"] + col + ["--index", f"{w}/ours", "--cuda"], "ours build")
     run(me + ["--phase", "fp-search", "--index", f"{w}/fp", "--out", f"{w}/fp_results.json"], "fast-plaid search")

@@ -68,6 +68,9 @@ enum Phase {
         /// Spherical k-means (default: Euclidean, as fast-plaid).
         #[arg(long)]
         spherical: bool,
+        /// Seed of the sample and of k-means.
+        #[arg(long, default_value_t = 42)]
+        seed: u64,
     },
     /// Search the index with the queries, in batches of each `--batch` size.
     Search {
@@ -144,11 +147,12 @@ fn main() -> Result<()> {
     let args = Args::parse();
     let dev = if args.cuda { Device::new_cuda(0)? } else { Device::Cpu };
     match args.phase {
-        Phase::Build { docs, index, nbits, spherical } => {
+        Phase::Build { docs, index, nbits, spherical, seed } => {
             let lens = read_lens(&docs.lens)?;
             let collection = NpyDocuments::open(&docs.docs, &lens)?;
             let t = Instant::now();
-            let config = IndexConfig { nbits, spherical_kmeans: spherical, show_progress: true, ..Default::default() };
+            let config =
+                IndexConfig { nbits, spherical_kmeans: spherical, seed, show_progress: true, ..Default::default() };
             let idx = create(&index, &collection, &config, &dev)?;
             dev.synchronize()?;
             let s = t.elapsed().as_secs_f64();
@@ -194,7 +198,10 @@ fn main() -> Result<()> {
                 );
             }
             if let Some(path) = out {
-                let res = idx.search(&q, &sp, None)?;
+                let mut res = Vec::new();
+                for a in (0..q.dim(0)?).step_by(256) {
+                    res.extend(idx.search(&q.narrow(0, a, 256.min(q.dim(0)? - a))?, &sp, None)?);
+                }
                 write_results(&path, &res)?;
             }
             println!("{}", serde_json::json!({"phase": "search_done", "peak_rss_mb": peak_rss_mb()}));

@@ -7,9 +7,9 @@
 //! `min(1 + 16·√(120·N), N)` documents; `K = 2^⌊log2(16·√(tokens))⌋`
 //! centroids (at most the sampled tokens) by k-means over at most
 //! `K · max_points_per_centroid` sampled tokens, `kmeans_niters` iterations
-//! from random tokens; the bucket cutoffs and weights from 5 % (at most
-//! 50 000) of the sampled tokens, as quantiles of their pooled residual
-//! values. k-means assigns by Euclidean distance, as fastkmeans does (or,
+//! from random tokens; the bucket cutoffs and weights from as many tokens
+//! as 5 % of the sample (at most 50 000), of documents drawn from the whole
+//! collection, as quantiles of their pooled residual values. k-means assigns by Euclidean distance, as fastkmeans does (or,
 //! with `spherical_kmeans`, by dot product to unit centroids); tokens are
 //! then coded by the largest dot product with the unit centroids. Samples
 //! are drawn with this crate's seeded generator, so the centroids are not
@@ -343,11 +343,27 @@ pub(crate) fn train(docs: &dyn Documents, config: &IndexConfig, device: &Device,
     let centroids =
         kmeans(&points, k, config.kmeans_niters, config.spherical_kmeans, &mut rng, bar)?.to_dtype(DType::F16)?;
     drop(points);
-    // 3. The codec, calibrated on 5 % (at most 50 000) of the sampled tokens.
+    // 3. The codec, calibrated on 5 % (at most 50 000) as many tokens as the
+    // sample has, of documents drawn from the whole collection: as many of them
+    // unseen by k-means as of the documents the codec will encode. (Tokens of
+    // the sample alone, on which the centroids were fit, have smaller residuals:
+    // recall@10 0.968 instead of 0.971 on 100 000 clustered documents.)
     bar.set_message("calibrating buckets");
-    let h = ((0.05 * s as f64).round() as usize).clamp(1, 50_000).min(s);
-    let held: Vec<u32> = rand::seq::index::sample(&mut rng, s, h).into_iter().map(|i| i as u32).collect();
-    let heldout = sample.index_select(&Tensor::from_vec(held, h, device)?, 0)?;
+    drop(sample);
+    let h = ((0.05 * s as f64).round() as usize).clamp(1, 50_000);
+    let mut all: Vec<u32> = (0..n as u32).collect();
+    all.shuffle(&mut rng);
+    let (mut held_docs, mut got) = (Vec::new(), 0usize);
+    for &d in &all {
+        if got >= h {
+            break;
+        }
+        got += docs.doc_len(d as usize);
+        held_docs.push(d);
+    }
+    held_docs.sort_unstable();
+    let heldout = docs.embeddings(&held_docs)?.to_device(device)?.to_dtype(wd)?;
+    let heldout = heldout.narrow(0, 0, h.min(heldout.dim(0)?))?;
     let cal = calibrate(&heldout, &centroids.to_dtype(wd)?, config.nbits)?;
     let codec = ResidualCodec {
         centroids,
