@@ -47,22 +47,29 @@ fn measure(iters: usize, f: &dyn Fn() -> Tensor) -> (f64, f64) {
 
 fn main() -> candle_core::Result<()> {
     let dev = Device::Cpu;
-    let cases = [("colbert_inbatch_32", [32usize, 32, 32, 256, 128]), ("rerank_1q_1000", [1, 1000, 32, 300, 128])];
+    let cases = [
+        ("colbert_inbatch_32", [32usize, 32, 32, 256, 128]),
+        ("rerank_1q_1000", [1, 1000, 32, 300, 128]),
+        ("rerank_1q_1000_ld1024", [1, 1000, 32, 1024, 128]),
+    ];
     for (name, [nq, nd, lq, ld, dim]) in cases {
-        // Unit vectors, as ColBERT embeddings are.
-        let q = candle_maxsim::l2_normalize(&Tensor::randn(0f32, 1., (nq, lq, dim), &dev)?)?;
-        let d = candle_maxsim::l2_normalize(&Tensor::randn(0f32, 1., (nd, ld, dim), &dev)?)?;
-        let flop = 2.0 * (nq * nd * lq * ld * dim) as f64;
-        let fused = || candle_maxsim::maxsim(&q, &d, None, None).unwrap();
-        let naive = || candle_maxsim::reference::maxsim(&q, &d, None, None).unwrap();
-        for (imp, f) in [("fused", &fused as &dyn Fn() -> Tensor), ("reference", &naive)] {
-            let (ms, peak) = measure(15, f);
-            println!(
-                "{{\"case\":\"{name}\",\"impl\":\"{imp}\",\"device\":\"cpu\",\"threads\":{},\"shape\":[{nq},{nd},{lq},{ld},{dim}],\"dtype\":\"{:?}\",\"median_ms\":{ms:.3},\"gflops\":{:.1},\"peak_mem_mb\":{peak:.2}}}",
-                rayon::current_num_threads(),
-                DType::F32,
-                flop / (ms * 1e-3) / 1e9
-            );
+        for dt in [DType::F32, DType::BF16] {
+            // Unit vectors, as ColBERT embeddings are.
+            let q = candle_maxsim::l2_normalize(&Tensor::randn(0f32, 1., (nq, lq, dim), &dev)?)?.to_dtype(dt)?;
+            let d = candle_maxsim::l2_normalize(&Tensor::randn(0f32, 1., (nd, ld, dim), &dev)?)?.to_dtype(dt)?;
+            let flop = 2.0 * (nq * nd * lq * ld * dim) as f64;
+            let fused = || candle_maxsim::maxsim(&q, &d, None, None).unwrap();
+            let naive = || candle_maxsim::reference::maxsim(&q, &d, None, None).unwrap();
+            let imps: &[(&str, &dyn Fn() -> Tensor)] =
+                if dt == DType::F32 { &[("fused", &fused), ("reference", &naive)] } else { &[("fused", &fused)] };
+            for &(imp, f) in imps {
+                let (ms, peak) = measure(15, f);
+                println!(
+                    "{{\"case\":\"{name}\",\"impl\":\"{imp}\",\"device\":\"cpu\",\"threads\":{},\"shape\":[{nq},{nd},{lq},{ld},{dim}],\"dtype\":\"{dt:?}\",\"median_ms\":{ms:.3},\"gflops\":{:.1},\"peak_mem_mb\":{peak:.2}}}",
+                    rayon::current_num_threads(),
+                    flop / (ms * 1e-3) / 1e9
+                );
+            }
         }
     }
     Ok(())

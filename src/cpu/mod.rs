@@ -6,6 +6,9 @@
 use crate::layout::{Pairing, Problem, Seqs};
 use rayon::prelude::*;
 
+#[cfg(target_arch = "x86_64")]
+mod avx512;
+
 /// Query rows per GEMM tile. Also the chunk in which long queries are
 /// processed: scores of successive 128-token chunks are summed (exact).
 pub(crate) const Q_TILE: usize = 128;
@@ -21,6 +24,11 @@ pub(crate) trait Float:
     const ONE: Self;
     fn to_f32(self) -> f32;
     fn from_f32(v: f32) -> Self;
+    /// The slice as F32, when `Self` is F32 (the SIMD forward's type).
+    fn as_f32(s: &[Self]) -> Option<&[f32]> {
+        let _ = s;
+        None
+    }
 }
 impl Float for f32 {
     const ZERO: Self = 0.0;
@@ -31,6 +39,9 @@ impl Float for f32 {
     }
     fn from_f32(v: f32) -> Self {
         v
+    }
+    fn as_f32(s: &[Self]) -> Option<&[f32]> {
+        Some(s)
     }
 }
 impl Float for f64 {
@@ -192,11 +203,110 @@ pub(crate) fn forward<T: Float>(p: &HostProblem, q: &[T], d: &[T], want_argmax: 
     let out = SharedMut(scores.as_mut_ptr());
     let am = SharedMut(argmax.as_mut().map_or(std::ptr::null_mut(), |a| a.as_mut_ptr()));
     let work = items(p);
+    #[cfg(target_arch = "x86_64")]
+    if let (false, Some(q), Some(d), true) = (want_argmax, T::as_f32(q), T::as_f32(d), avx512::available()) {
+        work.par_iter().for_each_init(<(Vec<f32>, Vec<u32>)>::default, |(qt, toks), it| {
+            // SAFETY: items own disjoint pair indices (see `Item`).
+            unsafe { run_item_lanes(p, q, d, it, qt, toks, out) }
+        });
+        return (scores, argmax);
+    }
     work.par_iter().for_each_init(Vec::new, |buf, it| {
         // SAFETY: items own disjoint pair indices (see `Item`).
         unsafe { run_item(p, q, d, it, buf, out, am, mlq) }
     });
     (scores, argmax)
+}
+
+/// The element types of the lane kernels (cpu/avx512.rs): F32 by FMA, BF16 by VDPBF16PS.
+#[cfg(target_arch = "x86_64")]
+trait Lanes: Sized + Sync {
+    /// The packed query rows' element.
+    type Packed: Copy + Default + Send;
+    fn pack(q: &[Self], dim: usize, rows: std::ops::Range<usize>, qt: &mut Vec<Self::Packed>) -> usize;
+    fn doc_max(qt: &[Self::Packed], qv: usize, dim: usize, d: &[Self], toks: &[u32], out: &mut [f32; 32]);
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Lanes for f32 {
+    type Packed = f32;
+    fn pack(q: &[f32], dim: usize, rows: std::ops::Range<usize>, qt: &mut Vec<f32>) -> usize {
+        avx512::pack_queries(q, dim, rows, qt)
+    }
+    fn doc_max(qt: &[f32], qv: usize, dim: usize, d: &[f32], toks: &[u32], out: &mut [f32; 32]) {
+        avx512::doc_max(qt, qv, dim, d, toks, out)
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Lanes for half::bf16 {
+    type Packed = u32;
+    fn pack(q: &[half::bf16], dim: usize, rows: std::ops::Range<usize>, qt: &mut Vec<u32>) -> usize {
+        avx512::pack_queries_bf16(q, dim, rows, qt)
+    }
+    fn doc_max(qt: &[u32], qv: usize, dim: usize, d: &[half::bf16], toks: &[u32], out: &mut [f32; 32]) {
+        avx512::doc_max_bf16(qt, qv, dim, d, toks, out)
+    }
+}
+
+/// The scores of a BF16 problem without the argmax, products on VDPBF16PS
+/// (F32 accumulation), or `None` where the CPU lacks AVX512_BF16 or the dim
+/// is odd (then the inputs go through F32).
+pub(crate) fn forward_bf16(p: &HostProblem, q: &[half::bf16], d: &[half::bf16]) -> Option<Vec<f32>> {
+    #[cfg(target_arch = "x86_64")]
+    if p.dim.is_multiple_of(2) && avx512::available_bf16() {
+        let mut scores = vec![0f32; p.pairs.len()];
+        let out = SharedMut(scores.as_mut_ptr());
+        items(p).par_iter().for_each_init(<(Vec<u32>, Vec<u32>)>::default, |(qt, toks), it| {
+            // SAFETY: items own disjoint pair indices (see `Item`).
+            unsafe { run_item_lanes(p, q, d, it, qt, toks, out) }
+        });
+        return Some(scores);
+    }
+    let _ = (p, q, d);
+    None
+}
+
+/// [`run_item`] for scores without the argmax on AVX-512 (cpu/avx512.rs):
+/// each query in chunks of 32 rows, against each document's valid tokens.
+#[cfg(target_arch = "x86_64")]
+unsafe fn run_item_lanes<E: Lanes>(
+    p: &HostProblem,
+    q: &[E],
+    d: &[E],
+    it: &Item,
+    qt: &mut Vec<E::Packed>,
+    toks: &mut Vec<u32>,
+    out: SharedMut<f32>,
+) {
+    let nb = it.j1 - it.j0;
+    let mut best = [0f32; 32];
+    for i in it.q0..it.q1 {
+        let mut sums = vec![0f32; nb];
+        let (qs, qe) = (p.q.start(i), p.q.end(i));
+        let mut c = qs;
+        while c < qe {
+            let c1 = (c + 32).min(qe);
+            let qv = E::pack(q, p.dim, c..c1, qt);
+            for (jj, j) in (it.j0..it.j1).enumerate() {
+                toks.clear();
+                toks.extend((p.d.start(j)..p.d.end(j)).filter(|&t| p.d_ok(t)).map(|t| t as u32));
+                if toks.is_empty() {
+                    continue;
+                }
+                E::doc_max(qt, qv, p.dim, d, toks, &mut best);
+                for (r, row) in (c..c1).enumerate() {
+                    if p.q_ok(row) {
+                        sums[jj] += best[r];
+                    }
+                }
+            }
+            c = c1;
+        }
+        for (jj, s) in sums.into_iter().enumerate() {
+            *out.0.add(it.base + (i - it.q0) * it.stride + jj) = s;
+        }
+    }
 }
 
 #[allow(clippy::too_many_arguments)]

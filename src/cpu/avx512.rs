@@ -1,0 +1,187 @@
+//! The scores-only F32 forward on AVX-512: query rows in vector lanes. A
+//! query's rows (up to 32 at a time) are packed transposed, `[dim][32]`, so
+//! that one FMA multiplies 16 query rows by one broadcast feature of a
+//! document token; six tokens at a time keep 12 accumulators in registers,
+//! and the max over tokens is a vertical `max` per lane. No score tile, no
+//! document packing, no horizontal reduction; every FMA is useful work (the
+//! GEMM path computes a `[128, 512]` tile into memory and scans it with a
+//! scalar loop that also tracks the argmax). Chosen at run time when the CPU
+//! has AVX-512F and no argmax is wanted.
+
+use std::arch::x86_64::*;
+
+/// Tokens per register block: 6 × 2 accumulators, 2 query vectors and a broadcast fit the 32 zmm registers with room.
+const U: usize = 6;
+
+/// Whether this CPU runs the kernel.
+pub(crate) fn available() -> bool {
+    std::arch::is_x86_feature_detected!("avx512f")
+}
+
+/// Query rows `rows` (of `dim` features, row-major in `q`) transposed into
+/// `qt`: element `(k, v, l)` at `(k·QV + v)·16 + l` is row `16v + l`'s
+/// feature k, zero past the last row. Returns QV (1 for ≤ 16 rows, else 2).
+pub(crate) fn pack_queries(q: &[f32], dim: usize, rows: std::ops::Range<usize>, qt: &mut Vec<f32>) -> usize {
+    let n = rows.len();
+    debug_assert!(n <= 32);
+    let qv = if n > 16 { 2 } else { 1 };
+    qt.clear();
+    qt.resize(dim * qv * 16, 0.0);
+    for (r, row) in rows.enumerate() {
+        let (v, l) = (r / 16, r % 16);
+        for (k, &x) in q[row * dim..(row + 1) * dim].iter().enumerate() {
+            qt[(k * qv + v) * 16 + l] = x;
+        }
+    }
+    qv
+}
+
+/// `out[r] = max over toks of q_r · d[tok]` for the ≤ 32 packed query rows
+/// (lanes past them are garbage); `toks` non-empty, rows of `d` (`dim` wide).
+pub(crate) fn doc_max(qt: &[f32], qv: usize, dim: usize, d: &[f32], toks: &[u32], out: &mut [f32; 32]) {
+    debug_assert!(qt.len() >= dim * qv * 16 && toks.iter().all(|&t| (t as usize + 1) * dim <= d.len()));
+    // SAFETY: `available()` was checked by the caller (the only one is gated on it); the asserted
+    // lengths cover every load: qt holds dim·qv·16 floats, each token row dim floats of d.
+    unsafe {
+        match qv {
+            1 => doc_max_qv::<1>(qt.as_ptr(), dim, d.as_ptr(), toks, out),
+            _ => doc_max_qv::<2>(qt.as_ptr(), dim, d.as_ptr(), toks, out),
+        }
+    }
+}
+
+/// The driver of a lane kernel: the tokens in groups of `U` (then a tail of
+/// 1-5), each group's `BLOCK` folding its maxima into `best`, then stored.
+macro_rules! token_groups {
+    ($name:ident, $block:ident, $packed:ty, $elem:ty, $features:literal) => {
+        #[target_feature(enable = $features)]
+        unsafe fn $name<const QV: usize>(
+            qt: *const $packed,
+            dim: usize,
+            d: *const $elem,
+            toks: &[u32],
+            out: &mut [f32; 32],
+        ) {
+            let mut best = [_mm512_set1_ps(f32::NEG_INFINITY); QV];
+            let mut g = 0;
+            while g + U <= toks.len() {
+                $block::<QV, U>(qt, dim, d, &toks[g..g + U], &mut best);
+                g += U;
+            }
+            match toks.len() - g {
+                0 => {}
+                1 => $block::<QV, 1>(qt, dim, d, &toks[g..], &mut best),
+                2 => $block::<QV, 2>(qt, dim, d, &toks[g..], &mut best),
+                3 => $block::<QV, 3>(qt, dim, d, &toks[g..], &mut best),
+                4 => $block::<QV, 4>(qt, dim, d, &toks[g..], &mut best),
+                _ => $block::<QV, 5>(qt, dim, d, &toks[g..], &mut best),
+            }
+            for (v, b) in best.iter().enumerate() {
+                _mm512_storeu_ps(out.as_mut_ptr().add(16 * v), *b);
+            }
+        }
+    };
+}
+
+token_groups!(doc_max_qv, block, f32, f32, "avx512f");
+token_groups!(bf16_qv, bf16_block, u32, u16, "avx512f,avx512bf16");
+
+/// `N` tokens against the packed rows: `N·QV` accumulators over the features, then folded into `best`.
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn block<const QV: usize, const N: usize>(
+    qt: *const f32,
+    dim: usize,
+    d: *const f32,
+    toks: &[u32],
+    best: &mut [__m512; QV],
+) {
+    let rows: [*const f32; N] = std::array::from_fn(|u| d.add(toks[u] as usize * dim));
+    let mut acc = [[_mm512_setzero_ps(); QV]; N];
+    for k in 0..dim {
+        let q: [__m512; QV] = std::array::from_fn(|v| _mm512_loadu_ps(qt.add((k * QV + v) * 16)));
+        for u in 0..N {
+            let b = _mm512_set1_ps(*rows[u].add(k));
+            for v in 0..QV {
+                acc[u][v] = _mm512_fmadd_ps(q[v], b, acc[u][v]);
+            }
+        }
+    }
+    for a in &acc {
+        for v in 0..QV {
+            best[v] = _mm512_max_ps(best[v], a[v]);
+        }
+    }
+}
+
+/// Whether this CPU runs the BF16 kernel (VDPBF16PS).
+pub(crate) fn available_bf16() -> bool {
+    std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("avx512bf16")
+}
+
+/// [`pack_queries`] for BF16 rows (`dim` even): element `(k, v, l)` at
+/// `(k·QV + v)·16 + l` is row `16v + l`'s features `2k, 2k + 1` as one
+/// 32-bit pair, the operand layout of VDPBF16PS.
+pub(crate) fn pack_queries_bf16(
+    q: &[half::bf16],
+    dim: usize,
+    rows: std::ops::Range<usize>,
+    qt: &mut Vec<u32>,
+) -> usize {
+    let n = rows.len();
+    debug_assert!(n <= 32 && dim.is_multiple_of(2));
+    let qv = if n > 16 { 2 } else { 1 };
+    qt.clear();
+    qt.resize(dim / 2 * qv * 16, 0);
+    for (r, row) in rows.enumerate() {
+        let (v, l) = (r / 16, r % 16);
+        for (k, pair) in q[row * dim..(row + 1) * dim].chunks_exact(2).enumerate() {
+            qt[(k * qv + v) * 16 + l] = pair[0].to_bits() as u32 | (pair[1].to_bits() as u32) << 16;
+        }
+    }
+    qv
+}
+
+/// [`doc_max`] for BF16: each VDPBF16PS adds two features' products per lane.
+pub(crate) fn doc_max_bf16(qt: &[u32], qv: usize, dim: usize, d: &[half::bf16], toks: &[u32], out: &mut [f32; 32]) {
+    debug_assert!(dim.is_multiple_of(2) && qt.len() >= dim / 2 * qv * 16);
+    debug_assert!(toks.iter().all(|&t| (t as usize + 1) * dim <= d.len()));
+    // SAFETY: `available_bf16()` was checked by the caller; the asserted lengths cover every
+    // load (qt holds dim/2·qv·16 pairs, each token row dim BF16 values of d).
+    unsafe {
+        let d = d.as_ptr() as *const u16;
+        match qv {
+            1 => bf16_qv::<1>(qt.as_ptr(), dim, d, toks, out),
+            _ => bf16_qv::<2>(qt.as_ptr(), dim, d, toks, out),
+        }
+    }
+}
+
+#[target_feature(enable = "avx512f,avx512bf16")]
+#[inline]
+unsafe fn bf16_block<const QV: usize, const N: usize>(
+    qt: *const u32,
+    dim: usize,
+    d: *const u16,
+    toks: &[u32],
+    best: &mut [__m512; QV],
+) {
+    let rows: [*const u16; N] = std::array::from_fn(|u| d.add(toks[u] as usize * dim));
+    let mut acc = [[_mm512_setzero_ps(); QV]; N];
+    for k in 0..dim / 2 {
+        let q: [__m512bh; QV] =
+            std::array::from_fn(|v| std::mem::transmute(_mm512_loadu_si512(qt.add((k * QV + v) * 16) as *const _)));
+        for u in 0..N {
+            let pair = (rows[u].add(2 * k) as *const u32).read_unaligned();
+            let b: __m512bh = std::mem::transmute(_mm512_set1_epi32(pair as i32));
+            for v in 0..QV {
+                acc[u][v] = _mm512_dpbf16_ps(acc[u][v], q[v], b);
+            }
+        }
+    }
+    for a in &acc {
+        for v in 0..QV {
+            best[v] = _mm512_max_ps(best[v], a[v]);
+        }
+    }
+}
