@@ -1,6 +1,7 @@
-//! The CPU engine's two ceilings on this machine: the F32 FMA peak (every
-//! core runs independent FMA chains in registers, enough to cover the
-//! latency; AVX-512 where the CPU has it, AVX2 + FMA) and the read bandwidth
+//! The CPU engine's ceilings on this machine: the F32 FMA peak (every core
+//! runs independent FMA chains in registers, enough to cover the latency;
+//! AVX-512 where the CPU has it, AVX2 + FMA), the BF16 dot-product peak
+//! (VDPBF16PS, where the CPU has AVX512_BF16) and the read bandwidth
 //! from memory (every core sums its share of a 1 GiB array, the way MaxSim
 //! streams the documents). Prints one JSON line each.
 //!
@@ -29,6 +30,20 @@ mod x86 {
         acc.iter().map(|&x| _mm512_reduce_add_ps(x)).sum()
     }
 
+    /// VDPBF16PS: two BF16 products per F32 lane and instruction (4 FLOP per lane).
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    pub unsafe fn bf16(seed: f32) -> f32 {
+        let a: __m512bh = std::mem::transmute(_mm512_set1_epi32(0x3f80_3f80)); // (1.0, 1.0)
+        let b: __m512bh = std::mem::transmute(_mm512_set1_epi32(0x3380_3380)); // (6e-8, 6e-8)
+        let mut acc = [_mm512_set1_ps(seed); CHAINS];
+        for _ in 0..ITERS {
+            for x in acc.iter_mut() {
+                *x = _mm512_dpbf16_ps(*x, a, b);
+            }
+        }
+        acc.iter().map(|&x| _mm512_reduce_add_ps(x)).sum()
+    }
+
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn ymm(seed: f32) -> f32 {
         let (a, b) = (_mm256_set1_ps(0.999_999), _mm256_set1_ps(1e-7));
@@ -48,7 +63,8 @@ mod x86 {
     }
 }
 
-fn run(width: &str, lanes: usize, f: fn(f32) -> f32) {
+/// `flops_per_lane`: 2 for an FMA, 4 for VDPBF16PS.
+fn run(width: &str, lanes: usize, flops_per_lane: usize, f: fn(f32) -> f32) {
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     let t = Instant::now();
     let sink: f32 = std::thread::scope(|s| {
@@ -56,7 +72,7 @@ fn run(width: &str, lanes: usize, f: fn(f32) -> f32) {
         hs.into_iter().map(|h| h.join().unwrap()).sum()
     });
     let secs = t.elapsed().as_secs_f64();
-    let flops = threads as f64 * ITERS as f64 * (CHAINS * lanes * 2) as f64;
+    let flops = threads as f64 * ITERS as f64 * (CHAINS * lanes * flops_per_lane) as f64;
     println!(
         "{{\"case\":\"fma_peak\",\"width\":\"{width}\",\"threads\":{threads},\"gflops\":{:.1},\"seconds\":{secs:.3},\"sink\":{sink}}}",
         flops / secs / 1e9
@@ -93,10 +109,13 @@ fn main() {
     {
         // SAFETY: each kernel runs only where the CPU reports its features.
         if std::arch::is_x86_feature_detected!("avx512f") {
-            run("avx512", 16, |s| unsafe { x86::zmm(s) });
+            run("avx512", 16, 2, |s| unsafe { x86::zmm(s) });
+        }
+        if std::arch::is_x86_feature_detected!("avx512bf16") {
+            run("avx512_bf16", 16, 4, |s| unsafe { x86::bf16(s) });
         }
         if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
-            run("avx2", 8, |s| unsafe { x86::ymm(s) });
+            run("avx2", 8, 2, |s| unsafe { x86::ymm(s) });
         }
     }
 }

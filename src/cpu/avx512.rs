@@ -1,12 +1,13 @@
-//! The scores-only F32 forward on AVX-512: query rows in vector lanes. A
-//! query's rows (up to 32 at a time) are packed transposed, `[dim][32]`, so
-//! that one FMA multiplies 16 query rows by one broadcast feature of a
-//! document token; six tokens at a time keep 12 accumulators in registers,
-//! and the max over tokens is a vertical `max` per lane. No score tile, no
-//! document packing, no horizontal reduction; every FMA is useful work (the
-//! GEMM path computes a `[128, 512]` tile into memory and scans it with a
-//! scalar loop that also tracks the argmax). Chosen at run time when the CPU
-//! has AVX-512F and no argmax is wanted.
+//! The scores-only forward on AVX-512, F32 and BF16: query rows in vector
+//! lanes. A query's rows (up to 32 at a time) are packed transposed,
+//! `[dim][32]`, so that one FMA multiplies 16 query rows by one broadcast
+//! feature of a document token; six tokens at a time keep 12 accumulators in
+//! registers, the max over tokens is a vertical `max` per lane, and the rows
+//! two token groups ahead are prefetched. No score tile, no document packing,
+//! no horizontal reduction: every FMA is useful work (the GEMM path computes
+//! a `[128, 512]` tile into memory and scans it with a scalar loop that also
+//! tracks the argmax). Chosen at run time when the CPU has AVX-512F (BF16:
+//! and AVX512_BF16) and no argmax is wanted.
 
 use std::arch::x86_64::*;
 
@@ -65,6 +66,14 @@ macro_rules! token_groups {
             let mut best = [_mm512_set1_ps(f32::NEG_INFINITY); QV];
             let mut g = 0;
             while g + U <= toks.len() {
+                // The rows two groups ahead into L1 while this one computes: the documents stream
+                // from memory, and without it the F32 rerank ran at 50 % of the FMA peak (75 % with).
+                for &t in &toks[(g + 2 * U).min(toks.len())..(g + 3 * U).min(toks.len())] {
+                    let row = d.add(t as usize * dim) as *const i8;
+                    for line in (0..dim * std::mem::size_of::<$elem>()).step_by(64) {
+                        _mm_prefetch::<_MM_HINT_T0>(row.add(line));
+                    }
+                }
                 $block::<QV, U>(qt, dim, d, &toks[g..g + U], &mut best);
                 g += U;
             }
