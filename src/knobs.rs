@@ -1,5 +1,4 @@
-//! Debug and test knobs of the CUDA path, read from the environment once, in
-//! this one place. They select kernels for testing and diagnosis; none is
+//! Debug and test knobs, read from the environment once, in this one place. They select kernels for testing and diagnosis; none is
 //! needed for correct or fast results.
 //!
 //! | variable | effect |
@@ -8,6 +7,7 @@
 //! | `CANDLE_MAXSIM_TILE=<config>` | pin the forward's tile configuration (`large`, `small`, `narrow`, `wide`, `hlarge`, `hmid`, `hsmall`, `compact`, `flarge`, `fsmall`) where it applies |
 //! | `CANDLE_MAXSIM_LOG=1` | print each tile-selection decision to stderr |
 //! | `CANDLE_MAXSIM_RESIDUAL=tile` | keep residual scoring on the tile kernels (never the warp kernel) |
+//! | `CANDLE_MAXSIM_CPU=gemm` | CPU forward on the portable GEMM path even where the AVX-512 lane kernels run (CI tests both) |
 
 use std::sync::OnceLock;
 
@@ -23,6 +23,8 @@ pub struct Knobs {
     pub log: bool,
     /// Residual scoring on the tile kernels only.
     pub residual_tile: bool,
+    /// CPU forward on the GEMM path only.
+    pub cpu_gemm: bool,
 }
 
 impl Knobs {
@@ -37,6 +39,7 @@ impl Knobs {
             tile: var("CANDLE_MAXSIM_TILE"),
             log: std::env::var_os("CANDLE_MAXSIM_LOG").is_some(),
             residual_tile: var("CANDLE_MAXSIM_RESIDUAL").as_deref() == Some("tile"),
+            cpu_gemm: var("CANDLE_MAXSIM_CPU").as_deref() == Some("gemm"),
         }
     }
 }

@@ -16,7 +16,7 @@ const U: usize = 6;
 
 /// Whether this CPU runs the kernel.
 pub(crate) fn available() -> bool {
-    std::arch::is_x86_feature_detected!("avx512f")
+    std::arch::is_x86_feature_detected!("avx512f") && !crate::knobs::knobs().cpu_gemm
 }
 
 /// Query rows `rows` (of `dim` features, row-major in `q`) transposed into
@@ -125,7 +125,7 @@ unsafe fn block<const QV: usize, const N: usize>(
 
 /// Whether this CPU runs the BF16 kernel (VDPBF16PS).
 pub(crate) fn available_bf16() -> bool {
-    std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("avx512bf16")
+    available() && std::arch::is_x86_feature_detected!("avx512bf16")
 }
 
 /// [`pack_queries`] for BF16 rows (`dim` even): element `(k, v, l)` at
