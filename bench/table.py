@@ -268,7 +268,7 @@ def cpu(rows):
     pk = sorted({peer_of(r["impl"])[0] for r in peers}, key=list(PEERS).index)
     head = ["case", "Nq,Nd,Lq,Ld,dim", "ours ms (peak MB)", "reference ms (peak MB)", "ours vs reference"]
     head += [f"{label(p, peers)} ms" for p in pk] + [f"ours vs {PEERS[p][0]}" for p in pk]
-    head += ["ours BF16 ms", "BF16 vs F32"]
+    head += ["ours BF16 ms", "BF16 vs F32", "ours with argmax ms"]
     body = []
     for k in t.keys():
         o = t.ms(k, "fused")
@@ -276,7 +276,7 @@ def cpu(rows):
         line = [k, ",".join(map(str, shape)), f"{f_ms(o)} ({f_mb(t.row(k, 'fused'))})",
                 f"{f_ms(t.ms(k, 'reference'))} ({f_mb(t.row(k, 'reference'))})", f_x(o, t.ms(k, "reference"))]
         line += [f_ms(t.ms(k, p)) for p in pk] + [f_x(o, t.ms(k, p)) for p in pk]
-        line += [f_ms(t.ms(k, "fused_bf16")), f_x(t.ms(k, "fused_bf16"), o)]
+        line += [f_ms(t.ms(k, "fused_bf16")), f_x(t.ms(k, "fused_bf16"), o), f_ms(t.ms(k, "fused_argmax"))]
         body.append(line)
     threads = {r.get("threads") for r in rows if r.get("threads")}
     if threads:

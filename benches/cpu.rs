@@ -60,8 +60,13 @@ fn main() -> candle_core::Result<()> {
             let flop = 2.0 * (nq * nd * lq * ld * dim) as f64;
             let fused = || candle_maxsim::maxsim(&q, &d, None, None).unwrap();
             let naive = || candle_maxsim::reference::maxsim(&q, &d, None, None).unwrap();
-            let imps: &[(&str, &dyn Fn() -> Tensor)] =
-                if dt == DType::F32 { &[("fused", &fused), ("reference", &naive)] } else { &[("fused", &fused)] };
+            // The training forward: scores and the argmax the backward reads.
+            let argmax = || candle_maxsim::maxsim_with_argmax(&q, &d, None, None).unwrap().0;
+            let imps: &[(&str, &dyn Fn() -> Tensor)] = if dt == DType::F32 {
+                &[("fused", &fused), ("fused_argmax", &argmax), ("reference", &naive)]
+            } else {
+                &[("fused", &fused)]
+            };
             for &(imp, f) in imps {
                 let (ms, peak) = measure(15, f);
                 println!(

@@ -1,5 +1,5 @@
-//! The scores-only forward on AVX-512, F32 and BF16: query rows in vector
-//! lanes. A query's rows (up to 32 at a time) are packed transposed,
+//! The forward on AVX-512, F32 and BF16, with or without the argmax: query
+//! rows in vector lanes. A query's rows (up to 32 at a time) are packed transposed,
 //! `[dim][32]`, so that one FMA multiplies 16 query rows by one broadcast
 //! feature of a document token; six tokens at a time keep 12 accumulators in
 //! registers, the max over tokens is a vertical `max` per lane, and the rows
@@ -7,7 +7,7 @@
 //! no horizontal reduction: every FMA is useful work (the GEMM path computes
 //! a `[128, 512]` tile into memory and scans it with a scalar loop that also
 //! tracks the argmax). Chosen at run time when the CPU has AVX-512F (BF16:
-//! and AVX512_BF16) and no argmax is wanted.
+//! and AVX512_BF16).
 
 use std::arch::x86_64::*;
 
@@ -38,15 +38,53 @@ pub(crate) fn pack_queries(q: &[f32], dim: usize, rows: std::ops::Range<usize>, 
 }
 
 /// `out[r] = max over toks of q_r · d[tok]` for the ≤ 32 packed query rows
-/// (lanes past them are garbage); `toks` non-empty, rows of `d` (`dim` wide).
-pub(crate) fn doc_max(qt: &[f32], qv: usize, dim: usize, d: &[f32], toks: &[u32], out: &mut [f32; 32]) {
+/// (lanes past them are garbage) and, with `argmax`, the first winning
+/// token's index within its document (`tok − ds`); `toks` non-empty and
+/// ascending, rows of `d` (`dim` wide).
+pub(crate) fn doc_max(
+    qt: &[f32],
+    qv: usize,
+    dim: usize,
+    d: &[f32],
+    (toks, ds): (&[u32], u32),
+    out: &mut [f32; 32],
+    argmax: Option<&mut [i32; 32]>,
+) {
     debug_assert!(qt.len() >= dim * qv * 16 && toks.iter().all(|&t| (t as usize + 1) * dim <= d.len()));
+    let mut unused = [0i32; 32];
     // SAFETY: `available()` was checked by the caller (the only one is gated on it); the asserted
     // lengths cover every load: qt holds dim·qv·16 floats, each token row dim floats of d.
     unsafe {
-        match qv {
-            1 => doc_max_qv::<1>(qt.as_ptr(), dim, d.as_ptr(), toks, out),
-            _ => doc_max_qv::<2>(qt.as_ptr(), dim, d.as_ptr(), toks, out),
+        let (qt, d) = (qt.as_ptr(), d.as_ptr());
+        match (qv, argmax) {
+            (1, None) => doc_max_qv::<1, false>(qt, dim, d, toks, ds, out, &mut unused),
+            (_, None) => doc_max_qv::<2, false>(qt, dim, d, toks, ds, out, &mut unused),
+            (1, Some(a)) => doc_max_qv::<1, true>(qt, dim, d, toks, ds, out, a),
+            (_, Some(a)) => doc_max_qv::<2, true>(qt, dim, d, toks, ds, out, a),
+        }
+    }
+}
+
+/// Folds `N` tokens' accumulators into each lane's running max and, with
+/// `ARGMAX`, its first winner (strictly greater replaces: ties keep the lower index).
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn fold<const QV: usize, const N: usize, const ARGMAX: bool>(
+    acc: &[[__m512; QV]; N],
+    toks: &[u32],
+    ds: u32,
+    best: &mut [__m512; QV],
+    idx: &mut [__m512i; QV],
+) {
+    for (u, a) in acc.iter().enumerate() {
+        for v in 0..QV {
+            if ARGMAX {
+                let m = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(a[v], best[v]);
+                best[v] = _mm512_mask_mov_ps(best[v], m, a[v]);
+                idx[v] = _mm512_mask_mov_epi32(idx[v], m, _mm512_set1_epi32((toks[u] - ds) as i32));
+            } else {
+                best[v] = _mm512_max_ps(best[v], a[v]);
+            }
         }
     }
 }
@@ -56,14 +94,17 @@ pub(crate) fn doc_max(qt: &[f32], qv: usize, dim: usize, d: &[f32], toks: &[u32]
 macro_rules! token_groups {
     ($name:ident, $block:ident, $packed:ty, $elem:ty, $features:literal) => {
         #[target_feature(enable = $features)]
-        unsafe fn $name<const QV: usize>(
+        unsafe fn $name<const QV: usize, const ARGMAX: bool>(
             qt: *const $packed,
             dim: usize,
             d: *const $elem,
             toks: &[u32],
+            ds: u32,
             out: &mut [f32; 32],
+            out_idx: &mut [i32; 32],
         ) {
             let mut best = [_mm512_set1_ps(f32::NEG_INFINITY); QV];
+            let mut idx = [_mm512_set1_epi32(-1); QV];
             let mut g = 0;
             while g + U <= toks.len() {
                 // The rows two groups ahead into L1 while this one computes: the documents stream
@@ -74,19 +115,22 @@ macro_rules! token_groups {
                         _mm_prefetch::<_MM_HINT_T0>(row.add(line));
                     }
                 }
-                $block::<QV, U>(qt, dim, d, &toks[g..g + U], &mut best);
+                $block::<QV, U, ARGMAX>(qt, dim, d, &toks[g..g + U], ds, &mut best, &mut idx);
                 g += U;
             }
             match toks.len() - g {
                 0 => {}
-                1 => $block::<QV, 1>(qt, dim, d, &toks[g..], &mut best),
-                2 => $block::<QV, 2>(qt, dim, d, &toks[g..], &mut best),
-                3 => $block::<QV, 3>(qt, dim, d, &toks[g..], &mut best),
-                4 => $block::<QV, 4>(qt, dim, d, &toks[g..], &mut best),
-                _ => $block::<QV, 5>(qt, dim, d, &toks[g..], &mut best),
+                1 => $block::<QV, 1, ARGMAX>(qt, dim, d, &toks[g..], ds, &mut best, &mut idx),
+                2 => $block::<QV, 2, ARGMAX>(qt, dim, d, &toks[g..], ds, &mut best, &mut idx),
+                3 => $block::<QV, 3, ARGMAX>(qt, dim, d, &toks[g..], ds, &mut best, &mut idx),
+                4 => $block::<QV, 4, ARGMAX>(qt, dim, d, &toks[g..], ds, &mut best, &mut idx),
+                _ => $block::<QV, 5, ARGMAX>(qt, dim, d, &toks[g..], ds, &mut best, &mut idx),
             }
-            for (v, b) in best.iter().enumerate() {
-                _mm512_storeu_ps(out.as_mut_ptr().add(16 * v), *b);
+            for v in 0..QV {
+                _mm512_storeu_ps(out.as_mut_ptr().add(16 * v), best[v]);
+                if ARGMAX {
+                    _mm512_storeu_epi32(out_idx.as_mut_ptr().add(16 * v), idx[v]);
+                }
             }
         }
     };
@@ -98,12 +142,14 @@ token_groups!(bf16_qv, bf16_block, u32, u16, "avx512f,avx512bf16");
 /// `N` tokens against the packed rows: `N·QV` accumulators over the features, then folded into `best`.
 #[target_feature(enable = "avx512f")]
 #[inline]
-unsafe fn block<const QV: usize, const N: usize>(
+unsafe fn block<const QV: usize, const N: usize, const ARGMAX: bool>(
     qt: *const f32,
     dim: usize,
     d: *const f32,
     toks: &[u32],
+    ds: u32,
     best: &mut [__m512; QV],
+    idx: &mut [__m512i; QV],
 ) {
     let rows: [*const f32; N] = std::array::from_fn(|u| d.add(toks[u] as usize * dim));
     let mut acc = [[_mm512_setzero_ps(); QV]; N];
@@ -116,11 +162,7 @@ unsafe fn block<const QV: usize, const N: usize>(
             }
         }
     }
-    for a in &acc {
-        for v in 0..QV {
-            best[v] = _mm512_max_ps(best[v], a[v]);
-        }
-    }
+    fold::<QV, N, ARGMAX>(&acc, toks, ds, best, idx);
 }
 
 /// Whether this CPU runs the BF16 kernel (VDPBF16PS).
@@ -152,28 +194,41 @@ pub(crate) fn pack_queries_bf16(
 }
 
 /// [`doc_max`] for BF16: each VDPBF16PS adds two features' products per lane.
-pub(crate) fn doc_max_bf16(qt: &[u32], qv: usize, dim: usize, d: &[half::bf16], toks: &[u32], out: &mut [f32; 32]) {
+pub(crate) fn doc_max_bf16(
+    qt: &[u32],
+    qv: usize,
+    dim: usize,
+    d: &[half::bf16],
+    (toks, ds): (&[u32], u32),
+    out: &mut [f32; 32],
+    argmax: Option<&mut [i32; 32]>,
+) {
     debug_assert!(dim.is_multiple_of(2) && qt.len() >= dim / 2 * qv * 16);
     debug_assert!(toks.iter().all(|&t| (t as usize + 1) * dim <= d.len()));
+    let mut unused = [0i32; 32];
     // SAFETY: `available_bf16()` was checked by the caller; the asserted lengths cover every
     // load (qt holds dim/2·qv·16 pairs, each token row dim BF16 values of d).
     unsafe {
-        let d = d.as_ptr() as *const u16;
-        match qv {
-            1 => bf16_qv::<1>(qt.as_ptr(), dim, d, toks, out),
-            _ => bf16_qv::<2>(qt.as_ptr(), dim, d, toks, out),
+        let (qt, d) = (qt.as_ptr(), d.as_ptr() as *const u16);
+        match (qv, argmax) {
+            (1, None) => bf16_qv::<1, false>(qt, dim, d, toks, ds, out, &mut unused),
+            (_, None) => bf16_qv::<2, false>(qt, dim, d, toks, ds, out, &mut unused),
+            (1, Some(a)) => bf16_qv::<1, true>(qt, dim, d, toks, ds, out, a),
+            (_, Some(a)) => bf16_qv::<2, true>(qt, dim, d, toks, ds, out, a),
         }
     }
 }
 
 #[target_feature(enable = "avx512f,avx512bf16")]
 #[inline]
-unsafe fn bf16_block<const QV: usize, const N: usize>(
+unsafe fn bf16_block<const QV: usize, const N: usize, const ARGMAX: bool>(
     qt: *const u32,
     dim: usize,
     d: *const u16,
     toks: &[u32],
+    ds: u32,
     best: &mut [__m512; QV],
+    idx: &mut [__m512i; QV],
 ) {
     let rows: [*const u16; N] = std::array::from_fn(|u| d.add(toks[u] as usize * dim));
     let mut acc = [[_mm512_setzero_ps(); QV]; N];
@@ -188,9 +243,5 @@ unsafe fn bf16_block<const QV: usize, const N: usize>(
             }
         }
     }
-    for a in &acc {
-        for v in 0..QV {
-            best[v] = _mm512_max_ps(best[v], a[v]);
-        }
-    }
+    fold::<QV, N, ARGMAX>(&acc, toks, ds, best, idx);
 }

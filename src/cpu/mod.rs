@@ -1,7 +1,9 @@
 //! The CPU MaxSim engine: tiled GEMM (the `gemm` crate candle uses) with a
 //! running max/argmax per (query row, document), on all cores through rayon.
 //! The `[Nq, Nd, Lq, Ld]` similarity tensor is never materialized: a work item
-//! holds one `[≤128, ≤512]` score tile at a time.
+//! holds one `[≤128, ≤512]` score tile at a time. On CPUs with AVX-512 the
+//! F32 and BF16 forward runs the lane kernels of avx512.rs instead (no tile at
+//! all); the backward is the same for both.
 
 use crate::layout::{Pairing, Problem, Seqs};
 use rayon::prelude::*;
@@ -204,10 +206,10 @@ pub(crate) fn forward<T: Float>(p: &HostProblem, q: &[T], d: &[T], want_argmax: 
     let am = SharedMut(argmax.as_mut().map_or(std::ptr::null_mut(), |a| a.as_mut_ptr()));
     let work = items(p);
     #[cfg(target_arch = "x86_64")]
-    if let (false, Some(q), Some(d), true) = (want_argmax, T::as_f32(q), T::as_f32(d), avx512::available()) {
+    if let (Some(q), Some(d), true) = (T::as_f32(q), T::as_f32(d), avx512::available()) {
         work.par_iter().for_each_init(<(Vec<f32>, Vec<u32>)>::default, |(qt, toks), it| {
             // SAFETY: items own disjoint pair indices (see `Item`).
-            unsafe { run_item_lanes(p, q, d, it, qt, toks, out) }
+            unsafe { run_item_lanes(p, q, d, it, qt, toks, out, am, mlq) }
         });
         return (scores, argmax);
     }
@@ -224,7 +226,15 @@ trait Lanes: Sized + Sync {
     /// The packed query rows' element.
     type Packed: Copy + Default + Send;
     fn pack(q: &[Self], dim: usize, rows: std::ops::Range<usize>, qt: &mut Vec<Self::Packed>) -> usize;
-    fn doc_max(qt: &[Self::Packed], qv: usize, dim: usize, d: &[Self], toks: &[u32], out: &mut [f32; 32]);
+    fn doc_max(
+        qt: &[Self::Packed],
+        qv: usize,
+        dim: usize,
+        d: &[Self],
+        toks: (&[u32], u32),
+        out: &mut [f32; 32],
+        argmax: Option<&mut [i32; 32]>,
+    );
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -233,8 +243,16 @@ impl Lanes for f32 {
     fn pack(q: &[f32], dim: usize, rows: std::ops::Range<usize>, qt: &mut Vec<f32>) -> usize {
         avx512::pack_queries(q, dim, rows, qt)
     }
-    fn doc_max(qt: &[f32], qv: usize, dim: usize, d: &[f32], toks: &[u32], out: &mut [f32; 32]) {
-        avx512::doc_max(qt, qv, dim, d, toks, out)
+    fn doc_max(
+        qt: &[f32],
+        qv: usize,
+        dim: usize,
+        d: &[f32],
+        toks: (&[u32], u32),
+        out: &mut [f32; 32],
+        argmax: Option<&mut [i32; 32]>,
+    ) {
+        avx512::doc_max(qt, qv, dim, d, toks, out, argmax)
     }
 }
 
@@ -244,32 +262,49 @@ impl Lanes for half::bf16 {
     fn pack(q: &[half::bf16], dim: usize, rows: std::ops::Range<usize>, qt: &mut Vec<u32>) -> usize {
         avx512::pack_queries_bf16(q, dim, rows, qt)
     }
-    fn doc_max(qt: &[u32], qv: usize, dim: usize, d: &[half::bf16], toks: &[u32], out: &mut [f32; 32]) {
-        avx512::doc_max_bf16(qt, qv, dim, d, toks, out)
+    fn doc_max(
+        qt: &[u32],
+        qv: usize,
+        dim: usize,
+        d: &[half::bf16],
+        toks: (&[u32], u32),
+        out: &mut [f32; 32],
+        argmax: Option<&mut [i32; 32]>,
+    ) {
+        avx512::doc_max_bf16(qt, qv, dim, d, toks, out, argmax)
     }
 }
 
-/// The scores of a BF16 problem without the argmax, products on VDPBF16PS
-/// (F32 accumulation), or `None` where the CPU lacks AVX512_BF16 or the dim
-/// is odd (then the inputs go through F32).
-pub(crate) fn forward_bf16(p: &HostProblem, q: &[half::bf16], d: &[half::bf16]) -> Option<Vec<f32>> {
+/// [`forward`] of a BF16 problem with its products on VDPBF16PS (F32
+/// accumulation), or `None` where the CPU lacks AVX512_BF16 or the dim is
+/// odd (then the inputs go through F32).
+pub(crate) fn forward_bf16(
+    p: &HostProblem,
+    q: &[half::bf16],
+    d: &[half::bf16],
+    want_argmax: bool,
+) -> Option<(Vec<f32>, Option<Vec<i32>>)> {
     #[cfg(target_arch = "x86_64")]
     if p.dim.is_multiple_of(2) && avx512::available_bf16() {
+        let mlq = p.q.max_len();
         let mut scores = vec![0f32; p.pairs.len()];
+        let mut argmax = want_argmax.then(|| vec![-1i32; p.pairs.len() * mlq]);
         let out = SharedMut(scores.as_mut_ptr());
+        let am = SharedMut(argmax.as_mut().map_or(std::ptr::null_mut(), |a| a.as_mut_ptr()));
         items(p).par_iter().for_each_init(<(Vec<u32>, Vec<u32>)>::default, |(qt, toks), it| {
             // SAFETY: items own disjoint pair indices (see `Item`).
-            unsafe { run_item_lanes(p, q, d, it, qt, toks, out) }
+            unsafe { run_item_lanes(p, q, d, it, qt, toks, out, am, mlq) }
         });
-        return Some(scores);
+        return Some((scores, argmax));
     }
-    let _ = (p, q, d);
+    let _ = (p, q, d, want_argmax);
     None
 }
 
-/// [`run_item`] for scores without the argmax on AVX-512 (cpu/avx512.rs):
-/// each query in chunks of 32 rows, against each document's valid tokens.
+/// [`run_item`] on AVX-512 (cpu/avx512.rs): each query in chunks of 32
+/// rows against each document's valid tokens, the argmax where `am` is set.
 #[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
 unsafe fn run_item_lanes<E: Lanes>(
     p: &HostProblem,
     q: &[E],
@@ -278,9 +313,12 @@ unsafe fn run_item_lanes<E: Lanes>(
     qt: &mut Vec<E::Packed>,
     toks: &mut Vec<u32>,
     out: SharedMut<f32>,
+    am: SharedMut<i32>,
+    mlq: usize,
 ) {
     let nb = it.j1 - it.j0;
     let mut best = [0f32; 32];
+    let mut win = [-1i32; 32];
     for i in it.q0..it.q1 {
         let mut sums = vec![0f32; nb];
         let (qs, qe) = (p.q.start(i), p.q.end(i));
@@ -289,15 +327,20 @@ unsafe fn run_item_lanes<E: Lanes>(
             let c1 = (c + 32).min(qe);
             let qv = E::pack(q, p.dim, c..c1, qt);
             for (jj, j) in (it.j0..it.j1).enumerate() {
+                let ds = p.d.start(j);
                 toks.clear();
-                toks.extend((p.d.start(j)..p.d.end(j)).filter(|&t| p.d_ok(t)).map(|t| t as u32));
+                toks.extend((ds..p.d.end(j)).filter(|&t| p.d_ok(t)).map(|t| t as u32));
                 if toks.is_empty() {
                     continue;
                 }
-                E::doc_max(qt, qv, p.dim, d, toks, &mut best);
+                let pair = it.base + (i - it.q0) * it.stride + jj;
+                E::doc_max(qt, qv, p.dim, d, (toks, ds as u32), &mut best, (!am.0.is_null()).then_some(&mut win));
                 for (r, row) in (c..c1).enumerate() {
                     if p.q_ok(row) {
                         sums[jj] += best[r];
+                        if !am.0.is_null() {
+                            *am.0.add(pair * mlq + row - qs) = win[r];
+                        }
                     }
                 }
             }

@@ -75,10 +75,10 @@ impl MaxSimOp {
         let qv = Self::host_flags(&self.problem.q_valid)?;
         let dv = Self::host_flags(&self.problem.d_valid)?;
         let hp = HostProblem::new(&self.problem, qv.as_deref(), dv.as_deref());
-        if q.dtype() == DType::BF16 && !want_argmax {
+        if q.dtype() == DType::BF16 {
             let (qb, db) = (q.flatten_all()?.to_vec1::<half::bf16>()?, d.flatten_all()?.to_vec1::<half::bf16>()?);
-            if let Some(scores) = cpu::forward_bf16(&hp, &qb, &db) {
-                return Ok((scores, None));
+            if let Some(r) = cpu::forward_bf16(&hp, &qb, &db, want_argmax) {
+                return Ok(r);
             }
         }
         Ok(match q.dtype() {
@@ -124,14 +124,14 @@ impl CustomOp2 for MaxSimOp {
         let qv = Self::host_flags(&self.problem.q_valid)?;
         let dv = Self::host_flags(&self.problem.d_valid)?;
         let hp = HostProblem::new(&self.problem, qv.as_deref(), dv.as_deref());
-        let bf16 = match (s1, s2, l1.contiguous_offsets(), l2.contiguous_offsets(), self.save_argmax) {
-            (CpuStorage::BF16(q), CpuStorage::BF16(d), Some((a, b)), Some((c, e)), false) => {
-                cpu::forward_bf16(&hp, &q[a..b], &d[c..e])
+        let bf16 = match (s1, s2, l1.contiguous_offsets(), l2.contiguous_offsets()) {
+            (CpuStorage::BF16(q), CpuStorage::BF16(d), Some((a, b)), Some((c, e))) => {
+                cpu::forward_bf16(&hp, &q[a..b], &d[c..e], self.save_argmax)
             }
             _ => None,
         };
         let (scores, am) = match (bf16, s1.dtype()) {
-            (Some(scores), _) => (scores, None),
+            (Some(r), _) => r,
             (None, DType::F64) => cpu::forward(&hp, cpu_f64(s1, l1)?, cpu_f64(s2, l2)?, self.save_argmax),
             (None, _) => cpu::forward(&hp, &cpu_f32(s1, l1)?, &cpu_f32(s2, l2)?, self.save_argmax),
         };
