@@ -69,11 +69,12 @@ pub fn layer_norm(x: &Tensor, w: &Tensor, b: Option<&Tensor>, eps: f64) -> Resul
         return Ok(x.clone());
     }
     let (x, w) = (x.contiguous()?, w.to_dtype(DType::F32)?.contiguous()?);
-    let op = LayerNorm { eps: eps as f32 };
-    match b {
-        Some(b) => x.apply_op3(&w, &b.to_dtype(DType::F32)?.contiguous()?, op),
-        None => x.apply_op2(&w, op),
-    }
+    // Without a bias, a zero one: its gradient goes nowhere.
+    let b = match b {
+        Some(b) => b.to_dtype(DType::F32)?.contiguous()?,
+        None => Tensor::zeros(c, DType::F32, x.device())?,
+    };
+    x.apply_op3(&w, &b, LayerNorm { eps: eps as f32 })
 }
 
 #[derive(Clone, Copy)]
@@ -231,13 +232,13 @@ fn row_stats(x: &[f32], c: usize, eps: f32) -> Vec<(f32, f32)> {
 }
 
 impl LayerNorm {
-    fn cpu(&self, x: &CpuStorage, lx: &Layout, w: &[f32], b: Option<&[f32]>) -> Result<CpuStorage> {
+    fn cpu(&self, x: &CpuStorage, lx: &Layout, w: &[f32], b: &[f32]) -> Result<CpuStorage> {
         let x32 = f32s(x, lx)?;
         let c = w.len();
         let mut y = Vec::with_capacity(x32.len());
         for (r, (mean, rstd)) in x32.chunks(c).zip(row_stats(&x32, c, self.eps)) {
             for (j, &v) in r.iter().enumerate() {
-                y.push((v - mean) * rstd * w[j] + b.map_or(0.0, |b| b[j]));
+                y.push((v - mean) * rstd * w[j] + b[j]);
             }
         }
         Ok(store(y, x.dtype()))
@@ -248,32 +249,6 @@ impl LayerNorm {
         let dx = x.apply_op3_no_bwd(w, &dy, &LayerNormBwdX { eps: self.eps })?;
         let wb = x.apply_op2_no_bwd(&dy, &LayerNormBwdWb { eps: self.eps })?;
         Ok((dx, wb.get(0)?, wb.get(1)?))
-    }
-}
-
-impl CustomOp2 for LayerNorm {
-    fn name(&self) -> &'static str {
-        "layer_norm"
-    }
-
-    fn cpu_fwd(&self, x: &CpuStorage, lx: &Layout, w: &CpuStorage, lw: &Layout) -> Result<(CpuStorage, Shape)> {
-        Ok((self.cpu(x, lx, &f32s(w, lw)?, None)?, lx.shape().clone()))
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        x: &candle_core::CudaStorage,
-        lx: &Layout,
-        w: &candle_core::CudaStorage,
-        lw: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        Ok((crate::cuda::encoder::layer_norm_fwd((x, lx), (w, lw), None, self.eps)?, lx.shape().clone()))
-    }
-
-    fn bwd(&self, x: &Tensor, w: &Tensor, _y: &Tensor, dy: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let (dx, dw, _) = self.backward(x, w, dy)?;
-        Ok((Some(dx), Some(dw)))
     }
 }
 
@@ -291,7 +266,7 @@ impl CustomOp3 for LayerNorm {
         b: &CpuStorage,
         lb: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        Ok((self.cpu(x, lx, &f32s(w, lw)?, Some(&f32s(b, lb)?))?, lx.shape().clone()))
+        Ok((self.cpu(x, lx, &f32s(w, lw)?, &f32s(b, lb)?)?, lx.shape().clone()))
     }
 
     #[cfg(feature = "cuda")]

@@ -65,14 +65,9 @@ struct Args {
 fn encode_for_index(model: &ColBert, docs: &[&str], batch: usize, bar: &ProgressBar) -> Result<(Tensor, Vec<u32>)> {
     let (mut parts, mut lens) = (Vec::new(), Vec::new());
     for chunk in docs.chunks(batch) {
-        let (d, dm) = model.encode_documents(chunk)?;
-        let (n, l, dim) = d.dims3()?;
-        let keep: Vec<u8> = dm.flatten_all()?.to_vec1()?;
-        let rows: Vec<u32> = (0..(n * l) as u32).filter(|&r| keep[r as usize] != 0).collect();
-        lens.extend(keep.chunks(l).map(|m| m.iter().map(|&v| v as u32).sum::<u32>()));
-        let nr = rows.len();
-        let rows = Tensor::from_vec(rows, nr, d.device())?;
-        parts.push(d.reshape((n * l, dim))?.index_select(&rows, 0)?);
+        let (x, l) = model.encode_documents_packed(chunk)?;
+        parts.push(x);
+        lens.extend(l);
         bar.inc(chunk.len() as u64);
     }
     Ok((Tensor::cat(&parts, 0)?, lens))

@@ -232,14 +232,9 @@ fn export(m: &ColBert, set: &EvalSet, dir: &std::path::Path) -> Result<()> {
     let (mut parts, mut lens) = (Vec::new(), Vec::<i64>::new());
     for chunk in set.corpus.chunks(64) {
         let texts: Vec<&str> = chunk.iter().map(String::as_str).collect();
-        let (d, dm) = m.encode_documents(&texts)?;
-        let (n, l, dim) = d.dims3()?;
-        let keep: Vec<u8> = dm.flatten_all()?.to_vec1()?;
-        let rows: Vec<u32> = (0..(n * l) as u32).filter(|&r| keep[r as usize] != 0).collect();
-        lens.extend(keep.chunks(l).map(|k| k.iter().map(|&v| v as i64).sum::<i64>()));
-        let nr = rows.len();
-        let rows = candle_core::Tensor::from_vec(rows, nr, d.device())?;
-        parts.push(d.reshape((n * l, dim))?.index_select(&rows, 0)?.to_dtype(DType::F16)?.to_device(&Device::Cpu)?);
+        let (x, l) = m.encode_documents_packed(&texts)?;
+        parts.push(x.to_dtype(DType::F16)?.to_device(&Device::Cpu)?);
+        lens.extend(l.into_iter().map(i64::from));
     }
     write_f16_npy(&dir.join("emb.npy"), &candle_core::Tensor::cat(&parts, 0)?)?;
     let nd = lens.len();

@@ -330,6 +330,19 @@ impl ColBert {
         Ok((self.embed(&t)?, self.to_tensor(&t.score_mask)?))
     }
 
+    /// One batch of documents as an index takes them: the scored tokens only
+    /// (padding and skiplist dropped), packed, `(embeddings [T, dim], lengths [N])`.
+    pub fn encode_documents_packed(&self, texts: &[&str]) -> Result<(Tensor, Vec<u32>)> {
+        let (d, dm) = self.encode_documents(texts)?;
+        let (n, l, dim) = d.dims3()?;
+        let keep: Vec<u8> = dm.flatten_all()?.to_vec1()?;
+        let rows: Vec<u32> = (0..(n * l) as u32).filter(|&r| keep[r as usize] != 0).collect();
+        let lens = keep.chunks(l.max(1)).map(|m| m.iter().map(|&v| v as u32).sum()).collect();
+        let nr = rows.len();
+        let rows = Tensor::from_vec(rows, nr, d.device())?;
+        Ok((d.reshape((n * l, dim))?.index_select(&rows, 0)?, lens))
+    }
+
     /// MaxSim scores of one query against `docs`, encoded `batch` at a time.
     /// `progress` is called with the number of documents done.
     pub fn score(&self, query: &str, docs: &[&str], batch: usize, progress: &mut dyn FnMut(usize)) -> Result<Vec<f32>> {

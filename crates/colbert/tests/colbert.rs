@@ -138,3 +138,22 @@ fn cuda_matches_cpu() -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+/// `encode_documents_packed` keeps exactly the scored rows of `encode_documents`, in order.
+#[test]
+fn packed_documents_are_the_scored_rows() -> anyhow::Result<()> {
+    let dir = colbert_ai_checkpoint()?;
+    let m = ColBert::load(&dir, &Device::Cpu, DType::F32)?;
+    let docs = ["the mat.", "the cat the mat", "cat"];
+    let (d, dm) = m.encode_documents(&docs)?;
+    let (packed, lens) = m.encode_documents_packed(&docs)?;
+    let (d, dm): (Vec<Vec<Vec<f32>>>, Vec<Vec<u8>>) = (d.to_vec3()?, dm.to_vec2()?);
+    let want: Vec<Vec<f32>> = d
+        .iter()
+        .zip(&dm)
+        .flat_map(|(rows, mask)| rows.iter().zip(mask).filter(|(_, &k)| k != 0).map(|(r, _)| r.clone()))
+        .collect();
+    assert_eq!(lens, dm.iter().map(|m| m.iter().map(|&k| k as u32).sum::<u32>()).collect::<Vec<_>>());
+    assert_eq!(packed.to_vec2::<f32>()?, want);
+    Ok(())
+}

@@ -53,6 +53,17 @@ struct Params {
     n_full_scores: usize,
 }
 
+impl Params {
+    fn search(&self) -> SearchParams {
+        SearchParams {
+            top_k: self.top_k,
+            n_ivf_probe: self.n_ivf_probe,
+            n_full_scores: self.n_full_scores,
+            ..Default::default()
+        }
+    }
+}
+
 #[derive(Subcommand)]
 enum Phase {
     /// Build an index of the collection.
@@ -171,12 +182,7 @@ fn main() -> Result<()> {
                 serde_json::json!({"phase": "load", "seconds": t.elapsed().as_secs_f64(), "peak_rss_mb": peak_rss_mb()})
             );
             let q = Tensor::read_npy(&queries)?.to_dtype(DType::F16)?.to_device(&dev)?;
-            let sp = SearchParams {
-                top_k: params.top_k,
-                n_ivf_probe: params.n_ivf_probe,
-                n_full_scores: params.n_full_scores,
-                ..Default::default()
-            };
+            let sp = params.search();
             let nq = q.dim(0)?;
             idx.search(&q.narrow(0, 0, 1)?, &sp, None)?; // warm-up: module loads, allocations
             for &b in &batches {
@@ -209,12 +215,7 @@ fn main() -> Result<()> {
         Phase::Stages { index, queries, batches, params } => {
             let idx = PlaidIndex::load(&index, &dev)?;
             let q = Tensor::read_npy(&queries)?.to_dtype(DType::F16)?.to_device(&dev)?;
-            let sp = SearchParams {
-                top_k: params.top_k,
-                n_ivf_probe: params.n_ivf_probe,
-                n_full_scores: params.n_full_scores,
-                ..Default::default()
-            };
+            let sp = params.search();
             idx.search(&q.narrow(0, 0, 1)?, &sp, None)?;
             for &b in &batches {
                 let qb = q.narrow(0, 0, b.min(q.dim(0)?))?;
