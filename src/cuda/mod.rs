@@ -1,5 +1,6 @@
-//! CUDA path: PTX modules built from kernels/ by build.rs, picked per device
-//! at run time, and the launch code of each op.
+//! CUDA path: modules built from kernels/ by build.rs (PTX, and SASS for
+//! sm_80 / sm_90a), picked per device at run time, and the launch code of
+//! each op.
 
 pub(crate) mod encoder;
 mod hidden;
@@ -22,17 +23,18 @@ pub(crate) use residual::{
     codes_u32, compress_residual, decompress as decompress_residual, residual_path, residual_scores_tile,
     residual_scores_warp, warp_applies, CodecDev, ResidualPath, WarpDocs, WarpTasks,
 };
-pub(crate) use rows::{add_bias, gather_rows, scatter_add_rows, sum_rows};
+pub(crate) use rows::{add_bias, gather_rows, gelu_bwd, scatter_add_rows, sum_rows};
 pub(crate) use topk::topk_rows;
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
-    sys, CudaFunction, CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, PinnedHostSlice, PushKernelArg,
+    sys, CudaFunction, CudaModule, CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, PinnedHostSlice, PushKernelArg,
 };
+use candle_core::cuda_backend::cudarc::nvrtc::Ptx;
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{bail, CudaDevice, CudaStorage, DType, Layout, Result, Storage, Tensor};
 use std::collections::HashMap;
-use std::sync::{Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
 #[allow(dead_code)]
 mod ptx {
@@ -47,6 +49,8 @@ pub(crate) struct DeviceInfo {
     pub sm_count: i32,
     /// Largest dynamic shared memory a block may opt in to, in bytes.
     pub smem_optin: usize,
+    /// An older GPU is emulated (`cc` is below the device's): PTX only.
+    pub emulated: bool,
 }
 
 pub(crate) fn device_info(dev: &CudaDevice) -> Result<DeviceInfo> {
@@ -63,7 +67,7 @@ pub(crate) fn device_info(dev: &CudaDevice) -> Result<DeviceInfo> {
     let minor = ctx.attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR).w()?;
     let sm_count = ctx.attribute(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).w()?;
     let smem_optin = ctx.attribute(CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN).w()? as usize;
-    let info = emulated_arch(DeviceInfo { cc: major * 10 + minor, sm_count, smem_optin });
+    let info = emulated_arch(DeviceInfo { cc: major * 10 + minor, sm_count, smem_optin, emulated: false });
     keep_pool_memory(key)?;
     cache.insert(key, info);
     Ok(info)
@@ -106,38 +110,56 @@ fn emulated_arch(real: DeviceInfo) -> DeviceInfo {
         Some(80) => (80, 163 * 1024),
         _ => return real,
     };
-    DeviceInfo { cc: real.cc.min(cc), smem_optin: real.smem_optin.min(smem), ..real }
+    DeviceInfo { cc: real.cc.min(cc), smem_optin: real.smem_optin.min(smem), emulated: cc < real.cc, ..real }
 }
 
-/// The PTX builds of one kernel file, oldest target first.
+/// The builds of one kernel file, oldest target first: PTX for each
+/// target, and the SASS (cubin) of the sm_80 and sm_90a PTX.
 struct Modules {
     sm75: &'static str,
     sm80: &'static str,
     /// Hopper-only (wgmma): runs on compute capability 9.0 exactly.
     sm90a: &'static str,
+    sm80_cubin: &'static [u8],
+    sm90a_cubin: &'static [u8],
 }
 
-/// The newest PTX module of a kernel file that this device runs.
-fn module_for(info: &DeviceInfo, m: &Modules) -> (&'static str, &'static str) {
+/// The newest module of a kernel file that this device runs: its PTX, its
+/// SASS where the device runs that (sm_80 SASS on 8.x, sm_90a on 9.0, not
+/// while an older GPU is emulated), and its tag.
+fn module_for(info: &DeviceInfo, m: &Modules) -> (&'static str, Option<&'static [u8]>, &'static str) {
+    let sass = |bin| (!info.emulated).then_some(bin);
     match info.cc {
-        90 => (m.sm90a, "sm90a"),
-        cc if cc >= 80 => (m.sm80, "sm80"),
-        _ => (m.sm75, "sm75"),
+        90 => (m.sm90a, sass(m.sm90a_cubin), "sm90a"),
+        cc if cc >= 80 => (m.sm80, if cc < 90 { sass(m.sm80_cubin) } else { None }, "sm80"),
+        _ => (m.sm75, None, "sm75"),
     }
 }
 
-const FWD: Modules = Modules { sm75: ptx::MAXSIM_FWD_SM75, sm80: ptx::MAXSIM_FWD_SM80, sm90a: ptx::MAXSIM_FWD_SM90A };
-const BWD: Modules = Modules { sm75: ptx::MAXSIM_BWD_SM75, sm80: ptx::MAXSIM_BWD_SM80, sm90a: ptx::MAXSIM_BWD_SM90A };
-const HIDDEN: Modules = Modules { sm75: ptx::HIDDEN_SM75, sm80: ptx::HIDDEN_SM80, sm90a: ptx::HIDDEN_SM90A };
-const ROWS: Modules = Modules { sm75: ptx::ROWS_SM75, sm80: ptx::ROWS_SM80, sm90a: ptx::ROWS_SM90A };
-const RESIDUAL: Modules = Modules { sm75: ptx::RESIDUAL_SM75, sm80: ptx::RESIDUAL_SM80, sm90a: ptx::RESIDUAL_SM90A };
-const PLAID_APPROX: Modules =
-    Modules { sm75: ptx::PLAID_APPROX_SM75, sm80: ptx::PLAID_APPROX_SM80, sm90a: ptx::PLAID_APPROX_SM90A };
-const NORMALIZE: Modules =
-    Modules { sm75: ptx::NORMALIZE_SM75, sm80: ptx::NORMALIZE_SM80, sm90a: ptx::NORMALIZE_SM90A };
-const ENCODER: Modules = Modules { sm75: ptx::ENCODER_SM75, sm80: ptx::ENCODER_SM80, sm90a: ptx::ENCODER_SM90A };
-const OPTIM: Modules = Modules { sm75: ptx::OPTIM_SM75, sm80: ptx::OPTIM_SM80, sm90a: ptx::OPTIM_SM90A };
-const TOPK: Modules = Modules { sm75: ptx::TOPK_SM75, sm80: ptx::TOPK_SM80, sm90a: ptx::TOPK_SM90A };
+macro_rules! modules {
+    ($($name:ident: $sm75:ident, $sm80:ident, $sm90a:ident, $sm80c:ident, $sm90ac:ident;)*) => {
+        $(const $name: Modules = Modules {
+            sm75: ptx::$sm75,
+            sm80: ptx::$sm80,
+            sm90a: ptx::$sm90a,
+            sm80_cubin: ptx::$sm80c,
+            sm90a_cubin: ptx::$sm90ac,
+        };)*
+    };
+}
+
+modules! {
+    FWD: MAXSIM_FWD_SM75, MAXSIM_FWD_SM80, MAXSIM_FWD_SM90A, MAXSIM_FWD_SM80_CUBIN, MAXSIM_FWD_SM90A_CUBIN;
+    BWD: MAXSIM_BWD_SM75, MAXSIM_BWD_SM80, MAXSIM_BWD_SM90A, MAXSIM_BWD_SM80_CUBIN, MAXSIM_BWD_SM90A_CUBIN;
+    HIDDEN: HIDDEN_SM75, HIDDEN_SM80, HIDDEN_SM90A, HIDDEN_SM80_CUBIN, HIDDEN_SM90A_CUBIN;
+    ROWS: ROWS_SM75, ROWS_SM80, ROWS_SM90A, ROWS_SM80_CUBIN, ROWS_SM90A_CUBIN;
+    RESIDUAL: RESIDUAL_SM75, RESIDUAL_SM80, RESIDUAL_SM90A, RESIDUAL_SM80_CUBIN, RESIDUAL_SM90A_CUBIN;
+    PLAID_APPROX: PLAID_APPROX_SM75, PLAID_APPROX_SM80, PLAID_APPROX_SM90A, PLAID_APPROX_SM80_CUBIN, PLAID_APPROX_SM90A_CUBIN;
+    NORMALIZE: NORMALIZE_SM75, NORMALIZE_SM80, NORMALIZE_SM90A, NORMALIZE_SM80_CUBIN, NORMALIZE_SM90A_CUBIN;
+    ENCODER: ENCODER_SM75, ENCODER_SM80, ENCODER_SM90A, ENCODER_SM80_CUBIN, ENCODER_SM90A_CUBIN;
+    OPTIM: OPTIM_SM75, OPTIM_SM80, OPTIM_SM90A, OPTIM_SM80_CUBIN, OPTIM_SM90A_CUBIN;
+    TOPK: TOPK_SM75, TOPK_SM80, TOPK_SM90A, TOPK_SM80_CUBIN, TOPK_SM90A_CUBIN;
+}
 
 /// Loads `name` from the forward module for this device; raises the dynamic
 /// shared-memory limit when a launch needs more than the default 48 KB.
@@ -157,14 +179,33 @@ pub(crate) fn plaid_approx_func(dev: &CudaDevice, name: &str) -> Result<CudaFunc
 
 fn load_func(dev: &CudaDevice, name: &str, smem: u32, kind: &str, modules: &Modules) -> Result<CudaFunction> {
     let info = device_info(dev)?;
-    let (ptx, tag) = module_for(&info, modules);
-    let func = dev.get_or_load_custom_func(name, &format!("candle_maxsim_{kind}_{tag}"), ptx)?.into_cuda_function();
+    let func = match module_for(&info, modules) {
+        (_, Some(cubin), tag) => sass_module(dev, kind, tag, cubin)?.load_function(name).w()?,
+        (ptx, None, tag) => {
+            dev.get_or_load_custom_func(name, &format!("candle_maxsim_{kind}_{tag}"), ptx)?.into_cuda_function()
+        }
+    };
     // Static shared memory counts toward the 48 KB a block gets without opting in.
     if smem > 0 && smem as usize + func.shared_size_bytes().w()? as usize > 48 * 1024 {
         func.set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
             .w()?;
     }
     Ok(func)
+}
+
+/// The module of a cubin, loaded once per device (candle's module cache
+/// takes PTX text only).
+fn sass_module(dev: &CudaDevice, kind: &str, tag: &str, cubin: &'static [u8]) -> Result<Arc<CudaModule>> {
+    type Cache = HashMap<(candle_core::cuda_backend::DeviceId, String), Arc<CudaModule>>;
+    static CACHE: OnceLock<Mutex<Cache>> = OnceLock::new();
+    let key = (dev.id(), format!("{kind}_{tag}"));
+    let mut cache = CACHE.get_or_init(Default::default).lock().unwrap();
+    if let Some(m) = cache.get(&key) {
+        return Ok(m.clone());
+    }
+    let m = dev.cuda_stream().context().load_module(Ptx::from_binary(cubin.to_vec())).w()?;
+    cache.insert(key, m.clone());
+    Ok(m)
 }
 
 /// An uninitialized buffer of `n` elements of `dtype` (the kernels write every element).

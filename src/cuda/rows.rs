@@ -1,4 +1,5 @@
-//! Launches of kernels/rows.cu: row gather with zero rows, bias rows.
+//! Launches of kernels/rows.cu: row gather with zero rows, bias rows (and
+//! GELU), row scatter-add and column sums.
 
 use super::params::dtype_tag;
 use super::{alloc_out, device_info, load_func, storage_ptr, ROWS};
@@ -47,9 +48,31 @@ pub(crate) fn gather_rows(src: (&CudaStorage, &Layout), idx: (&CudaStorage, &Lay
     Ok(out)
 }
 
-/// `x + bias` for `x` `[R, C]` (contiguous, F16/BF16/F32/F64) and `bias`
-/// `[C]` in the accumulation type (F32; F64 for F64), rounded once.
-pub(crate) fn add_bias(x: (&CudaStorage, &Layout), bias: (&CudaStorage, &Layout)) -> Result<CudaStorage> {
+/// `act(x + bias)` for `x` `[R, C]` (contiguous, F16/BF16/F32/F64) and
+/// `bias` `[C]` in the accumulation type (F32; F64 for F64), rounded once;
+/// `act` is GELU (erf) when `gelu`, else the identity.
+pub(crate) fn add_bias(x: (&CudaStorage, &Layout), bias: (&CudaStorage, &Layout), gelu: bool) -> Result<CudaStorage> {
+    let name = if gelu { "add_bias_gelu" } else { "add_bias" };
+    bias_launch(name, x, bias, None)
+}
+
+/// `g · GELU'(x + bias)` in `x`'s dtype, operands as [`add_bias`] and `g`
+/// like `x`.
+pub(crate) fn gelu_bwd(
+    x: (&CudaStorage, &Layout),
+    bias: (&CudaStorage, &Layout),
+    g: (&CudaStorage, &Layout),
+) -> Result<CudaStorage> {
+    bias_launch("gelu_bwd", x, bias, Some(g))
+}
+
+/// The launch of rows.cu's `NAME_<dtype>(x, bias, [g,] out, rows, cols)`.
+fn bias_launch(
+    name: &str,
+    x: (&CudaStorage, &Layout),
+    bias: (&CudaStorage, &Layout),
+    g: Option<(&CudaStorage, &Layout)>,
+) -> Result<CudaStorage> {
     let dev = &x.0.device;
     let (r, c) = x.1.shape().dims2()?;
     if c > i32::MAX as usize {
@@ -59,19 +82,27 @@ pub(crate) fn add_bias(x: (&CudaStorage, &Layout), bias: (&CudaStorage, &Layout)
     if r * c == 0 {
         return Ok(out);
     }
-    let func = load_func(dev, &format!("add_bias_{}", dtype_tag(x.0.dtype())), 0, "rows", &ROWS)?;
+    let func = load_func(dev, &format!("{name}_{}", dtype_tag(x.0.dtype())), 0, "rows", &ROWS)?;
     let (xp, bp) = (storage_ptr(x.0, x.1)?, storage_ptr(bias.0, bias.1)?);
+    let gp = match g {
+        Some((g, lg)) if g.dtype() == x.0.dtype() && lg.shape() == x.1.shape() => Some(storage_ptr(g, lg)?),
+        Some(_) => bail!("g: internal error, the gradient differs from x in dtype or shape"),
+        None => None,
+    };
     let op = storage_ptr(&out, &Layout::contiguous(r * c))?;
     let (rows, cols) = (r as i64, c as i32);
     let stream = dev.cuda_stream();
     let mut b = stream.launch_builder(&func);
     b.arg(&xp);
     b.arg(&bp);
+    if let Some(gp) = &gp {
+        b.arg(gp);
+    }
     b.arg(&op);
     b.arg(&rows);
     b.arg(&cols);
-    // SAFETY: (const T*, const Acc*, T*, long long, int) as in rows.cu; x and out hold
-    // rows x cols elements of T, bias cols of the accumulation type (F32, F64 for F64).
+    // SAFETY: (const T*, const Acc*, [const T*,] T*, long long, int) as in rows.cu; x, g and
+    // out hold rows x cols elements of T, bias cols of the accumulation type (F32, F64 for F64).
     unsafe { b.launch(grid(dev, r)?) }.w()?;
     Ok(out)
 }

@@ -1,6 +1,7 @@
-//! Row helpers as custom ops without a gradient: a row gather with zero
-//! rows and a bias added to every row (the projection head's backward,
-//! whose operands are detached), and a scatter-add of rows (k-means).
+//! Row helpers as custom ops: a row gather with zero rows (the projection
+//! head's backward, and the embedding lookup), a bias added to every row,
+//! alone or followed by GELU (the encoder's linear layers), and a
+//! scatter-add of rows (k-means, the embedding's gradient).
 //! kernels/rows.cu on CUDA, the same loops on the CPU.
 
 use candle_core::{backend::BackendStorage, bail, CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
@@ -37,6 +38,20 @@ pub fn embedding(table: &Tensor, ids: &Tensor) -> Result<Tensor> {
 /// indexes every element through the broadcast strides, and its backward
 /// sums over the leading axis one strided element per thread).
 pub fn add_bias(x: &Tensor, b: &Tensor) -> Result<Tensor> {
+    bias_op(x, b, AddBias { gelu: false })
+}
+
+/// `gelu_erf(x + b)` (GELU with the exact erf, BERT's "gelu"), for `x`
+/// `[R, C]` and `b` `[C]` as [`add_bias`]: one op computed in F32 (F64 for
+/// F64) and rounded once, with a two-kernel backward (`dz = g · GELU'(x +
+/// b)` recomputed from the inputs, then its column sums). candle's
+/// `gelu_erf` backward is six element-wise ops, each a graph node whose
+/// gradient costs another pass.
+pub fn add_bias_gelu(x: &Tensor, b: &Tensor) -> Result<Tensor> {
+    bias_op(x, b, AddBias { gelu: true })
+}
+
+fn bias_op(x: &Tensor, b: &Tensor, op: AddBias) -> Result<Tensor> {
     crate::layout::check_rank("x", x, &[2], "rank 2 [R, C]")?;
     crate::layout::check_float("x", x)?;
     if b.dims() != [x.dim(1)?] || !b.dtype().is_float() {
@@ -44,7 +59,20 @@ pub fn add_bias(x: &Tensor, b: &Tensor) -> Result<Tensor> {
     }
     crate::layout::check_device("b", b, x.device())?;
     let acc = if x.dtype() == DType::F64 { DType::F64 } else { DType::F32 };
-    x.contiguous()?.apply_op2(&b.to_dtype(acc)?.contiguous()?, AddBias)
+    x.contiguous()?.apply_op2(&b.to_dtype(acc)?.contiguous()?, op)
+}
+
+/// `dz = g · GELU'(x + b)` in `x`'s dtype (the gradient of `add_bias_gelu`
+/// at its pre-activation); `b` is in the accumulation type.
+fn gelu_bwd(x: &Tensor, b: &Tensor, g: &Tensor) -> Result<Tensor> {
+    x.contiguous()?.apply_op3_no_bwd(b, &g.to_dtype(x.dtype())?.contiguous()?, &GeluBwd)
+}
+
+/// GELU(z) = z·Φ(z) and its derivative Φ(z) + z·φ(z), in f64.
+fn gelu_f64(z: f64) -> (f64, f64) {
+    let cdf = 0.5 * (1.0 + candle_core::cpu::erf::erf_f64(z * std::f64::consts::FRAC_1_SQRT_2));
+    let pdf = (-0.5 * z * z).exp() * 0.5 * std::f64::consts::FRAC_2_SQRT_PI * std::f64::consts::FRAC_1_SQRT_2;
+    (z * cdf, cdf + z * pdf)
 }
 
 /// The column sums `[C]` F32 of `g` `[R, C]` (F16, BF16 or F32; F64 for F64).
@@ -109,7 +137,10 @@ pub fn scatter_add_rows(src: &Tensor, idx: &Tensor, n_out: usize) -> Result<Tens
 }
 
 struct GatherRows;
-struct AddBias;
+struct AddBias {
+    gelu: bool,
+}
+struct GeluBwd;
 struct ScatterAddRows {
     n_out: usize,
 }
@@ -175,13 +206,61 @@ fn gather<T: Copy + Default>(src: &[T], idx: &[u32], c: usize) -> Vec<T> {
     out
 }
 
-fn bias_rows<T: Copy, A: Copy + std::ops::Add<Output = A>>(
-    x: &[T],
-    b: &[A],
-    get: impl Fn(T) -> A,
-    put: impl Fn(A) -> T,
-) -> Vec<T> {
-    x.chunks(b.len().max(1)).flat_map(|row| row.iter().zip(b).map(|(&v, &bv)| put(get(v) + bv))).collect()
+/// `f(z, e)` for every element, `z = x[r, c] + b[c]` summed in F32 (F64
+/// for F64) as the kernels do, `e` the same element of `extra` (or 0);
+/// the result rounded once to `x`'s dtype.
+fn bias_map(
+    x: &CpuStorage,
+    lx: &Layout,
+    b: &CpuStorage,
+    lb: &Layout,
+    extra: Option<(&CpuStorage, &Layout)>,
+    f: impl Fn(f64, f64) -> f64,
+) -> Result<CpuStorage> {
+    fn go<T: Copy>(
+        x: &[T],
+        b: &[f64],
+        e: Option<Vec<f64>>,
+        wide: bool,
+        get: impl Fn(T) -> f64,
+        put: impl Fn(f64) -> T,
+        f: impl Fn(f64, f64) -> f64,
+    ) -> Vec<T> {
+        let c = b.len().max(1);
+        x.iter()
+            .enumerate()
+            .map(|(i, &v)| {
+                let z = if wide { get(v) + b[i % c] } else { (get(v) as f32 + b[i % c] as f32) as f64 };
+                put(f(z, e.as_ref().map_or(0.0, |e| e[i])))
+            })
+            .collect()
+    }
+    let ((xa, xb), (ba, bb)) = (range(lx)?, range(lb)?);
+    let b: Vec<f64> = match b {
+        CpuStorage::F32(v) => v[ba..bb].iter().map(|&v| v as f64).collect(),
+        CpuStorage::F64(v) => v[ba..bb].to_vec(),
+        b => bail!("b: internal error, bias in {:?}", b.dtype()),
+    };
+    let e = match extra {
+        None => None,
+        Some((e, le)) => {
+            let (ea, eb) = range(le)?;
+            Some(match e {
+                CpuStorage::F16(v) => v[ea..eb].iter().map(|v| v.to_f64()).collect(),
+                CpuStorage::BF16(v) => v[ea..eb].iter().map(|v| v.to_f64()).collect(),
+                CpuStorage::F32(v) => v[ea..eb].iter().map(|&v| v as f64).collect(),
+                CpuStorage::F64(v) => v[ea..eb].to_vec(),
+                e => bail!("g: expected a float dtype, got {:?}", e.dtype()),
+            })
+        }
+    };
+    Ok(match x {
+        CpuStorage::F16(v) => CpuStorage::F16(go(&v[xa..xb], &b, e, false, |v| v.to_f64(), half::f16::from_f64, f)),
+        CpuStorage::BF16(v) => CpuStorage::BF16(go(&v[xa..xb], &b, e, false, |v| v.to_f64(), half::bf16::from_f64, f)),
+        CpuStorage::F32(v) => CpuStorage::F32(go(&v[xa..xb], &b, e, false, |v| v as f64, |v| v as f32, f)),
+        CpuStorage::F64(v) => CpuStorage::F64(go(&v[xa..xb], &b, e, true, |v| v, |v| v, f)),
+        x => bail!("x: expected a float dtype, got {:?}", x.dtype()),
+    })
 }
 
 impl CustomOp2 for GatherRows {
@@ -228,31 +307,26 @@ impl CustomOp2 for GatherRows {
 
 impl CustomOp2 for AddBias {
     fn name(&self) -> &'static str {
-        "add_bias"
+        if self.gelu {
+            "add_bias_gelu"
+        } else {
+            "add_bias"
+        }
     }
 
     fn cpu_fwd(&self, x: &CpuStorage, lx: &Layout, b: &CpuStorage, lb: &Layout) -> Result<(CpuStorage, Shape)> {
-        let ((xa, xb), (ba, bb)) = (range(lx)?, range(lb)?);
-        let out = match (x, b) {
-            (CpuStorage::F16(x), CpuStorage::F32(b)) => {
-                CpuStorage::F16(bias_rows(&x[xa..xb], &b[ba..bb], |v| v.to_f32(), half::f16::from_f32))
-            }
-            (CpuStorage::BF16(x), CpuStorage::F32(b)) => {
-                CpuStorage::BF16(bias_rows(&x[xa..xb], &b[ba..bb], |v| v.to_f32(), half::bf16::from_f32))
-            }
-            (CpuStorage::F32(x), CpuStorage::F32(b)) => {
-                CpuStorage::F32(bias_rows(&x[xa..xb], &b[ba..bb], |v| v, |v| v))
-            }
-            (CpuStorage::F64(x), CpuStorage::F64(b)) => {
-                CpuStorage::F64(bias_rows(&x[xa..xb], &b[ba..bb], |v| v, |v| v))
-            }
-            (x, b) => bail!("add_bias: internal error, dtypes {:?} / {:?}", x.dtype(), b.dtype()),
+        let out = if self.gelu {
+            bias_map(x, lx, b, lb, None, |z, _| gelu_f64(z).0)?
+        } else {
+            bias_map(x, lx, b, lb, None, |z, _| z)?
         };
         Ok((out, lx.shape().clone()))
     }
 
-    fn bwd(&self, _x: &Tensor, b: &Tensor, _y: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        Ok((Some(g.clone()), Some(sum_rows(g)?.to_dtype(b.dtype())?)))
+    fn bwd(&self, x: &Tensor, b: &Tensor, _y: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let dz = if self.gelu { gelu_bwd(x, b, g)? } else { g.clone() };
+        let db = sum_rows(&dz)?.to_dtype(b.dtype())?;
+        Ok((Some(dz), Some(db)))
     }
 
     #[cfg(feature = "cuda")]
@@ -263,6 +337,37 @@ impl CustomOp2 for AddBias {
         b: &candle_core::CudaStorage,
         lb: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        Ok((crate::cuda::add_bias((x, lx), (b, lb))?, lx.shape().clone()))
+        Ok((crate::cuda::add_bias((x, lx), (b, lb), self.gelu)?, lx.shape().clone()))
+    }
+}
+
+impl candle_core::CustomOp3 for GeluBwd {
+    fn name(&self) -> &'static str {
+        "add_bias_gelu_bwd"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        lx: &Layout,
+        b: &CpuStorage,
+        lb: &Layout,
+        g: &CpuStorage,
+        lg: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        Ok((bias_map(x, lx, b, lb, Some((g, lg)), |z, g| g * gelu_f64(z).1)?, lx.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        lx: &Layout,
+        b: &candle_core::CudaStorage,
+        lb: &Layout,
+        g: &candle_core::CudaStorage,
+        lg: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        Ok((crate::cuda::gelu_bwd((x, lx), (b, lb), (g, lg))?, lx.shape().clone()))
     }
 }

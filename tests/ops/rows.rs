@@ -28,30 +28,46 @@ test_device!(
     scatter_add_rows_match_reference_cuda
 );
 
-/// `add_bias` forward and both gradients against candle's broadcast add in
-/// F64 (the bias gradient is a column sum over more rows than the CUDA grid).
+/// `add_bias` and `add_bias_gelu`, forward and both gradients, against
+/// candle's broadcast add (and `gelu_erf`) in F64 (the bias gradient is a
+/// column sum over more rows than the CUDA grid).
 fn add_bias_matches_broadcast_add(dev: &Device) -> Result<()> {
     let cpu = Device::Cpu;
-    for (dt, tol) in [(DType::F32, 1e-6), (DType::F16, 2e-3), (DType::BF16, 1e-2)] {
-        for (r, c) in [(3, 5), (700, 37), (20_000, 300)] {
-            let x = randn(&[r, c], dt, &cpu)?;
-            let b = randn(&[c], DType::F32, &cpu)?;
-            let up = randn(&[r, c], dt, &cpu)?.to_dtype(DType::F64)?;
-            let (xv, bv) = (Var::from_tensor(&x.to_device(dev)?)?, Var::from_tensor(&b.to_device(dev)?)?);
-            let y = ms::add_bias(xv.as_tensor(), bv.as_tensor())?;
-            assert_eq!(y.dtype(), dt);
-            let g = y.to_dtype(DType::F64)?.mul(&up.to_device(dev)?)?.sum_all()?.backward()?;
-            let (xn, bn) = (Var::from_tensor(&x.to_dtype(DType::F64)?)?, Var::from_tensor(&b.to_dtype(DType::F64)?)?);
-            let yn = xn.as_tensor().broadcast_add(bn.as_tensor())?;
-            let gn = yn.mul(&up)?.sum_all()?.backward()?;
-            let what = format!("add_bias {r}x{c} {dt:?} on {dev:?}");
-            assert_close(&format!("{what} forward"), &y, &yn, tol)?;
-            let grad =
-                |g: &candle_core::backprop::GradStore, v: &Var| g.get(v.as_tensor()).expect("grad").to_device(&cpu);
-            assert_close(&format!("{what} dx"), &grad(&g, &xv)?, &grad(&gn, &xn)?, 1e-12)?;
-            assert_close(&format!("{what} db"), &grad(&g, &bv)?, &grad(&gn, &bn)?, 1e-5)?;
+    for gelu in [false, true] {
+        for (dt, tol) in [(DType::F32, 1e-6), (DType::F16, 2e-3), (DType::BF16, 1e-2)] {
+            for (r, c) in [(3, 5), (700, 37), (20_000, 300)] {
+                let x = randn(&[r, c], dt, &cpu)?;
+                let b = randn(&[c], DType::F32, &cpu)?;
+                let up = randn(&[r, c], dt, &cpu)?.to_dtype(DType::F64)?;
+                let (xv, bv) = (Var::from_tensor(&x.to_device(dev)?)?, Var::from_tensor(&b.to_device(dev)?)?);
+                let y = if gelu {
+                    ms::add_bias_gelu(xv.as_tensor(), bv.as_tensor())?
+                } else {
+                    ms::add_bias(xv.as_tensor(), bv.as_tensor())?
+                };
+                assert_eq!(y.dtype(), dt);
+                let g = y.to_dtype(DType::F64)?.mul(&up.to_device(dev)?)?.sum_all()?.backward()?;
+                let (xn, bn) =
+                    (Var::from_tensor(&x.to_dtype(DType::F64)?)?, Var::from_tensor(&b.to_dtype(DType::F64)?)?);
+                let mut yn = xn.as_tensor().broadcast_add(bn.as_tensor())?;
+                if gelu {
+                    yn = yn.gelu_erf()?;
+                }
+                let gn = yn.mul(&up)?.sum_all()?.backward()?;
+                let what = format!("add_bias (gelu {gelu}) {r}x{c} {dt:?} on {dev:?}");
+                assert_close(&format!("{what} forward"), &y, &yn, tol)?;
+                let grad =
+                    |g: &candle_core::backprop::GradStore, v: &Var| g.get(v.as_tensor()).expect("grad").to_device(&cpu);
+                // The GELU's dx is rounded once to x's dtype; the identity's is exact.
+                let dx_tol = if gelu { tol } else { 1e-12 };
+                assert_close(&format!("{what} dx"), &grad(&g, &xv)?, &grad(&gn, &xn)?, dx_tol)?;
+                assert_close(&format!("{what} db"), &grad(&g, &bv)?, &grad(&gn, &bn)?, if gelu { tol } else { 1e-5 })?;
+            }
         }
     }
+    let x = randn(&[4, 3], DType::F32, dev)?;
+    expect_err(ms::add_bias_gelu(&x, &randn(&[4], DType::F32, dev)?), "b");
+    expect_err(ms::add_bias_gelu(&x.flatten_all()?, &randn(&[3], DType::F32, dev)?), "x");
     Ok(())
 }
 

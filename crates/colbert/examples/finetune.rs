@@ -110,6 +110,11 @@ struct Args {
     /// Output dimension of a new projection (for a checkpoint without one).
     #[arg(long, default_value_t = 128)]
     dim: usize,
+    /// Start the projection from the principal directions of the encoder's
+    /// token states over the first 2 000 documents of --train (instead of
+    /// PyTorch's random init).
+    #[arg(long = "pca-init")]
+    pca_init: bool,
     /// Documents per distillation row.
     #[arg(long = "n-ways", default_value_t = 32)]
     n_ways: usize,
@@ -167,6 +172,19 @@ fn main() -> Result<()> {
         return Ok(());
     }
     let mut model = TrainableColBert::load(&a.model_dir, &dev, dtype, a.dim, a.seed)?;
+    if a.pca_init {
+        let Some(path) = &a.train else { bail!("--pca-init takes its documents from --train") };
+        let examples = train::read_triples(path)?;
+        let mut seen = std::collections::HashSet::new();
+        let docs: Vec<&str> = examples
+            .iter()
+            .flat_map(|e| e.documents.iter())
+            .map(String::as_str)
+            .filter(|d| seen.insert(*d))
+            .take(2000)
+            .collect();
+        model.init_projection_pca(&docs, 64)?;
+    }
     if let Some(dir) = &a.save_init {
         model.save(dir)?;
         println!("{}", serde_json::json!({"phase": "save_init", "dir": dir}));

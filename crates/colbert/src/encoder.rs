@@ -16,14 +16,28 @@ use candle_nn::VarBuilder;
 
 /// `x · wᵀ + b` over the last dim, `w` cast to `x`'s dtype.
 fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
+    linear_act(x, w, b, None)
+}
+
+/// `act(x · wᵀ + b)`: the bias and an exact GELU are one fused op (one
+/// kernel each way, instead of a graph node per element-wise step).
+fn linear_act(x: &Tensor, w: &Tensor, b: Option<&Tensor>, act: Option<Act>) -> Result<Tensor> {
     let w = w.to_dtype(x.dtype())?;
     let dims = x.dims().to_vec();
     let (inner, out) = (dims[dims.len() - 1], w.dim(0)?);
     let rows = x.elem_count() / inner.max(1);
     let mut y = x.reshape((rows, inner))?.matmul(&w.t()?)?;
-    if let Some(b) = b {
-        // One fused op with a one-kernel backward (the column sums).
-        y = candle_maxsim::add_bias(&y, b)?;
+    match (b, act) {
+        (Some(b), Some(Act::Gelu)) => y = candle_maxsim::add_bias_gelu(&y, b)?,
+        (b, act) => {
+            if let Some(b) = b {
+                // One fused op with a one-kernel backward (the column sums).
+                y = candle_maxsim::add_bias(&y, b)?;
+            }
+            if let Some(act) = act {
+                y = act.apply(&y)?;
+            }
+        }
     }
     let mut shape = dims;
     *shape.last_mut().unwrap() = out;
@@ -200,7 +214,7 @@ impl Bert {
             let v = split(linear(&x, &layer.v.0, Some(&layer.v.1))?)?;
             let a = linear(&attention(&q, &k, &v, &bias)?, &layer.o.0, Some(&layer.o.1))?;
             x = layer.attn_norm.forward(&(a + &x)?)?;
-            let m = self.act.apply(&linear(&x, &layer.up.0, Some(&layer.up.1))?)?;
+            let m = linear_act(&x, &layer.up.0, Some(&layer.up.1), Some(self.act))?;
             x = layer.out_norm.forward(&(linear(&m, &layer.down.0, Some(&layer.down.1))? + &x)?)?;
         }
         Ok(x)

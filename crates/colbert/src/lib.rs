@@ -187,22 +187,29 @@ impl ColBert {
         })
     }
 
-    /// Token ids with the marker after the first special token, truncated to
-    /// `max_len` (the closing `[SEP]` kept).
-    fn ids(&self, text: &str, marker: Option<u32>, max_len: usize) -> Result<Vec<u32>> {
-        let enc = self.tokenizer.encode(text, true).map_err(tok_err)?;
-        let mut ids = enc.get_ids().to_vec();
-        if let Some(m) = marker {
-            ids.insert(1.min(ids.len()), m);
-        }
-        if ids.len() > max_len {
-            let last = *ids.last().unwrap();
-            ids.truncate(max_len);
-            if Some(last) == self.sep_id && max_len > 0 {
-                ids[max_len - 1] = last;
-            }
-        }
-        Ok(ids)
+    /// Token ids of each text with the marker after the first special
+    /// token, truncated to `max_len` (the closing `[SEP]` kept). The texts are
+    /// encoded in parallel (the tokenizer's thread pool): one at a time, a
+    /// training batch of 288 passages took 90 ms, as long as its step.
+    fn ids(&self, texts: &[&str], marker: Option<u32>, max_len: usize) -> Result<Vec<Vec<u32>>> {
+        let encs = self.tokenizer.encode_batch(texts.to_vec(), true).map_err(tok_err)?;
+        Ok(encs
+            .into_iter()
+            .map(|enc| {
+                let mut ids = enc.get_ids().to_vec();
+                if let Some(m) = marker {
+                    ids.insert(1.min(ids.len()), m);
+                }
+                if ids.len() > max_len {
+                    let last = *ids.last().unwrap();
+                    ids.truncate(max_len);
+                    if Some(last) == self.sep_id && max_len > 0 {
+                        ids[max_len - 1] = last;
+                    }
+                }
+                ids
+            })
+            .collect())
     }
 
     /// Query token ids and masks: `[N, query_length]` with `[MASK]` expansion.
@@ -210,11 +217,9 @@ impl ColBert {
         let lq = self.config.query_length;
         let mut out = Tokenized { ids: vec![], attention: vec![], score_mask: vec![] };
         let mut longest = 0;
-        let mut rows = Vec::with_capacity(texts.len());
-        for t in texts {
-            let ids = self.ids(t, self.query_marker, lq)?;
+        let rows = self.ids(texts, self.query_marker, lq)?;
+        for ids in &rows {
             longest = longest.max(ids.len());
-            rows.push(ids);
         }
         let len = if self.config.do_query_expansion { lq } else { longest };
         for ids in rows {
@@ -244,10 +249,7 @@ impl ColBert {
 
     /// Document token ids and masks: `[N, longest]`, padding and skiplist masked from scoring.
     pub fn tokenize_documents(&self, texts: &[&str]) -> Result<Tokenized> {
-        let rows: Vec<Vec<u32>> = texts
-            .iter()
-            .map(|t| self.ids(t, self.document_marker, self.config.document_length))
-            .collect::<Result<_>>()?;
+        let rows = self.ids(texts, self.document_marker, self.config.document_length)?;
         let len = rows.iter().map(Vec::len).max().unwrap_or(0);
         let mut out = Tokenized { ids: vec![], attention: vec![], score_mask: vec![] };
         for ids in rows {

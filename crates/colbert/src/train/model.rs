@@ -137,6 +137,46 @@ impl TrainableColBert {
         Ok(Self { model, varmap, config, tokenizer, encode, tokenizer_files })
     }
 
+    /// Sets the projection to the top `dim` principal directions of the
+    /// encoder's document token states over `texts` (the eigenvectors of
+    /// their uncentred second moment, largest first): of all `dim`-row
+    /// projections with orthonormal rows, the one that keeps the most of
+    /// the tokens' inner products, so that a new head starts from the
+    /// encoder's own token similarities instead of a random projection's.
+    /// Only scored tokens count (no padding, no skiplist).
+    pub fn init_projection_pca(&self, texts: &[&str], batch: usize) -> Result<()> {
+        if texts.is_empty() {
+            bail!("texts: no documents to take the principal directions of")
+        }
+        let m = &self.model;
+        let w = self.varmap.data().lock().unwrap()[DENSE].clone();
+        let (dim, hidden) = w.as_tensor().dims2()?;
+        let mut moment = Tensor::zeros((hidden, hidden), DType::F32, m.device())?;
+        for chunk in texts.chunks(batch.max(1)) {
+            let tok = m.tokenize_documents(chunk)?;
+            let states =
+                m.encoder.forward(&m.to_tensor(&tok.ids)?, &m.to_tensor(&tok.attention)?, DType::F32)?.detach();
+            let (n, l, h) = states.dims3()?;
+            let keep = m.mask_tensor(&tok.score_mask)?.to_dtype(DType::F32)?.reshape((n * l, 1))?;
+            let x = states.reshape((n * l, h))?.broadcast_mul(&keep)?;
+            moment = (moment + x.t()?.matmul(&x)?)?;
+        }
+        let c: Vec<f64> = moment.to_dtype(DType::F64)?.flatten_all()?.to_vec1()?;
+        let (values, vectors) = symmetric_eigen(c, hidden);
+        let mut order: Vec<usize> = (0..hidden).collect();
+        order.sort_by(|&a, &b| values[b].total_cmp(&values[a]));
+        let rows: Vec<f32> = order
+            .iter()
+            .take(dim)
+            .flat_map(|&j| (0..hidden).map(move |i| (i, j)))
+            .map(|(i, j)| vectors[i * hidden + j] as f32)
+            .collect();
+        if rows.len() != dim * hidden {
+            bail!("dim: the projection's {dim} rows exceed the encoder's hidden size {hidden}")
+        }
+        w.set(&Tensor::from_vec(rows, (dim, hidden), w.device())?)
+    }
+
     /// Every trainable `Var`, by name (sorted).
     pub fn vars(&self) -> Vec<(String, Var)> {
         let data = self.varmap.data().lock().unwrap();
@@ -216,5 +256,77 @@ impl TrainableColBert {
     /// partial checkpoint.
     pub fn save(&self, dir: impl AsRef<Path>) -> Result<()> {
         write_dir(dir.as_ref(), &self.files()?)
+    }
+}
+
+/// Eigenvalues and eigenvectors (the columns of the row-major `n × n`
+/// result) of the symmetric row-major matrix `a`, by cyclic Jacobi
+/// rotations until the off-diagonal mass is below 1e-14 of the total.
+fn symmetric_eigen(mut a: Vec<f64>, n: usize) -> (Vec<f64>, Vec<f64>) {
+    let mut v = vec![0f64; n * n];
+    for i in 0..n {
+        v[i * n + i] = 1.0;
+    }
+    let total: f64 = a.iter().map(|x| x * x).sum::<f64>().max(f64::MIN_POSITIVE);
+    for _sweep in 0..50 {
+        let off: f64 = (0..n)
+            .flat_map(|i| (0..n).filter(move |&j| j != i).map(move |j| (i, j)))
+            .map(|(i, j)| a[i * n + j].powi(2))
+            .sum();
+        if off <= 1e-14 * total {
+            break;
+        }
+        for p in 0..n {
+            for q in p + 1..n {
+                let apq = a[p * n + q];
+                if apq.abs() < 1e-300 {
+                    continue;
+                }
+                let theta = (a[q * n + q] - a[p * n + p]) / (2.0 * apq);
+                let t = if theta >= 0.0 { 1.0 } else { -1.0 } / (theta.abs() + (theta * theta + 1.0).sqrt());
+                let (c, s) = (1.0 / (t * t + 1.0).sqrt(), t / (t * t + 1.0).sqrt());
+                for k in 0..n {
+                    let (akp, akq) = (a[k * n + p], a[k * n + q]);
+                    a[k * n + p] = c * akp - s * akq;
+                    a[k * n + q] = s * akp + c * akq;
+                }
+                for k in 0..n {
+                    let (apk, aqk) = (a[p * n + k], a[q * n + k]);
+                    a[p * n + k] = c * apk - s * aqk;
+                    a[q * n + k] = s * apk + c * aqk;
+                }
+                for k in 0..n {
+                    let (vkp, vkq) = (v[k * n + p], v[k * n + q]);
+                    v[k * n + p] = c * vkp - s * vkq;
+                    v[k * n + q] = s * vkp + c * vkq;
+                }
+            }
+        }
+    }
+    ((0..n).map(|i| a[i * n + i]).collect(), v)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::symmetric_eigen;
+
+    /// A·v = λ·v for every pair, on a random symmetric matrix.
+    #[test]
+    fn symmetric_eigen_satisfies_its_definition() {
+        let n = 24;
+        let mut x: u64 = 7;
+        let mut rnd = || {
+            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (x >> 11) as f64 / (1u64 << 53) as f64 - 0.5
+        };
+        let b: Vec<f64> = (0..n * n).map(|_| rnd()).collect();
+        let a: Vec<f64> = (0..n * n).map(|k| (0..n).map(|t| b[k / n * n + t] * b[k % n * n + t]).sum()).collect();
+        let (values, v) = symmetric_eigen(a.clone(), n);
+        for j in 0..n {
+            for i in 0..n {
+                let av: f64 = (0..n).map(|k| a[i * n + k] * v[k * n + j]).sum();
+                assert!((av - values[j] * v[i * n + j]).abs() < 1e-9, "column {j}, row {i}");
+            }
+        }
     }
 }
