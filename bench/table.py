@@ -262,13 +262,13 @@ def head(rows):
 
 def cpu(rows):
     # This crate's BF16 rows are their own columns (F32 is the comparison with the other implementations).
-    rows = [{**r, "impl": r["impl"] + "_bf16"} if r.get("dtype") == "BF16" else r for r in rows]
+    rows = [{**r, "impl": r["impl"] + "_" + r["dtype"].lower()} if r.get("dtype") in ("BF16", "I8") else r for r in rows]
     t = Times(rows, lambda r: r["case"])
     peers = [r for r in rows if peer_of(r["impl"])]
     pk = sorted({peer_of(r["impl"])[0] for r in peers}, key=list(PEERS).index)
     head = ["case", "Nq,Nd,Lq,Ld,dim", "ours ms (peak MB)", "reference ms (peak MB)", "ours vs reference"]
     head += [f"{label(p, peers)} ms" for p in pk] + [f"ours vs {PEERS[p][0]}" for p in pk]
-    head += ["ours BF16 ms", "BF16 vs F32", "ours with argmax ms"]
+    head += ["ours BF16 ms", "BF16 vs F32", "ours 8-bit ms", "8-bit vs F32", "8-bit top-10 overlap, max error", "ours with argmax ms"]
     body = []
     for k in t.keys():
         o = t.ms(k, "fused")
@@ -276,7 +276,10 @@ def cpu(rows):
         line = [k, ",".join(map(str, shape)), f"{f_ms(o)} ({f_mb(t.row(k, 'fused'))})",
                 f"{f_ms(t.ms(k, 'reference'))} ({f_mb(t.row(k, 'reference'))})", f_x(o, t.ms(k, "reference"))]
         line += [f_ms(t.ms(k, p)) for p in pk] + [f_x(o, t.ms(k, p)) for p in pk]
-        line += [f_ms(t.ms(k, "fused_bf16")), f_x(t.ms(k, "fused_bf16"), o), f_ms(t.ms(k, "fused_argmax"))]
+        i8 = t.row(k, "fused_i8") or {}
+        agree = f"{i8['top10_overlap_vs_f32']:.3f}, {i8['max_abs_err_vs_f32']:.3f}" if i8 else "–"
+        line += [f_ms(t.ms(k, "fused_bf16")), f_x(t.ms(k, "fused_bf16"), o), f_ms(t.ms(k, "fused_i8")),
+                 f_x(t.ms(k, "fused_i8"), o), agree, f_ms(t.ms(k, "fused_argmax"))]
         body.append(line)
     threads = {r.get("threads") for r in rows if r.get("threads")}
     if threads:

@@ -1,5 +1,6 @@
 //! CPU benchmark (`cargo bench`): time and peak heap memory of the fused CPU
-//! op against `reference` at a ColBERT in-batch shape and a rerank shape.
+//! op against `reference` at a ColBERT in-batch shape and rerank shapes, in
+//! F32, BF16 and symmetric 8-bit (`maxsim_quantized`).
 //! Prints one JSON line per (case, implementation).
 
 use candle_core::{DType, Device, Tensor};
@@ -73,6 +74,34 @@ fn main() -> candle_core::Result<()> {
                     "{{\"case\":\"{name}\",\"impl\":\"{imp}\",\"device\":\"cpu\",\"threads\":{},\"shape\":[{nq},{nd},{lq},{ld},{dim}],\"dtype\":\"{dt:?}\",\"median_ms\":{ms:.3},\"gflops\":{:.1},\"peak_mem_mb\":{peak:.2}}}",
                     rayon::current_num_threads(),
                     flop / (ms * 1e-3) / 1e9
+                );
+            }
+            if dt == DType::F32 {
+                // The same unit vectors quantized (symmetric, per token; not timed), scored by
+                // `maxsim_quantized`; against the F32 scores: the largest score error and, per
+                // query, the overlap of the two top-10 lists.
+                let (q8, d8) = (candle_maxsim::quantize(&q)?, candle_maxsim::quantize(&d)?);
+                let int8 = || candle_maxsim::maxsim_quantized(&q8, &d8, None, None).unwrap();
+                let (ms, peak) = measure(15, &int8);
+                let (exact, approx) = (fused().to_vec2::<f32>()?, int8().to_vec2::<f32>()?);
+                let top = |r: &[f32]| {
+                    let mut i: Vec<usize> = (0..r.len()).collect();
+                    i.sort_by(|&a, &b| r[b].total_cmp(&r[a]));
+                    i.truncate(10);
+                    i
+                };
+                let mut err = 0f32;
+                let mut overlap = 0usize;
+                for (e, a) in exact.iter().zip(&approx) {
+                    err = e.iter().zip(a).map(|(x, y)| (x - y).abs()).fold(err, f32::max);
+                    let te = top(e);
+                    overlap += top(a).iter().filter(|i| te.contains(i)).count();
+                }
+                println!(
+                    "{{\"case\":\"{name}\",\"impl\":\"fused\",\"device\":\"cpu\",\"threads\":{},\"shape\":[{nq},{nd},{lq},{ld},{dim}],\"dtype\":\"I8\",\"median_ms\":{ms:.3},\"gflops\":{:.1},\"peak_mem_mb\":{peak:.2},\"max_abs_err_vs_f32\":{err:.5},\"top10_overlap_vs_f32\":{:.4}}}",
+                    rayon::current_num_threads(),
+                    flop / (ms * 1e-3) / 1e9,
+                    overlap as f64 / (10 * exact.len()).max(1) as f64
                 );
             }
         }

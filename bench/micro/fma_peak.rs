@@ -1,7 +1,8 @@
 //! The CPU engine's ceilings on this machine: the F32 FMA peak (every core
 //! runs independent FMA chains in registers, enough to cover the latency;
-//! AVX-512 where the CPU has it, AVX2 + FMA), the BF16 dot-product peak
-//! (VDPBF16PS, where the CPU has AVX512_BF16) and the read bandwidth
+//! AVX-512 where the CPU has it, AVX2 + FMA), the BF16 and 8-bit
+//! dot-product peaks (VDPBF16PS, VPDPBUSD: where the CPU has AVX512_BF16,
+//! AVX512_VNNI; 8-bit in integer ops per second) and the read bandwidth
 //! from memory (every core sums its share of a 1 GiB array, the way MaxSim
 //! streams the documents). Prints one JSON line each.
 //!
@@ -44,6 +45,19 @@ mod x86 {
         acc.iter().map(|&x| _mm512_reduce_add_ps(x)).sum()
     }
 
+    /// VPDPBUSD: four 8-bit products per I32 lane and instruction (8 ops per lane).
+    #[target_feature(enable = "avx512f,avx512vnni")]
+    pub unsafe fn vnni(seed: f32) -> f32 {
+        let (a, b) = (_mm512_set1_epi32(0x0101_0101), _mm512_set1_epi32(0x0001_0001));
+        let mut acc = [_mm512_set1_epi32(seed as i32); CHAINS];
+        for _ in 0..ITERS {
+            for x in acc.iter_mut() {
+                *x = _mm512_dpbusd_epi32(*x, a, b);
+            }
+        }
+        acc.iter().map(|&x| _mm512_reduce_add_epi32(x) as f32).sum()
+    }
+
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn ymm(seed: f32) -> f32 {
         let (a, b) = (_mm256_set1_ps(0.999_999), _mm256_set1_ps(1e-7));
@@ -63,7 +77,7 @@ mod x86 {
     }
 }
 
-/// `flops_per_lane`: 2 for an FMA, 4 for VDPBF16PS.
+/// `flops_per_lane`: 2 for an FMA, 4 for VDPBF16PS, 8 for VPDPBUSD.
 fn run(width: &str, lanes: usize, flops_per_lane: usize, f: fn(f32) -> f32) {
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     let t = Instant::now();
@@ -113,6 +127,9 @@ fn main() {
         }
         if std::arch::is_x86_feature_detected!("avx512bf16") {
             run("avx512_bf16", 16, 4, |s| unsafe { x86::bf16(s) });
+        }
+        if std::arch::is_x86_feature_detected!("avx512vnni") {
+            run("avx512_vnni", 16, 8, |s| unsafe { x86::vnni(s) });
         }
         if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
             run("avx2", 8, 2, |s| unsafe { x86::ymm(s) });

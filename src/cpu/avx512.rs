@@ -245,3 +245,131 @@ unsafe fn bf16_block<const QV: usize, const N: usize, const ARGMAX: bool>(
     }
     fold::<QV, N, ARGMAX>(&acc, toks, ds, best, idx);
 }
+
+/// Whether this CPU runs the INT8 kernel (VPDPBUSD).
+pub(crate) fn available_i8() -> bool {
+    available() && std::arch::is_x86_feature_detected!("avx512vnni")
+}
+
+/// [`pack_queries`] for signed 8-bit rows (`dim` a multiple of 4): element
+/// `(k, v, l)` at `(k·QV + v)·16 + l` is row `16v + l`'s features `4k ..
+/// 4k + 3` as one 32-bit word, the signed operand of VPDPBUSD. The 32 words
+/// after them hold `−128 · Σ row` (I32), which starts each accumulator:
+/// the document bytes enter as the unsigned operand offset by 128.
+pub(crate) fn pack_queries_i8(q: &[i8], dim: usize, rows: std::ops::Range<usize>, qt: &mut Vec<u32>) -> usize {
+    let n = rows.len();
+    debug_assert!(n <= 32 && dim.is_multiple_of(4));
+    let qv = if n > 16 { 2 } else { 1 };
+    let body = dim / 4 * qv * 16;
+    qt.clear();
+    qt.resize(body + 32, 0);
+    for (r, row) in rows.enumerate() {
+        let (v, l) = (r / 16, r % 16);
+        let x = &q[row * dim..(row + 1) * dim];
+        for (k, quad) in x.chunks_exact(4).enumerate() {
+            qt[(k * qv + v) * 16 + l] =
+                u32::from_le_bytes([quad[0] as u8, quad[1] as u8, quad[2] as u8, quad[3] as u8]);
+        }
+        qt[body + r] = (-128 * x.iter().map(|&b| b as i32).sum::<i32>()) as u32;
+    }
+    qv
+}
+
+/// `out[r] = max over toks of scale[tok] · ⟨q_r, d[tok]⟩` for the ≤ 32
+/// packed signed 8-bit query rows (lanes past them are garbage): exact I32
+/// dot products (VPDPBUSD, 4 features per lane and instruction), scaled in
+/// F32 per token before the max. `toks` non-empty, rows of `d` `dim` wide.
+pub(crate) fn doc_max_i8(
+    qt: &[u32],
+    qv: usize,
+    dim: usize,
+    d: &[i8],
+    scale: &[f32],
+    toks: &[u32],
+    out: &mut [f32; 32],
+) {
+    debug_assert!(dim.is_multiple_of(4) && qt.len() >= dim / 4 * qv * 16 + 32);
+    debug_assert!(toks.iter().all(|&t| (t as usize + 1) * dim <= d.len() && (t as usize) < scale.len()));
+    // SAFETY: `available_i8()` was checked by the caller; the asserted lengths cover every load
+    // (qt holds dim/4·qv·16 words and the 32 corrections, each token row dim bytes of d, and a scale).
+    unsafe {
+        let (qt, d, s) = (qt.as_ptr(), d.as_ptr() as *const u8, scale.as_ptr());
+        match qv {
+            1 => i8_qv::<1>(qt, dim, d, s, toks, out),
+            _ => i8_qv::<2>(qt, dim, d, s, toks, out),
+        }
+    }
+}
+
+#[target_feature(enable = "avx512f,avx512vnni")]
+unsafe fn i8_qv<const QV: usize>(
+    qt: *const u32,
+    dim: usize,
+    d: *const u8,
+    s: *const f32,
+    toks: &[u32],
+    out: &mut [f32; 32],
+) {
+    let corr: [__m512i; QV] =
+        std::array::from_fn(|v| _mm512_loadu_si512(qt.add(dim / 4 * QV * 16 + 16 * v) as *const _));
+    let mut best = [_mm512_set1_ps(f32::NEG_INFINITY); QV];
+    let mut g = 0;
+    while g + U <= toks.len() {
+        // Two groups ahead, as the F32 kernel (a row is dim bytes: one or two lines).
+        for &t in &toks[(g + 2 * U).min(toks.len())..(g + 3 * U).min(toks.len())] {
+            let row = d.add(t as usize * dim) as *const i8;
+            for line in (0..dim).step_by(64) {
+                _mm_prefetch::<_MM_HINT_T0>(row.add(line));
+            }
+        }
+        i8_block::<QV, U>(qt, dim, d, s, &toks[g..g + U], &corr, &mut best);
+        g += U;
+    }
+    match toks.len() - g {
+        0 => {}
+        1 => i8_block::<QV, 1>(qt, dim, d, s, &toks[g..], &corr, &mut best),
+        2 => i8_block::<QV, 2>(qt, dim, d, s, &toks[g..], &corr, &mut best),
+        3 => i8_block::<QV, 3>(qt, dim, d, s, &toks[g..], &corr, &mut best),
+        4 => i8_block::<QV, 4>(qt, dim, d, s, &toks[g..], &corr, &mut best),
+        _ => i8_block::<QV, 5>(qt, dim, d, s, &toks[g..], &corr, &mut best),
+    }
+    for (v, b) in best.iter().enumerate() {
+        _mm512_storeu_ps(out.as_mut_ptr().add(16 * v), *b);
+    }
+}
+
+/// `N` tokens: `N·QV` I32 accumulators over the features (each starting at
+/// the rows' correction), then converted, scaled by the token's scale and
+/// folded into `best`.
+#[target_feature(enable = "avx512f,avx512vnni")]
+#[inline]
+unsafe fn i8_block<const QV: usize, const N: usize>(
+    qt: *const u32,
+    dim: usize,
+    d: *const u8,
+    s: *const f32,
+    toks: &[u32],
+    corr: &[__m512i; QV],
+    best: &mut [__m512; QV],
+) {
+    let rows: [*const u8; N] = std::array::from_fn(|u| d.add(toks[u] as usize * dim));
+    let mut acc = [*corr; N];
+    let flip = _mm512_set1_epi32(0x8080_8080u32 as i32);
+    for k in 0..dim / 4 {
+        let q: [__m512i; QV] = std::array::from_fn(|v| _mm512_loadu_si512(qt.add((k * QV + v) * 16) as *const _));
+        for u in 0..N {
+            let quad = (rows[u].add(4 * k) as *const i32).read_unaligned();
+            // d + 128 as unsigned bytes: the flip of each sign bit.
+            let b = _mm512_xor_si512(_mm512_set1_epi32(quad), flip);
+            for v in 0..QV {
+                acc[u][v] = _mm512_dpbusd_epi32(acc[u][v], b, q[v]);
+            }
+        }
+    }
+    for u in 0..N {
+        let sc = _mm512_set1_ps(*s.add(toks[u] as usize));
+        for v in 0..QV {
+            best[v] = _mm512_max_ps(best[v], _mm512_mul_ps(_mm512_cvtepi32_ps(acc[u][v]), sc));
+        }
+    }
+}

@@ -3,7 +3,8 @@
 //! The `[Nq, Nd, Lq, Ld]` similarity tensor is never materialized: a work item
 //! holds one `[≤128, ≤512]` score tile at a time. On CPUs with AVX-512 the
 //! F32 and BF16 forward runs the lane kernels of avx512.rs instead (no tile at
-//! all); the backward is the same for both.
+//! all), as does the symmetric 8-bit forward with AVX512_VNNI; the backward
+//! is the same for both.
 
 use crate::layout::{Pairing, Problem, Seqs};
 use rayon::prelude::*;
@@ -209,7 +210,7 @@ pub(crate) fn forward<T: Float>(p: &HostProblem, q: &[T], d: &[T], want_argmax: 
     if let (Some(q), Some(d), true) = (T::as_f32(q), T::as_f32(d), avx512::available()) {
         work.par_iter().for_each_init(<(Vec<f32>, Vec<u32>)>::default, |(qt, toks), it| {
             // SAFETY: items own disjoint pair indices (see `Item`).
-            unsafe { run_item_lanes(p, q, d, it, qt, toks, out, am, mlq) }
+            unsafe { run_item_lanes(p, q, d, None, it, qt, toks, out, am, mlq) }
         });
         return (scores, argmax);
     }
@@ -226,11 +227,15 @@ trait Lanes: Sized + Sync {
     /// The packed query rows' element.
     type Packed: Copy + Default + Send;
     fn pack(q: &[Self], dim: usize, rows: std::ops::Range<usize>, qt: &mut Vec<Self::Packed>) -> usize;
+    /// The rows' maxima over `toks` (see avx512::doc_max); `d_scale`, the
+    /// per-token scales of 8-bit documents, is applied before the max.
+    #[allow(clippy::too_many_arguments)]
     fn doc_max(
         qt: &[Self::Packed],
         qv: usize,
         dim: usize,
         d: &[Self],
+        d_scale: Option<&[f32]>,
         toks: (&[u32], u32),
         out: &mut [f32; 32],
         argmax: Option<&mut [i32; 32]>,
@@ -248,6 +253,7 @@ impl Lanes for f32 {
         qv: usize,
         dim: usize,
         d: &[f32],
+        _: Option<&[f32]>,
         toks: (&[u32], u32),
         out: &mut [f32; 32],
         argmax: Option<&mut [i32; 32]>,
@@ -267,6 +273,7 @@ impl Lanes for half::bf16 {
         qv: usize,
         dim: usize,
         d: &[half::bf16],
+        _: Option<&[f32]>,
         toks: (&[u32], u32),
         out: &mut [f32; 32],
         argmax: Option<&mut [i32; 32]>,
@@ -293,11 +300,55 @@ pub(crate) fn forward_bf16(
         let am = SharedMut(argmax.as_mut().map_or(std::ptr::null_mut(), |a| a.as_mut_ptr()));
         items(p).par_iter().for_each_init(<(Vec<u32>, Vec<u32>)>::default, |(qt, toks), it| {
             // SAFETY: items own disjoint pair indices (see `Item`).
-            unsafe { run_item_lanes(p, q, d, it, qt, toks, out, am, mlq) }
+            unsafe { run_item_lanes(p, q, d, None, it, qt, toks, out, am, mlq) }
         });
         return Some((scores, argmax));
     }
     let _ = (p, q, d, want_argmax);
+    None
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Lanes for i8 {
+    type Packed = u32;
+    fn pack(q: &[i8], dim: usize, rows: std::ops::Range<usize>, qt: &mut Vec<u32>) -> usize {
+        avx512::pack_queries_i8(q, dim, rows, qt)
+    }
+    fn doc_max(
+        qt: &[u32],
+        qv: usize,
+        dim: usize,
+        d: &[i8],
+        d_scale: Option<&[f32]>,
+        (toks, _): (&[u32], u32),
+        out: &mut [f32; 32],
+        _: Option<&mut [i32; 32]>,
+    ) {
+        avx512::doc_max_i8(qt, qv, dim, d, d_scale.expect("8-bit documents have scales"), toks, out)
+    }
+}
+
+/// Scores of a symmetric 8-bit problem, `Σ_r q_scale[r] · max_t d_scale[t]
+/// · ⟨q_r, d_t⟩` with exact I32 dot products (VPDPBUSD), or `None` where
+/// the CPU lacks AVX512_VNNI or `dim` is not a multiple of 4 (the caller
+/// then scores the dequantized rows).
+pub(crate) fn forward_i8(
+    p: &HostProblem,
+    (q, q_scale): (&[i8], &[f32]),
+    (d, d_scale): (&[i8], &[f32]),
+) -> Option<Vec<f32>> {
+    #[cfg(target_arch = "x86_64")]
+    if p.dim.is_multiple_of(4) && avx512::available_i8() {
+        let mut scores = vec![0f32; p.pairs.len()];
+        let out = SharedMut(scores.as_mut_ptr());
+        let none = SharedMut(std::ptr::null_mut());
+        items(p).par_iter().for_each_init(<(Vec<u32>, Vec<u32>)>::default, |(qt, toks), it| {
+            // SAFETY: items own disjoint pair indices (see `Item`).
+            unsafe { run_item_lanes(p, q, d, Some((q_scale, d_scale)), it, qt, toks, out, none, 0) }
+        });
+        return Some(scores);
+    }
+    let _ = (p, q, q_scale, d, d_scale);
     None
 }
 
@@ -309,6 +360,7 @@ unsafe fn run_item_lanes<E: Lanes>(
     p: &HostProblem,
     q: &[E],
     d: &[E],
+    scales: Option<(&[f32], &[f32])>,
     it: &Item,
     qt: &mut Vec<E::Packed>,
     toks: &mut Vec<u32>,
@@ -334,10 +386,21 @@ unsafe fn run_item_lanes<E: Lanes>(
                     continue;
                 }
                 let pair = it.base + (i - it.q0) * it.stride + jj;
-                E::doc_max(qt, qv, p.dim, d, (toks, ds as u32), &mut best, (!am.0.is_null()).then_some(&mut win));
+                let d_scale = scales.map(|s| s.1);
+                E::doc_max(
+                    qt,
+                    qv,
+                    p.dim,
+                    d,
+                    d_scale,
+                    (toks, ds as u32),
+                    &mut best,
+                    (!am.0.is_null()).then_some(&mut win),
+                );
                 for (r, row) in (c..c1).enumerate() {
                     if p.q_ok(row) {
-                        sums[jj] += best[r];
+                        // A query row's scale is positive: applied after the max.
+                        sums[jj] += scales.map_or(best[r], |s| s.0[row] * best[r]);
                         if !am.0.is_null() {
                             *am.0.add(pair * mlq + row - qs) = win[r];
                         }

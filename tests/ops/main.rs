@@ -17,6 +17,7 @@ mod normalize;
 mod optim;
 mod plaid_approx;
 mod props;
+mod quantize;
 mod residual;
 mod retrieve;
 mod rows;

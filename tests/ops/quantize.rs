@@ -1,0 +1,92 @@
+//! Symmetric 8-bit embeddings (src/ops/quantize.rs) against `reference`.
+
+use crate::common::*;
+use candle_core::{DType, Device, Result, Tensor};
+use candle_maxsim::{self as ms, reference as r, Quantized};
+
+/// Random rows, every 5th one zero, quantized and back: each element
+/// within half a step of its row's scale, the scale `max|x| / 127`, no
+/// byte outside −127..=127.
+fn quantize_round_trips_within_half_a_step(dev: &Device) -> Result<()> {
+    for dt in [DType::F32, DType::BF16, DType::F16] {
+        let x = randn(&[3, 40, 96], dt, dev)?;
+        let keep = Tensor::from_vec((0..120u32).map(|i| (i % 5 != 0) as u32 as f32).collect(), (3, 40, 1), dev)?;
+        let x = x.to_dtype(DType::F32)?.broadcast_mul(&keep)?.to_dtype(dt)?;
+        let q = ms::quantize(&x)?;
+        assert_eq!((q.values.dtype(), q.values.dims()), (DType::U8, x.dims()));
+        assert_eq!(q.scales.dims(), &[3, 40]);
+        let xf = x.to_dtype(DType::F32)?.to_device(&Device::Cpu)?;
+        let want = (xf.abs()?.max(2)? / 127.0)?;
+        assert_close(&format!("scales {dt:?}"), &q.scales, &want, 1e-6)?;
+        let back = ms::dequantize(&q)?.to_device(&Device::Cpu)?;
+        let step = want.unsqueeze(2)?.broadcast_as(xf.shape())?;
+        let excess = ((back - &xf)?.abs()? - (step * 0.5)?)?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+        assert!(excess <= 1e-6, "{dt:?}: an element is {excess} past half a step");
+        let bytes = q.values.flatten_all()?.to_vec1::<u8>()?;
+        assert!(!bytes.contains(&0x80), "{dt:?}: -128 is outside the symmetric range");
+    }
+    Ok(())
+}
+
+test_device!(
+    quantize_round_trips_within_half_a_step,
+    quantize_round_trips_within_half_a_step_cpu,
+    quantize_round_trips_within_half_a_step_cuda
+);
+
+/// `maxsim_quantized` against the F64 reference over exactly dequantized
+/// rows: query lengths across the 16- and 32-row lane chunks, dims with and
+/// without a multiple of 4, masked query rows and documents with no valid
+/// token (which score 0).
+fn maxsim_quantized_matches_reference(dev: &Device) -> Result<()> {
+    for (nq, nd, lq, ld, dim) in
+        [(3, 5, 7, 9, 128), (2, 17, 33, 40, 96), (4, 3, 16, 1, 36), (2, 4, 20, 13, 30), (1, 9, 32, 300, 64)]
+    {
+        let q = ms::quantize(&randn(&[nq, lq, dim], DType::F32, dev)?)?;
+        let d = ms::quantize(&randn(&[nd, ld, dim], DType::F32, dev)?)?;
+        let qm = rand_mask(&[nq, lq], 0.3, dev)?;
+        // Document 0 has no valid token.
+        let mut dm = rand_mask(&[nd, ld], 0.3, dev)?.to_dtype(DType::U32)?.to_vec2::<u32>()?;
+        dm[0].iter_mut().for_each(|x| *x = 0);
+        let dm = Tensor::new(dm, dev)?.to_dtype(DType::U8)?;
+        let what = format!("maxsim_quantized {nq}x{nd}x{lq}x{ld}x{dim} on {dev:?}");
+        for (qm, dm) in [(None, None), (Some(&qm), Some(&dm))] {
+            let out = ms::maxsim_quantized(&q, &d, qm, dm)?;
+            assert_eq!((out.dtype(), out.dims()), (DType::F32, &[nq, nd][..]));
+            let want = r::maxsim_quantized(&q, &d, qm, dm)?;
+            assert_close(&format!("{what} masks {}", qm.is_some()), &out, &want, 1e-5)?;
+            if dm.is_some() {
+                let first = out.narrow(1, 0, 1)?.abs()?.max_all()?.to_scalar::<f32>()?;
+                assert_eq!(first, 0.0, "{what}: an empty document must score 0");
+            }
+        }
+    }
+    Ok(())
+}
+
+test_device!(
+    maxsim_quantized_matches_reference,
+    maxsim_quantized_matches_reference_cpu,
+    maxsim_quantized_matches_reference_cuda
+);
+
+/// Each malformed argument is an `Err` naming it.
+fn maxsim_quantized_rejects_bad_input(dev: &Device) -> Result<()> {
+    let q = ms::quantize(&randn(&[2, 4, 8], DType::F32, dev)?)?;
+    let d = ms::quantize(&randn(&[3, 5, 8], DType::F32, dev)?)?;
+    let float = Quantized { values: q.values.to_dtype(DType::F32)?, ..q.clone() };
+    expect_err(ms::maxsim_quantized(&float, &d, None, None), "q.values");
+    let short = Quantized { scales: q.scales.narrow(1, 0, 3)?, ..q.clone() };
+    expect_err(ms::maxsim_quantized(&short, &d, None, None), "q.scales");
+    let other = ms::quantize(&randn(&[3, 5, 12], DType::F32, dev)?)?;
+    expect_err(ms::maxsim_quantized(&q, &other, None, None), "d.values");
+    expect_err(ms::maxsim_quantized(&q, &d, Some(&Tensor::ones((2, 5), DType::U8, dev)?), None), "q_mask");
+    expect_err(ms::quantize(&Tensor::new(&[1u32, 2], dev)?), "x");
+    Ok(())
+}
+
+test_device!(
+    maxsim_quantized_rejects_bad_input,
+    maxsim_quantized_rejects_bad_input_cpu,
+    maxsim_quantized_rejects_bad_input_cuda
+);
