@@ -52,7 +52,10 @@ pub use ops::hidden::{
 pub use ops::normalize::l2_normalize;
 pub use ops::optim::{adamw_sum_sq, adamw_update, AdamWStep};
 pub use ops::plaid_approx::{plaid_approx_candidates, plaid_approx_score, plaid_candidates, NO_CENTROID};
-pub use ops::quantize::{dequantize, maxsim_quantized, quantize, Quantized};
+pub use ops::quantize::{
+    dequantize, maxsim_quantized, maxsim_quantized_varlen, quantize, retrieve_quantized, score_pairs_quantized,
+    Quantized,
+};
 pub use ops::residual::{
     maxsim_residual, maxsim_residual_pairs, maxsim_residual_varlen, nearest_centroids, pack_bucket_indices,
     unpack_bucket_indices, BitOrder, ResidualCodec, NO_DOCUMENT,

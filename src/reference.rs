@@ -485,19 +485,20 @@ pub fn adamw_update(
     Ok((p, m, v))
 }
 
-/// MaxSim of 8-bit embeddings: [`maxsim`] in F64 of the exactly
-/// dequantized rows (`scale · I8 value`), reading the bytes as I8 directly.
+/// 8-bit embeddings as F64, `scale · I8 value` exactly (the bytes read as I8 directly).
+pub fn dequantize_exact(x: &crate::Quantized) -> Result<Tensor> {
+    let bytes = x.values.flatten_all()?.to_vec1::<u8>()?;
+    let v: Vec<f64> = bytes.into_iter().map(|b| b as i8 as f64).collect();
+    let v = Tensor::from_vec(v, x.values.shape(), x.values.device())?;
+    v.broadcast_mul(&x.scales.to_dtype(DType::F64)?.unsqueeze(D::Minus1)?)
+}
+
+/// MaxSim of 8-bit embeddings: [`maxsim`] of [`dequantize_exact`]'s rows.
 pub fn maxsim_quantized(
     q: &crate::Quantized,
     d: &crate::Quantized,
     q_mask: Option<&Tensor>,
     d_mask: Option<&Tensor>,
 ) -> Result<Tensor> {
-    let exact = |x: &crate::Quantized| -> Result<Tensor> {
-        let bytes = x.values.flatten_all()?.to_vec1::<u8>()?;
-        let v: Vec<f64> = bytes.into_iter().map(|b| b as i8 as f64).collect();
-        let v = Tensor::from_vec(v, x.values.shape(), x.values.device())?;
-        v.broadcast_mul(&x.scales.to_dtype(DType::F64)?.unsqueeze(D::Minus1)?)
-    };
-    maxsim(&exact(q)?, &exact(d)?, q_mask, d_mask)
+    maxsim(&dequantize_exact(q)?, &dequantize_exact(d)?, q_mask, d_mask)
 }

@@ -1,5 +1,6 @@
 //! Symmetric 8-bit embeddings: `quantize` (one F32 scale per token),
-//! `dequantize`, and MaxSim over 8-bit queries and documents. A similarity
+//! `dequantize`, and MaxSim over 8-bit queries and documents (padded,
+//! packed, pairs of packed sequences, streaming top-k). A similarity
 //! is `s_q · s_d · ⟨q8, d8⟩`: the document token's scale is applied to each
 //! similarity before the max over tokens, the query token's (positive,
 //! constant over that max) after it. On CPUs with AVX512_VNNI the dot
@@ -110,7 +111,6 @@ pub fn maxsim_quantized(
     }
     if let Device::Cpu = dev {
         let flags = |m: Option<&Tensor>| m.map(|t| t.flatten_all()?.to_vec1::<u8>()).transpose();
-        let (qv, dv) = (flags(q_mask)?, flags(d_mask)?);
         let problem = Problem {
             dim,
             q: Seqs::Uniform { n: nq, len: lq },
@@ -119,20 +119,150 @@ pub fn maxsim_quantized(
             d_valid: None,
             pairs: Pairing::Cross { nq, nd },
         };
-        let hp = crate::cpu::HostProblem::new(&problem, qv.as_deref(), dv.as_deref());
-        // The operands in place (a collection of documents is large: no copy).
-        let (qt, dt) = (q.values.contiguous()?, d.values.contiguous()?);
-        let (qst, dst) = (q.scales.contiguous()?, d.scales.contiguous()?);
-        let (qs, ds) = (qt.storage_and_layout(), dt.storage_and_layout());
-        let (qss, dss) = (qst.storage_and_layout(), dst.storage_and_layout());
-        let scores = crate::cpu::forward_i8(
-            &hp,
-            (as_i8(cpu_slice(&qs.0, qs.1, "q.values")?), cpu_slice(&qss.0, qss.1, "q.scales")?),
-            (as_i8(cpu_slice(&ds.0, ds.1, "d.values")?), cpu_slice(&dss.0, dss.1, "d.scales")?),
-        );
-        if let Some(scores) = scores {
+        if let Some(scores) = cpu_scores(&problem, q, d, flags(q_mask)?.as_deref(), flags(d_mask)?.as_deref())? {
             return Tensor::from_vec(scores, (nq, nd), dev);
         }
     }
     crate::maxsim(&dequantize(q)?, &dequantize(d)?, q_mask, d_mask)
+}
+
+/// [`maxsim_quantized`] for packed sequences (the layout of an index's
+/// documents): `q.values [Tq, dim]`, `q.scales [Tq]` with `cu_q [Nq+1]`
+/// (U32 offsets, as [`crate::maxsim_varlen`]), likewise `d` → `[Nq, Nd]`.
+pub fn maxsim_quantized_varlen(
+    q: &Quantized,
+    cu_q: &Tensor,
+    max_lq: usize,
+    d: &Quantized,
+    cu_d: &Tensor,
+    max_ld: usize,
+) -> Result<Tensor> {
+    let (qs, ds, dim) = packed(q, cu_q, max_lq, d, cu_d, max_ld)?;
+    let dev = q.values.device();
+    let (nq, nd) = (qs.n(), ds.n());
+    if let Device::Cpu = dev {
+        let problem = Problem { dim, q: qs, d: ds, q_valid: None, d_valid: None, pairs: Pairing::Cross { nq, nd } };
+        if let Some(scores) = cpu_scores(&problem, q, d, None, None)? {
+            return Tensor::from_vec(scores, (nq, nd), dev);
+        }
+    }
+    crate::maxsim_varlen(&dequantize(q)?, cu_q, max_lq, &dequantize(d)?, cu_d, max_ld)
+}
+
+/// Scores of arbitrary (query, document) pairs of packed 8-bit sequences
+/// (operands as [`maxsim_quantized_varlen`]): pair p is query `pair_q[p]`
+/// against document `pair_d[p]` → `[P]`, as [`crate::score_pairs_packed`].
+#[allow(clippy::too_many_arguments)]
+pub fn score_pairs_quantized(
+    q: &Quantized,
+    cu_q: &Tensor,
+    max_lq: usize,
+    d: &Quantized,
+    cu_d: &Tensor,
+    max_ld: usize,
+    pair_q: &Tensor,
+    pair_d: &Tensor,
+) -> Result<Tensor> {
+    let (qs, ds, dim) = packed(q, cu_q, max_lq, d, cu_d, max_ld)?;
+    let dev = q.values.device();
+    check_device("pair_q", pair_q, dev)?;
+    check_device("pair_d", pair_d, dev)?;
+    let pairs = Pairing::list_checked(pair_q, pair_d, qs.n(), ds.n())?;
+    if let Device::Cpu = dev {
+        let n = pairs.len();
+        let problem = Problem { dim, q: qs, d: ds, q_valid: None, d_valid: None, pairs };
+        if let Some(scores) = cpu_scores(&problem, q, d, None, None)? {
+            return Tensor::from_vec(scores, n, dev);
+        }
+    }
+    let (qf, df) = (dequantize(q)?, dequantize(d)?);
+    crate::score_pairs_packed(&qf, cu_q, max_lq, &df, cu_d, max_ld, pair_q, pair_d)
+}
+
+/// Validates packed 8-bit operands and their offsets.
+fn packed(
+    q: &Quantized,
+    cu_q: &Tensor,
+    max_lq: usize,
+    d: &Quantized,
+    cu_d: &Tensor,
+    max_ld: usize,
+) -> Result<(Seqs, Seqs, usize)> {
+    check(&q.values, &q.scales, "q.values", "q.scales")?;
+    check(&d.values, &d.scales, "d.values", "d.scales")?;
+    check_rank("q.values", &q.values, &[2], "rank 2 [Tq, dim] (packed)")?;
+    check_rank("d.values", &d.values, &[2], "rank 2 [Td, dim] (packed)")?;
+    let ((tq, dim), (td, dd)) = (q.values.dims2()?, d.values.dims2()?);
+    if dd != dim {
+        bail!("d.values: embedding dim {dd} does not match q's dim {dim}")
+    }
+    let dev = q.values.device();
+    check_device("d.values", &d.values, dev)?;
+    check_device("cu_q", cu_q, dev)?;
+    check_device("cu_d", cu_d, dev)?;
+    let qs = Seqs::packed("cu_q", cu_q, tq, "max_lq", max_lq)?;
+    let ds = Seqs::packed("cu_d", cu_d, td, "max_ld", max_ld)?;
+    Ok((qs, ds, dim))
+}
+
+/// The best `top_k` documents of each query by [`maxsim_quantized`], the
+/// documents scored `chunk` at a time: `([Nq, k] F32, [Nq, k] U32)` with
+/// `k = min(top_k, Nd)`, as [`crate::retrieve`].
+pub fn retrieve_quantized(
+    q: &Quantized,
+    d: &Quantized,
+    q_mask: Option<&Tensor>,
+    d_mask: Option<&Tensor>,
+    top_k: usize,
+    chunk: usize,
+) -> Result<(Tensor, Tensor)> {
+    if top_k == 0 {
+        bail!("top_k: must be at least 1")
+    }
+    if chunk == 0 {
+        bail!("chunk: must be at least 1")
+    }
+    check(&d.values, &d.scales, "d.values", "d.scales")?;
+    check_rank("d.values", &d.values, &[3], "rank 3 [Nd, Ld, dim]")?;
+    let (nd, ld, _) = d.values.dims3()?;
+    if let Some(m) = d_mask {
+        check_mask("d_mask", m, &[nd, ld], d.values.device())?;
+    }
+    if nd == 0 {
+        // Validates the rest.
+        maxsim_quantized(q, d, q_mask, d_mask)?;
+    }
+    let mut top = crate::TopK::new(q.values.dim(0)?, top_k.min(nd));
+    let mut start = 0;
+    while start < nd {
+        let len = chunk.min(nd - start);
+        let part = Quantized { values: d.values.narrow(0, start, len)?, scales: d.scales.narrow(0, start, len)? };
+        let dm = d_mask.map(|m| m.narrow(0, start, len)).transpose()?;
+        let s = maxsim_quantized(q, &part, q_mask, dm.as_ref())?;
+        top.push(&s, |j| (start + j) as u32)?;
+        start += len;
+    }
+    top.finish(q.values.device())
+}
+
+/// The VNNI lane kernel over CPU operands in place, or `None` where it
+/// does not apply (the caller scores the dequantized rows).
+fn cpu_scores(
+    problem: &Problem,
+    q: &Quantized,
+    d: &Quantized,
+    q_flags: Option<&[u8]>,
+    d_flags: Option<&[u8]>,
+) -> Result<Option<Vec<f32>>> {
+    let hp = crate::cpu::HostProblem::new(problem, q_flags, d_flags);
+    // The operands in place (a collection of documents is large: no copy).
+    let (qt, dt) = (q.values.contiguous()?, d.values.contiguous()?);
+    let (qst, dst) = (q.scales.contiguous()?, d.scales.contiguous()?);
+    let (qs, ds) = (qt.storage_and_layout(), dt.storage_and_layout());
+    let (qss, dss) = (qst.storage_and_layout(), dst.storage_and_layout());
+    Ok(crate::cpu::forward_i8(
+        &hp,
+        (as_i8(cpu_slice(&qs.0, qs.1, "q.values")?), cpu_slice(&qss.0, qss.1, "q.scales")?),
+        (as_i8(cpu_slice(&ds.0, ds.1, "d.values")?), cpu_slice(&dss.0, dss.1, "d.scales")?),
+    ))
 }

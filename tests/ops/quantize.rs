@@ -70,6 +70,56 @@ test_device!(
     maxsim_quantized_matches_reference_cuda
 );
 
+/// The packed layout, pairs of packed sequences and the streaming top-k
+/// against the reference over
+/// exactly dequantized rows (empty sequences included; chunks smaller
+/// than the collection).
+fn packed_pairs_and_retrieve_quantized_match_reference(dev: &Device) -> Result<()> {
+    for (nq, nd, dim, seed) in [(3, 11, 64, 1), (5, 40, 96, 2), (2, 7, 30, 3)] {
+        let (cq, mq) = rand_offsets(nq, 33, seed);
+        let (cd, md) = rand_offsets(nd, 50, seed + 10);
+        let q = ms::quantize(&randn(&[*cq.last().unwrap() as usize, dim], DType::F32, dev)?)?;
+        let d = ms::quantize(&randn(&[*cd.last().unwrap() as usize, dim], DType::F32, dev)?)?;
+        let (cu_q, cu_d) = (Tensor::new(cq.as_slice(), dev)?, Tensor::new(cd.as_slice(), dev)?);
+        let out = ms::maxsim_quantized_varlen(&q, &cu_q, mq, &d, &cu_d, md)?;
+        let want = r::maxsim_varlen(&r::dequantize_exact(&q)?, &cu_q, mq, &r::dequantize_exact(&d)?, &cu_d, md)?;
+        assert_close(&format!("maxsim_quantized_varlen {nq}x{nd}x{dim} on {dev:?}"), &out, &want, 1e-5)?;
+        let pq: Vec<u32> = (0..2 * nd as u32).map(|p| p % nq as u32).collect();
+        let pd: Vec<u32> = (0..2 * nd as u32).map(|p| (p * 7 + 3) % nd as u32).collect();
+        let (pq, pd) = (Tensor::new(pq.as_slice(), dev)?, Tensor::new(pd.as_slice(), dev)?);
+        let out = ms::score_pairs_quantized(&q, &cu_q, mq, &d, &cu_d, md, &pq, &pd)?;
+        let (qe, de) = (r::dequantize_exact(&q)?, r::dequantize_exact(&d)?);
+        let want = r::score_pairs_packed(&qe, &cu_q, mq, &de, &cu_d, md, &pq, &pd)?;
+        assert_close(&format!("score_pairs_quantized {nq}x{nd}x{dim} on {dev:?}"), &out, &want, 1e-5)?;
+    }
+    let q = ms::quantize(&randn(&[4, 20, 64], DType::F32, dev)?)?;
+    let d = ms::quantize(&randn(&[37, 30, 64], DType::F32, dev)?)?;
+    let dm = rand_mask(&[37, 30], 0.3, dev)?;
+    let (vals, ids) = ms::retrieve_quantized(&q, &d, None, Some(&dm), 5, 8)?;
+    let (want_vals, want_ids) = r::retrieve(&r::dequantize_exact(&q)?, &r::dequantize_exact(&d)?, None, Some(&dm), 5)?;
+    assert_eq!(ids.to_vec2::<u32>()?, want_ids.to_vec2::<u32>()?, "retrieve_quantized on {dev:?}: ids");
+    assert_close(&format!("retrieve_quantized on {dev:?}"), &vals, &want_vals, 1e-5)?;
+    expect_err(ms::retrieve_quantized(&q, &d, None, None, 0, 8), "top_k");
+    expect_err(
+        ms::maxsim_quantized_varlen(
+            &q,
+            &Tensor::new(&[0u32, 80], dev)?,
+            80,
+            &d,
+            &Tensor::new(&[0u32, 1110], dev)?,
+            1110,
+        ),
+        "q.values",
+    );
+    Ok(())
+}
+
+test_device!(
+    packed_pairs_and_retrieve_quantized_match_reference,
+    packed_pairs_and_retrieve_quantized_match_reference_cpu,
+    packed_pairs_and_retrieve_quantized_match_reference_cuda
+);
+
 /// Each malformed argument is an `Err` naming it.
 fn maxsim_quantized_rejects_bad_input(dev: &Device) -> Result<()> {
     let q = ms::quantize(&randn(&[2, 4, 8], DType::F32, dev)?)?;
