@@ -4,7 +4,8 @@
 //! is `s_q · s_d · ⟨q8, d8⟩`: the document token's scale is applied to each
 //! similarity before the max over tokens, the query token's (positive,
 //! constant over that max) after it. On CPUs with AVX512_VNNI the dot
-//! products are exact I32 (cpu/avx512.rs); elsewhere, on CUDA included,
+//! products are exact I32 (cpu/avx512.rs; rounded to F32 before scaling,
+//! exact up to dim 1040); elsewhere, on CUDA included,
 //! the dequantized rows are scored in F32 (the same scores up to F32
 //! rounding; no 8-bit tensor-core kernel yet).
 
@@ -18,7 +19,7 @@ pub struct Quantized {
     /// `[…, dim]` U8: the two's-complement bytes of I8 values in −127..=127
     /// (candle has no I8 dtype).
     pub values: Tensor,
-    /// `[…]` F32, one per token.
+    /// `[…]` F32, one per token, non-negative.
     pub scales: Tensor,
 }
 
@@ -30,16 +31,16 @@ pub fn quantize(x: &Tensor) -> Result<Quantized> {
     if x.rank() == 0 {
         bail!("x: expected at least one axis (the embedding), got a scalar")
     }
-    let x = x.to_dtype(DType::F32)?;
+    // In F64: 127 / max|x| overflows F32 for rows below ~4e-37.
+    let x = x.to_dtype(DType::F64)?;
     let amax = x.abs()?.max_keepdim(D::Minus1)?;
     let scales = (&amax / 127.0)?;
-    // 1/scale where the row is not zero (0 keeps a zero row at 0).
-    let nonzero = amax.gt(0f64)?;
-    let inv = nonzero.where_cond(&(127.0 / amax.maximum(f32::MIN_POSITIVE as f64)?)?, &amax.zeros_like()?)?;
-    let v = x.broadcast_mul(&inv)?.round()?.clamp(-127f32, 127f32)?;
+    // A zero row divides by 1 (its values stay 0).
+    let divisor = amax.gt(0f64)?.where_cond(&scales, &amax.ones_like()?)?;
+    let v = x.broadcast_div(&divisor)?.round()?.clamp(-127f64, 127f64)?;
     // Two's complement bytes: v + 256 for the negative values.
-    let bytes = (&v + v.lt(0f64)?.to_dtype(DType::F32)?.affine(256.0, 0.0)?)?.to_dtype(DType::U8)?;
-    Ok(Quantized { values: bytes, scales: scales.squeeze(D::Minus1)? })
+    let bytes = (&v + v.lt(0f64)?.to_dtype(DType::F64)?.affine(256.0, 0.0)?)?.to_dtype(DType::U8)?;
+    Ok(Quantized { values: bytes, scales: scales.squeeze(D::Minus1)?.to_dtype(DType::F32)? })
 }
 
 /// `scales · values` as F32 (the inverse of [`quantize`] up to its rounding).
@@ -66,7 +67,12 @@ fn check(values: &Tensor, scales: &Tensor, vn: &str, sn: &str) -> Result<()> {
             scales.dims()
         )
     }
-    check_device(sn, scales, values.device())
+    check_device(sn, scales, values.device())?;
+    // The query scale is taken out of the max over document tokens, which needs it ≥ 0.
+    if scales.elem_count() > 0 && scales.flatten_all()?.min(0)?.to_scalar::<f32>()? < 0.0 {
+        bail!("{sn}: scales must be non-negative (quantize gives max|x| / 127)")
+    }
+    Ok(())
 }
 
 /// The contiguous elements of a CPU tensor's storage, in place.
