@@ -10,7 +10,7 @@
 //! rounding; no 8-bit tensor-core kernel yet).
 
 use crate::layout::{check_device, check_mask, check_rank, Pairing, Problem, Seqs};
-use candle_core::{bail, DType, Device, Layout, Result, Storage, Tensor, D};
+use candle_core::{bail, DType, Layout, Result, Shape, Storage, Tensor, D};
 
 /// 8-bit embeddings, `scales[…] · values[…, :]`: half the memory of BF16
 /// (plus 4 bytes per token).
@@ -115,19 +115,9 @@ pub fn maxsim_quantized(
     if let Some(m) = d_mask {
         check_mask("d_mask", m, &[nd, ld], dev)?;
     }
-    if let Device::Cpu = dev {
-        let flags = |m: Option<&Tensor>| m.map(|t| t.flatten_all()?.to_vec1::<u8>()).transpose();
-        let problem = Problem {
-            dim,
-            q: Seqs::Uniform { n: nq, len: lq },
-            d: Seqs::Uniform { n: nd, len: ld },
-            q_valid: None,
-            d_valid: None,
-            pairs: Pairing::Cross { nq, nd },
-        };
-        if let Some(scores) = cpu_scores(&problem, q, d, flags(q_mask)?.as_deref(), flags(d_mask)?.as_deref())? {
-            return Tensor::from_vec(scores, (nq, nd), dev);
-        }
+    let (qs, ds) = (Seqs::Uniform { n: nq, len: lq }, Seqs::Uniform { n: nd, len: ld });
+    if let Some(scores) = lane_scores(dim, qs, ds, Pairing::Cross { nq, nd }, q, d, (q_mask, d_mask), (nq, nd))? {
+        return Ok(scores);
     }
     crate::maxsim(&dequantize(q)?, &dequantize(d)?, q_mask, d_mask)
 }
@@ -144,13 +134,9 @@ pub fn maxsim_quantized_varlen(
     max_ld: usize,
 ) -> Result<Tensor> {
     let (qs, ds, dim) = packed(q, cu_q, max_lq, d, cu_d, max_ld)?;
-    let dev = q.values.device();
     let (nq, nd) = (qs.n(), ds.n());
-    if let Device::Cpu = dev {
-        let problem = Problem { dim, q: qs, d: ds, q_valid: None, d_valid: None, pairs: Pairing::Cross { nq, nd } };
-        if let Some(scores) = cpu_scores(&problem, q, d, None, None)? {
-            return Tensor::from_vec(scores, (nq, nd), dev);
-        }
+    if let Some(scores) = lane_scores(dim, qs, ds, Pairing::Cross { nq, nd }, q, d, (None, None), (nq, nd))? {
+        return Ok(scores);
     }
     crate::maxsim_varlen(&dequantize(q)?, cu_q, max_lq, &dequantize(d)?, cu_d, max_ld)
 }
@@ -174,12 +160,9 @@ pub fn score_pairs_quantized(
     check_device("pair_q", pair_q, dev)?;
     check_device("pair_d", pair_d, dev)?;
     let pairs = Pairing::list_checked(pair_q, pair_d, qs.n(), ds.n())?;
-    if let Device::Cpu = dev {
-        let n = pairs.len();
-        let problem = Problem { dim, q: qs, d: ds, q_valid: None, d_valid: None, pairs };
-        if let Some(scores) = cpu_scores(&problem, q, d, None, None)? {
-            return Tensor::from_vec(scores, n, dev);
-        }
+    let n = pairs.len();
+    if let Some(scores) = lane_scores(dim, qs, ds, pairs, q, d, (None, None), n)? {
+        return Ok(scores);
     }
     let (qf, df) = (dequantize(q)?, dequantize(d)?);
     crate::score_pairs_packed(&qf, cu_q, max_lq, &df, cu_d, max_ld, pair_q, pair_d)
@@ -222,12 +205,7 @@ pub fn retrieve_quantized(
     top_k: usize,
     chunk: usize,
 ) -> Result<(Tensor, Tensor)> {
-    if top_k == 0 {
-        bail!("top_k: must be at least 1")
-    }
-    if chunk == 0 {
-        bail!("chunk: must be at least 1")
-    }
+    super::retrieve::check_chunking(top_k, chunk)?;
     check(&d.values, &d.scales, "d.values", "d.scales")?;
     check_rank("d.values", &d.values, &[3], "rank 3 [Nd, Ld, dim]")?;
     let (nd, ld, _) = d.values.dims3()?;
@@ -238,37 +216,45 @@ pub fn retrieve_quantized(
         // Validates the rest.
         maxsim_quantized(q, d, q_mask, d_mask)?;
     }
-    let mut top = crate::TopK::new(q.values.dim(0)?, top_k.min(nd));
-    let mut start = 0;
-    while start < nd {
-        let len = chunk.min(nd - start);
+    super::retrieve::chunked_top_k(q.values.dim(0)?, nd, top_k, chunk, q.values.device(), |start, len| {
         let part = Quantized { values: d.values.narrow(0, start, len)?, scales: d.scales.narrow(0, start, len)? };
         let dm = d_mask.map(|m| m.narrow(0, start, len)).transpose()?;
-        let s = maxsim_quantized(q, &part, q_mask, dm.as_ref())?;
-        top.push(&s, |j| (start + j) as u32)?;
-        start += len;
-    }
-    top.finish(q.values.device())
+        maxsim_quantized(q, &part, q_mask, dm.as_ref())
+    })
 }
 
-/// The VNNI lane kernel over CPU operands in place, or `None` where it
-/// does not apply (the caller scores the dequantized rows).
-fn cpu_scores(
-    problem: &Problem,
+/// The scores (shaped `shape`) of the VNNI lane kernel over CPU operands
+/// in place, or `None` where it does not apply (another device, a CPU
+/// without AVX512_VNNI, a dim not a multiple of 4): the caller then scores
+/// the dequantized rows.
+#[allow(clippy::too_many_arguments)]
+fn lane_scores(
+    dim: usize,
+    qs: Seqs,
+    ds: Seqs,
+    pairs: Pairing,
     q: &Quantized,
     d: &Quantized,
-    q_flags: Option<&[u8]>,
-    d_flags: Option<&[u8]>,
-) -> Result<Option<Vec<f32>>> {
-    let hp = crate::cpu::HostProblem::new(problem, q_flags, d_flags);
+    (q_mask, d_mask): (Option<&Tensor>, Option<&Tensor>),
+    shape: impl Into<Shape>,
+) -> Result<Option<Tensor>> {
+    let dev = q.values.device();
+    if !dev.is_cpu() {
+        return Ok(None);
+    }
+    let flags = |m: Option<&Tensor>| m.map(|t| t.flatten_all()?.to_vec1::<u8>()).transpose();
+    let (qv, dv) = (flags(q_mask)?, flags(d_mask)?);
+    let problem = Problem { dim, q: qs, d: ds, q_valid: None, d_valid: None, pairs };
+    let hp = crate::cpu::HostProblem::new(&problem, qv.as_deref(), dv.as_deref());
     // The operands in place (a collection of documents is large: no copy).
     let (qt, dt) = (q.values.contiguous()?, d.values.contiguous()?);
     let (qst, dst) = (q.scales.contiguous()?, d.scales.contiguous()?);
     let (qs, ds) = (qt.storage_and_layout(), dt.storage_and_layout());
     let (qss, dss) = (qst.storage_and_layout(), dst.storage_and_layout());
-    Ok(crate::cpu::forward_i8(
+    let scores = crate::cpu::forward_i8(
         &hp,
         (as_i8(cpu_slice(&qs.0, qs.1, "q.values")?), cpu_slice(&qss.0, qss.1, "q.scales")?),
         (as_i8(cpu_slice(&ds.0, ds.1, "d.values")?), cpu_slice(&dss.0, dss.1, "d.scales")?),
-    ))
+    );
+    scores.map(|v| Tensor::from_vec(v, shape, dev)).transpose()
 }

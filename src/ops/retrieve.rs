@@ -15,12 +15,7 @@ pub fn retrieve(
     top_k: usize,
     chunk: usize,
 ) -> Result<(Tensor, Tensor)> {
-    if top_k == 0 {
-        bail!("top_k: must be at least 1")
-    }
-    if chunk == 0 {
-        bail!("chunk: must be at least 1")
-    }
+    check_chunking(top_k, chunk)?;
     check_rank("d", d, &[3], "rank 3 [Nd, Ld, dim]")?;
     check_rank("q", q, &[3], "rank 3 [Nq, Lq, dim]")?;
     let nq = q.dim(0)?;
@@ -28,20 +23,47 @@ pub fn retrieve(
     if let Some(m) = d_mask {
         crate::layout::check_mask("d_mask", m, &[nd, ld], q.device())?;
     }
-    let mut top = TopK::new(nq, top_k.min(nd));
-    let mut start = 0;
     // Validate shapes even when there are no documents.
     if nd == 0 {
         maxsim(q, d, q_mask, d_mask)?;
     }
+    chunked_top_k(nq, nd, top_k, chunk, q.device(), |start, len| {
+        let dm = d_mask.map(|m| m.narrow(0, start, len)).transpose()?;
+        maxsim(q, &d.narrow(0, start, len)?, q_mask, dm.as_ref())
+    })
+}
+
+/// `Err` unless `top_k` and `chunk` are at least 1 (checked first, before the operands).
+pub(crate) fn check_chunking(top_k: usize, chunk: usize) -> Result<()> {
+    if top_k == 0 {
+        bail!("top_k: must be at least 1")
+    }
+    if chunk == 0 {
+        bail!("chunk: must be at least 1")
+    }
+    Ok(())
+}
+
+/// The streaming top-k of `retrieve` and its 8-bit twin (arguments checked by
+/// [`check_chunking`]): `score(start, len)`
+/// gives the `[nq, len]` scores of documents `start..start + len`, taken
+/// `chunk` at a time and merged into the best `min(top_k, nd)` per query.
+pub(crate) fn chunked_top_k(
+    nq: usize,
+    nd: usize,
+    top_k: usize,
+    chunk: usize,
+    device: &candle_core::Device,
+    mut score: impl FnMut(usize, usize) -> Result<Tensor>,
+) -> Result<(Tensor, Tensor)> {
+    let mut top = TopK::new(nq, top_k.min(nd));
+    let mut start = 0;
     while start < nd {
         let len = chunk.min(nd - start);
-        let dm = d_mask.map(|m| m.narrow(0, start, len)).transpose()?;
-        let s = maxsim(q, &d.narrow(0, start, len)?, q_mask, dm.as_ref())?;
-        top.push(&s, |j| (start + j) as u32)?;
+        top.push(&score(start, len)?, |j| (start + j) as u32)?;
         start += len;
     }
-    top.finish(q.device())
+    top.finish(device)
 }
 
 /// A streaming top-k: the best `k` (score, id) pairs per query seen so far,
