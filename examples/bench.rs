@@ -4,7 +4,7 @@
 //! device and tensors.
 //!
 //!   cargo run --release --features cuda --example bench -- [--shape Nq,Nd,Lq,Ld,dim]... \
-//!       [--dtype bf16|f16|f32] [--iters N] [--no-reference] [--cpu] [--wall] [--impl NAME] [--normalize] \
+//!       [--dtype bf16|f16|f32|i8] [--iters N] [--no-reference] [--cpu] [--wall] [--impl NAME] [--normalize] \
 //!       [--train | --residual | --plaid-approx | --hidden]
 //!
 //! `--help` lists the flags and their defaults.
@@ -21,7 +21,8 @@
 //! `--hidden` times `maxsim_from_hidden` (dmodel 768 → dout 128, normalized)
 //! against linear + bias + `l2_normalize` + `maxsim` with this crate's ops,
 //! forward and fwd+bwd. `--impl NAME` times only the implementation whose
-//! `impl` field is NAME.
+//! `impl` field is NAME. `--dtype i8` times `maxsim_quantized` on the same
+//! random rows quantized per token (forward only).
 
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
@@ -131,6 +132,8 @@ enum Dtype {
     Bf16,
     F16,
     F32,
+    /// Symmetric per-token 8-bit (`quantize`, `maxsim_quantized`).
+    I8,
 }
 
 impl From<Dtype> for DType {
@@ -138,7 +141,8 @@ impl From<Dtype> for DType {
         match d {
             Dtype::Bf16 => DType::BF16,
             Dtype::F16 => DType::F16,
-            Dtype::F32 => DType::F32,
+            // 8-bit inputs are quantized from F32 rows.
+            Dtype::F32 | Dtype::I8 => DType::F32,
         }
     }
 }
@@ -402,7 +406,11 @@ fn main() -> Result<()> {
     if args.hidden {
         return hidden_bench(&dev, &args);
     }
-    let dname = format!("{:?}", args.dtype()).to_lowercase();
+    let int8 = matches!(args.dtype, Dtype::I8);
+    if int8 && (args.train || args.normalize) {
+        anyhow::bail!("--dtype i8 times the forward of unnormalized rows only (no --train, --normalize)")
+    }
+    let dname = if int8 { "i8".to_string() } else { format!("{:?}", args.dtype()).to_lowercase() };
     for (name, [nq, nd, lq, ld, dim]) in &args.cases() {
         let q = Tensor::randn(0f32, 1., (*nq, *lq, *dim), &dev)?.to_dtype(args.dtype())?;
         let d = Tensor::randn(0f32, 1., (*nd, *ld, *dim), &dev)?.to_dtype(args.dtype())?;
@@ -439,13 +447,16 @@ fn main() -> Result<()> {
                     Ok(("lowmem_grads", f))
                 }))
                 .collect::<Result<_>>()?
+        } else if int8 {
+            let (q8, d8) = (candle_maxsim::quantize(&q)?, candle_maxsim::quantize(&d)?);
+            vec![("fused", Box::new(move || Ok(candle_maxsim::maxsim_quantized(&q8, &d8, None, None)?)))]
         } else {
             let opts = MaxSimOptions { normalize: args.normalize, ..Default::default() };
             let (q, d) = (q.clone(), d.clone());
             vec![("fused", Box::new(move || Ok(candle_maxsim::maxsim_with(&q, &d, None, None, &opts)?)))]
         };
         // The naive path materializes [Nq, Nd, Lq, Ld] in f32: skip it past 40 GB.
-        if !args.no_reference && (nq * nd * lq * ld * 4) as f64 <= 40e9 {
+        if !args.no_reference && !int8 && (nq * nd * lq * ld * 4) as f64 <= 40e9 {
             impls.push(if args.train {
                 let t = Trainer::new(&q, &d, Box::new(|q, d| candle_maxsim::reference::maxsim(q, d, None, None)))?;
                 ("reference", Box::new(move || t.step()))

@@ -42,6 +42,9 @@ struct MaxSimParams {
     int32_t res_colbert_order;    // 1: ColBERTv2 / fast-plaid bit order, 0: LSB-first
     int32_t res_normalize;        // L2-normalize each decompressed token
     int32_t argmax_i16;           // `argmax` holds int16 (every document under 32768 rows: half the bytes)
+    // 8-bit rows (the maxsim_mma_i8 kernels): one F32 scale per token.
+    const float* q_scales;        // [Tq]
+    const float* d_scales;        // [Td]
 };
 
 // The saved argmax, int16 or int32 (MaxSimParams::argmax_i16).

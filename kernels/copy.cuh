@@ -34,11 +34,12 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {}
 #endif
 
 
-// Element offset of 16-byte chunk `ch` of row `r` in a tile of ROWS rows of
-// 2-byte elements stored as [ROWS, 64] panels, 128-byte swizzled: chunk c of
-// row r sits at chunk c ^ (r % 8) of its panel row (wgmma_desc_sw128's layout).
-template <int ROWS> __device__ __forceinline__ int swizzle128(int r, int ch) {
-    return (ch / 8) * (ROWS * 64) + r * 64 + ((ch % 8) ^ (r % 8)) * 8;
+// Element offset of 16-byte chunk `ch` of row `r` in a tile of ROWS rows
+// stored as [ROWS, 128 bytes] panels (EPC elements per chunk), 128-byte
+// swizzled: chunk c of row r sits at chunk c ^ (r % 8) of its panel row
+// (wgmma_desc_sw128's layout).
+template <int ROWS, int EPC = 8> __device__ __forceinline__ int swizzle128(int r, int ch) {
+    return (ch / 8) * (ROWS * 8 * EPC) + r * 8 * EPC + ((ch % 8) ^ (r % 8)) * EPC;
 }
 
 #if __CUDA_ARCH__ >= 750

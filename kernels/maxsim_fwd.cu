@@ -14,6 +14,12 @@
 // global memory, and multiplies them by the whole document tile with one
 // wgmma per 16 columns of dim, B read from a 128-byte-swizzled tile.
 //
+// 8-bit inputs (int8_t: the symmetric per-token quantization of
+// src/ops/quantize.rs) run the same kernel on s8 tensor cores (mma.sync
+// m16n8k32, wgmma k32 on sm_90a) with s32 accumulators: each document
+// token's scale, staged with its tile, multiplies its similarities before
+// the max; each query token's scale multiplies the row's max after it.
+//
 // maxsim_fwd_simt: plain FMA fallback for F32/F64, for GPUs without the MMA
 // path (sm_75) and for dims over 256.
 #include "common.cuh"
@@ -22,39 +28,47 @@
 template <typename T, int DPAD_, int WM_, int WN_, int MT_, int NT_, int STAGES_, bool HOPPER_ = false,
           int KDIM_ = DPAD_>
 struct TileConfig {
-    static constexpr int DPAD = DPAD_;       // dim padded to a multiple of 16 (64, 128 or 256)
+    static constexpr int DPAD = DPAD_;       // stored tile width (64, 128 or 256; 128 for 8-bit)
     static constexpr int WM = WM_, WN = WN_; // warps along query rows / document columns
     static constexpr int MT = MT_, NT = NT_; // m16 tiles and n8 tiles per warp
     static constexpr int NWARPS = WM * WN, NTHREADS = 32 * NWARPS;
     static constexpr int BQ = WM * MT * 16;  // query rows per block
     static constexpr int BD = WN * NT * 8;   // document rows per pipeline stage
-    // Columns multiplied: DPAD, or less for dims 48 and 96 (their tiles are
-    // stored 64 / 128 wide, the zero columns past KDIM are skipped).
+    // Columns multiplied: DPAD, or less for dims 48 and 96 and 8-bit dims
+    // 32 to 96 (their tiles are stored wider, the zero columns past KDIM
+    // are skipped).
     static constexpr int KSTEPS = KDIM_ / Frag<T>::K;
     static_assert(KDIM_ % Frag<T>::K == 0 && KDIM_ <= DPAD_, "KDIM");
     static constexpr int STAGES = STAGES_;   // cp.async pipeline depth (tiles in flight + 1)
     static constexpr bool HOPPER = HOPPER_;  // wgmma (sm_90a) instead of mma.sync
+    // 8-bit: per-token scales (F32) staged with each document tile.
+    static constexpr bool SCALED = sizeof(T) == 1;
     // Hopper tiles ask for two resident blocks per SM (registers capped at 128
     // for 256 threads), so one block's epilogue overlaps the other's wgmma.
     static constexpr int MIN_BLOCKS = HOPPER ? 2 : 1;
     // Tile rows: padded by 16 B (conflict-free ldmatrix), or for wgmma
-    // [DPAD / 64] panels of [BD, 64] elements, 128-byte swizzled.
+    // panels of [BD, 128 bytes], 128-byte swizzled.
     static constexpr int EPC = 16 / (int)sizeof(T); // elements per 16-byte chunk
     static constexpr int SROW = DPAD + EPC;
-    static constexpr int ROW_STEP = HOPPER ? 64 : SROW;
+    static constexpr int ROW_STEP = HOPPER ? 8 * EPC : SROW;
     static constexpr int TILE_ELEMS = HOPPER ? BD * DPAD : BD * SROW;
     // mma.sync stages Q in its own rows so that the first D tiles load while Q
     // does; the Hopper path loads Q fragments straight from global memory.
     static constexpr int Q_ELEMS = HOPPER ? 0 : BQ * SROW;
     static constexpr int ALIGN_SLACK = HOPPER ? 1024 : 0; // swizzled tiles start 1024-aligned
-    static constexpr int SMEM_BYTES = ALIGN_SLACK + (Q_ELEMS + STAGES * TILE_ELEMS) * (int)sizeof(T) + STAGES * BD;
+    // Then the stages' masks and, for 8-bit tiles, their scales (16-byte aligned).
+    static constexpr int MASK_BYTES = (STAGES * BD + 15) & ~15;
+    static constexpr int SCALE_BYTES = SCALED ? STAGES * BD * 4 : 0;
+    static constexpr int SMEM_BYTES =
+        ALIGN_SLACK + (Q_ELEMS + STAGES * TILE_ELEMS) * (int)sizeof(T) + MASK_BYTES + SCALE_BYTES;
     // Element offset of 16-byte chunk `ch` of tile row `r`.
     static __device__ __forceinline__ int offset(int r, int ch) {
-        if (HOPPER) return swizzle128<BD>(r, ch);
+        if (HOPPER) return swizzle128<BD, EPC>(r, ch);
         return r * SROW + ch * EPC;
     }
     static_assert(NT % 2 == 0, "ldmatrix.x4 loads two n8 tiles");
-    static_assert(!HOPPER || (sizeof(T) == 2 && WN == 1 && MT == 1 && WM % 4 == 0 && (BD == 64 || BD == 128) && DPAD % 64 == 0),
+    static_assert(!HOPPER || (sizeof(T) <= 2 && WN == 1 && MT == 1 && WM % 4 == 0 && (BD == 64 || BD == 128) &&
+                              DPAD % (8 * EPC) == 0),
                   "wgmma tiles: warpgroups along the query rows, the whole tile along N");
 };
 
@@ -249,18 +263,28 @@ template <typename C, typename T> struct ResidualLoader {
     }
 };
 
-// Two consecutive elements (col, col + 1) of Q row `row` as one A-fragment
-// register, zero past the chunk's rows and past dim.
+// The 4 bytes of consecutive elements from (row, col) of Q as one A-fragment
+// register (2 of 16-bit, 4 of 8-bit types), zero past the chunk's rows and
+// past dim.
 template <typename T>
-__device__ __forceinline__ uint32_t q_pair(const T* Q, int row, int row_end, int col, int dim, bool vec_ok) {
+__device__ __forceinline__ uint32_t q_word(const T* Q, int row, int row_end, int col, int dim, bool vec_ok) {
+    constexpr int E = 4 / (int)sizeof(T);
     if (row >= row_end || col >= dim) return 0u;
     const T* x = Q + (size_t)row * dim + col;
-    if (vec_ok) return __ldg(reinterpret_cast<const unsigned int*>(x)); // dim % 8 == 0: col + 1 < dim
-    unsigned short lo, hi = 0;
-    T v = x[0];
-    memcpy(&lo, &v, 2);
-    if (col + 1 < dim) v = x[1], memcpy(&hi, &v, 2);
-    return (uint32_t)lo | ((uint32_t)hi << 16);
+    if (vec_ok) return __ldg(reinterpret_cast<const unsigned int*>(x)); // 16-byte rows: col + E <= dim
+    if constexpr (E == 2) {
+        unsigned short lo, hi = 0;
+        T v = x[0];
+        memcpy(&lo, &v, 2);
+        if (col + 1 < dim) v = x[1], memcpy(&hi, &v, 2);
+        return (uint32_t)lo | ((uint32_t)hi << 16);
+    } else {
+        const uint8_t* b = reinterpret_cast<const uint8_t*>(x);
+        uint32_t w = 0;
+#pragma unroll
+        for (int e = 0; e < E; ++e) w |= col + e < dim ? (uint32_t)b[e] << (8 * e) : 0u;
+        return w;
+    }
 }
 
 // ---------------------------------------------------------------------------
@@ -269,11 +293,12 @@ __device__ __forceinline__ uint32_t q_pair(const T* Q, int row, int row_end, int
 // between issue and wait; mma.sync: `overlap` first, then the MMAs.
 // ---------------------------------------------------------------------------
 template <typename C, typename T, typename Overlap>
-__device__ __forceinline__ void mma_step(float (&acc)[C::MT][C::NT][4], const uint32_t (&a)[C::MT][C::KSTEPS][Frag<T>::AREGS],
-                                         const T* sd, int wn, int lane, Overlap overlap) {
+__device__ __forceinline__ void mma_step(typename Frag<T>::Acc (&acc)[C::MT][C::NT][4],
+                                         const uint32_t (&a)[C::MT][C::KSTEPS][Frag<T>::AREGS], const T* sd, int wn,
+                                         int lane, Overlap overlap) {
 #ifdef MAXSIM_HOPPER
     if constexpr (C::HOPPER) {
-        float* d = &acc[0][0][0];
+        auto* d = &acc[0][0][0];
         const uint32_t sd_addr = (uint32_t)__cvta_generic_to_shared(sd);
         wgmma_fence();
 #pragma unroll
@@ -292,7 +317,7 @@ __device__ __forceinline__ void mma_step(float (&acc)[C::MT][C::NT][4], const ui
 #pragma unroll
         for (int nt = 0; nt < C::NT; ++nt)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.f;
+            for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0;
 #pragma unroll
     for (int ks = 0; ks < C::KSTEPS; ++ks) {
 #pragma unroll
@@ -305,6 +330,22 @@ __device__ __forceinline__ void mma_step(float (&acc)[C::MT][C::NT][4], const ui
             for (int mt = 0; mt < C::MT; ++mt) Frag<T>::mma2(acc[mt][nt], acc[mt][nt + 1], a[mt][ks], b);
         }
     }
+    }
+}
+
+// 8-bit tiles: s32 dot products to F32 similarities, each times its
+// document token's scale (`scale`: this thread's first column's). The
+// conversion is exact (|dot| <= 127^2 * 128 < 2^24) and one I2FP on sm_86+.
+template <typename C>
+__device__ __forceinline__ void scale_similarities(float (&sim)[C::MT][C::NT][4], const int32_t (&acc)[C::MT][C::NT][4],
+                                                   const float* scale) {
+#pragma unroll
+    for (int nt = 0; nt < C::NT; ++nt) {
+        const float2 s = *reinterpret_cast<const float2*>(scale + nt * 8);
+#pragma unroll
+        for (int mt = 0; mt < C::MT; ++mt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) sim[mt][nt][e] = (float)acc[mt][nt][e] * (e % 2 ? s.y : s.x);
     }
 }
 
@@ -508,10 +549,12 @@ __device__ __forceinline__ void maxsim_fwd_mma(const MaxSimParams& p) {
     __shared__ float rowval[C::BQ];
     __shared__ int row_q[C::BQ], row_s[C::BQ]; // query of each tile row (-1: padding or masked), position
     __shared__ int q_lo[C::BQ], q_hi[C::BQ];   // tile rows of each query of the group
+    __shared__ float row_scale[C::SCALED ? C::BQ : 1]; // 8-bit: each tile row's query-token scale
     T* sq = sbuf;               // [BQ, SROW] query staging (mma.sync only)
     T* sd0 = sbuf + C::Q_ELEMS; // STAGES document tiles
-    // Loader state after the tiles' masks.
-    Loader<C, T> loader(p, sd0, smask + ((C::STAGES * C::BD + 15) & ~15));
+    float* sscale = reinterpret_cast<float*>(smask + C::MASK_BYTES); // 8-bit: [STAGES, BD] document-token scales
+    // Loader state after the tiles' masks (and scales).
+    Loader<C, T> loader(p, sd0, smask + C::MASK_BYTES + C::SCALE_BYTES);
 
     {   // src/cuda/maxsim_fwd.rs sizes this layout from kernels/tiles.def; a mismatch must fail loudly.
         uint32_t dyn;
@@ -552,6 +595,9 @@ __device__ __forceinline__ void maxsim_fwd_mma(const MaxSimParams& p) {
                 const bool ok = !p.q_valid || p.q_valid[r0 + r];
                 row_q[r] = ok ? w.q_begin + qi : -1;
                 row_s[r] = r0 + r - rr.begin;
+                if constexpr (C::SCALED) {
+                    row_scale[r] = p.q_scales[r0 + r];
+                }
             }
         }
         // A step's tile, and the validity of its columns (read by the epilogue
@@ -560,6 +606,14 @@ __device__ __forceinline__ void maxsim_fwd_mma(const MaxSimParams& p) {
             int start, n;
             s.rows(p, start, n);
             loader.issue(stage, start, n);
+            // (Braced: nvcc 13.0 drops the statement after an unbraced
+            // discarded `if constexpr` inside this lambda.)
+            if constexpr (C::SCALED) {
+                for (int r = tid; r < C::BD; r += C::NTHREADS) {
+                    const bool ok = r < n;
+                    cp_async4(sscale + stage * C::BD + r, p.d_scales + (ok ? start + r : 0), ok ? 4 : 0);
+                }
+            }
             if (p.d_valid || n < C::BD)
                 for (int r = tid; r < C::BD; r += C::NTHREADS)
                     smask[stage * C::BD + r] = r < n && (!p.d_valid || p.d_valid[start + r]);
@@ -584,11 +638,11 @@ __device__ __forceinline__ void maxsim_fwd_mma(const MaxSimParams& p) {
                 const int ra = r0 + (wm * C::MT + mt) * 16 + g;
 #pragma unroll
                 for (int ks = 0; ks < C::KSTEPS; ++ks) {
-                    const int col = ks * 16 + 2 * c;
-                    a[mt][ks][0] = q_pair(Q, ra, r1, col, p.dim, p.vec_ok);
-                    a[mt][ks][1] = q_pair(Q, ra + 8, r1, col, p.dim, p.vec_ok);
-                    a[mt][ks][2] = q_pair(Q, ra, r1, col + 8, p.dim, p.vec_ok);
-                    a[mt][ks][3] = q_pair(Q, ra + 8, r1, col + 8, p.dim, p.vec_ok);
+                    const int col = ks * Frag<T>::K + (4 / (int)sizeof(T)) * c;
+                    a[mt][ks][0] = q_word(Q, ra, r1, col, p.dim, p.vec_ok);
+                    a[mt][ks][1] = q_word(Q, ra + 8, r1, col, p.dim, p.vec_ok);
+                    a[mt][ks][2] = q_word(Q, ra, r1, col + Frag<T>::K / 2, p.dim, p.vec_ok);
+                    a[mt][ks][3] = q_word(Q, ra + 8, r1, col + Frag<T>::K / 2, p.dim, p.vec_ok);
                 }
             }
         }
@@ -625,13 +679,20 @@ __device__ __forceinline__ void maxsim_fwd_mma(const MaxSimParams& p) {
             cp_async_commit();
             loader.issued();
 
-            float acc[C::MT][C::NT][4];
+            typename Frag<T>::Acc acc[C::MT][C::NT][4];
             mma_step<C, T>(acc, a, sd0 + stage * C::TILE_ELEMS, wn, lane,
                            [&] { loader.prepare_next((it + 1) % C::STAGES); });
 
             const int col0 = k * C::BD + wn * C::NT * 8 + 2 * c; // doc-local index of this thread's first column
+            const int tcol = stage * C::BD + wn * C::NT * 8 + 2 * c; // ... and its slot in the stage's masks
             const bool full = n == C::BD && !p.d_valid;
-            epi.update(acc, col0, full, smask + stage * C::BD + wn * C::NT * 8 + 2 * c, keep);
+            if constexpr (C::SCALED) {
+                float sim[C::MT][C::NT][4];
+                scale_similarities<C>(sim, acc, sscale + tcol);
+                epi.update(sim, col0, full, smask + tcol, keep);
+            } else {
+                epi.update(acc, col0, full, smask + tcol, keep);
+            }
 
             if (k == ntiles - 1) {
                 // End of document j: rows reduced over the quad, then over the warps along N.
@@ -647,6 +708,9 @@ __device__ __forceinline__ void maxsim_fwd_mma(const MaxSimParams& p) {
                     }
                     const bool has = mv > MAXSIM_NEG_INF;
                     const int qa = row_q[r];
+                    if constexpr (C::SCALED) {
+                        mv *= row_scale[r];
+                    }
                     rowval[r] = (qa >= 0 && has) ? mv : 0.f;
                     if (ARGMAX && qa >= 0 && has)
                         argmax_store(p, (size_t)out_index(p, w, qa, j) * p.max_lq + row_s[r], iv);
@@ -699,9 +763,18 @@ __device__ __forceinline__ void maxsim_fwd_mma(const MaxSimParams& p) {
     MAXSIM_RES_STAGES_##RES(maxsim_mma_f16_##NAME, __half, WM, WN, MT, NT, HOP)                        \
     MAXSIM_RES_STAGES_##RES(maxsim_mma_bf16_##NAME, __nv_bfloat16, WM, WN, MT, NT, HOP)
 
+// 8-bit scores at width 128 (one 128-byte swizzle panel), multiplying KDIM
+// = dim rounded up to 32: maxsim_mma_i8_<config>_d<KDIM>_nograd.
+#define MAXSIM_I8_WIDTH(NAME, W, WM, WN, MT, NT, ST, HOP) \
+    MAXSIM_MMA_KERNEL(maxsim_mma_i8_##NAME##_d##W##_nograd, int8_t, false, DenseLoader, 128, WM, WN, MT, NT, ST, HOP, W)
+#define MAXSIM_I8_WIDTHS(NAME, WM, WN, MT, NT, ST, HOP)                                                      \
+    MAXSIM_I8_WIDTH(NAME, 32, WM, WN, MT, NT, ST, HOP) MAXSIM_I8_WIDTH(NAME, 64, WM, WN, MT, NT, ST, HOP)     \
+    MAXSIM_I8_WIDTH(NAME, 96, WM, WN, MT, NT, ST, HOP) MAXSIM_I8_WIDTH(NAME, 128, WM, WN, MT, NT, ST, HOP)
+
 // kernels/tiles.def, instantiated by family in the module that can run it.
 #if __CUDA_ARCH__ >= 800
-#define MAXSIM_FAMILY_mma16(NAME, WM, WN, MT, NT, ST, RES) MAXSIM_TILE_16(NAME, WM, WN, MT, NT, ST, RES, false)
+#define MAXSIM_FAMILY_mma16(NAME, WM, WN, MT, NT, ST, RES) \
+    MAXSIM_TILE_16(NAME, WM, WN, MT, NT, ST, RES, false) MAXSIM_I8_WIDTHS(NAME, WM, WN, MT, NT, ST, false)
 #define MAXSIM_FAMILY_wide16(NAME, WM, WN, MT, NT, ST, RES)                              \
     MAXSIM_MMA_ENTRY(maxsim_mma_f16_##NAME##_d256, __half, 256, WM, WN, MT, NT, ST)      \
     MAXSIM_MMA_ENTRY(maxsim_mma_bf16_##NAME##_d256, __nv_bfloat16, 256, WM, WN, MT, NT, ST)
@@ -716,7 +789,8 @@ __device__ __forceinline__ void maxsim_fwd_mma(const MaxSimParams& p) {
     MAXSIM_MMA_WIDTHS(maxsim_mma_f16_##NAME, __half, WM, WN, MT, NT, ST, false)
 #endif
 #ifdef MAXSIM_HOPPER
-#define MAXSIM_FAMILY_hopper(NAME, WM, WN, MT, NT, ST, RES) MAXSIM_TILE_16(NAME, WM, WN, MT, NT, ST, RES, true)
+#define MAXSIM_FAMILY_hopper(NAME, WM, WN, MT, NT, ST, RES) \
+    MAXSIM_TILE_16(NAME, WM, WN, MT, NT, ST, RES, true) MAXSIM_I8_WIDTHS(NAME, WM, WN, MT, NT, ST, true)
 #else
 #define MAXSIM_FAMILY_hopper(NAME, WM, WN, MT, NT, ST, RES)
 #endif

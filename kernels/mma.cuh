@@ -1,6 +1,7 @@
 // Tensor-core MMA: mma.sync fragments (sm_75+), split-TF32 for F32 (sm_80+),
 // and Hopper warpgroup MMA (sm_90a).
 #pragma once
+#include <type_traits>
 #include "elem.cuh"
 
 #if __CUDA_ARCH__ >= 750
@@ -35,6 +36,16 @@ template <> struct Mma<__nv_bfloat16> {
             : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
     }
 };
+// D[16x8] += A[16x32] (row) * B[32x8] (col), s8 inputs, s32 accumulators.
+template <> struct Mma<int8_t> {
+    static __device__ __forceinline__ void run(int32_t* c, const uint32_t* a, const uint32_t* b) {
+        asm volatile(
+            "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+            "{%0,%1,%2,%3};\n"
+            : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+    }
+};
 #endif
 
 // ldmatrix: four 8x8 b16 matrices from shared memory, one row address per lane.
@@ -46,20 +57,24 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t* r, const void* smem) {
 }
 
 // Tensor-core operands of one element type, as the mma.sync kernels use
-// them: K columns per MMA step, A registers per m16 x K fragment, the A
-// fragment read from a row-major shared-memory tile, and the two n8 MMAs fed
-// by one ldmatrix.x4 of B (rows = document tokens, K-major). ldmatrix reads
-// 16-byte row pieces, so the same B addressing serves 2- and 4-byte elements.
-template <typename T> struct Frag { // f16 / bf16: m16n8k16
-    static constexpr int K = 16, AREGS = 4;
+// them: K columns per MMA step, A registers per m16 x K fragment, the
+// accumulator type, the A fragment read from a row-major shared-memory tile,
+// and the two n8 MMAs fed by one ldmatrix.x4 of B (rows = document tokens,
+// K-major). ldmatrix reads 16-byte row pieces, so the same B addressing
+// serves 1-, 2- and 4-byte elements. f16 / bf16 (m16n8k16) and s8
+// (m16n8k32) share the A layout: register i holds 4 bytes of row g (+8 for
+// odd i) at column E * c (+K / 2 for i >= 2), E elements per register.
+template <typename T> struct Frag {
+    static constexpr int K = 32 / (int)sizeof(T), AREGS = 4;
+    using Acc = typename std::conditional<sizeof(T) == 1, int32_t, float>::type;
     static __device__ __forceinline__ void load_a(uint32_t* a, const T* s, int srow, int ra, int col0, int c) {
-        const T* p = s + ra * srow + col0 + 2 * c;
+        const T* p = s + ra * srow + col0 + (4 / (int)sizeof(T)) * c;
         a[0] = *reinterpret_cast<const uint32_t*>(p);
         a[1] = *reinterpret_cast<const uint32_t*>(p + 8 * srow);
-        a[2] = *reinterpret_cast<const uint32_t*>(p + 8);
-        a[3] = *reinterpret_cast<const uint32_t*>(p + 8 * srow + 8);
+        a[2] = *reinterpret_cast<const uint32_t*>(p + K / 2);
+        a[3] = *reinterpret_cast<const uint32_t*>(p + 8 * srow + K / 2);
     }
-    static __device__ __forceinline__ void mma2(float* c0, float* c1, const uint32_t* a, const uint32_t* b) {
+    static __device__ __forceinline__ void mma2(Acc* c0, Acc* c1, const uint32_t* a, const uint32_t* b) {
         Mma<T>::run(c0, a, b);
         Mma<T>::run(c1, a, b + 2);
     }
@@ -83,6 +98,7 @@ __device__ __forceinline__ void mma_tf32(float* c, const uint32_t* a, const uint
 }
 template <> struct Frag<float> { // m16n8k8 tf32; A kept split: a[0..3] hi, a[4..7] lo
     static constexpr int K = 8, AREGS = 8;
+    using Acc = float;
     static __device__ __forceinline__ void load_a(uint32_t* a, const float* s, int srow, int ra, int col0, int c) {
         const float* p = s + ra * srow + col0 + c;
         const float x[4] = {p[0], p[8 * srow], p[4], p[8 * srow + 4]};
@@ -136,31 +152,44 @@ template <int N> __device__ __forceinline__ void fence_regs(float* r) {
 #pragma unroll
     for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
 }
+template <int N> __device__ __forceinline__ void fence_regs(int32_t* r) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+r"(r[i])::"memory");
+}
 
 // Operand lists: N/2 f32 accumulators, 4 A registers, the B descriptor, scale-d.
-#define MAXSIM_WG_D8(o) "+f"(d[o]), "+f"(d[o + 1]), "+f"(d[o + 2]), "+f"(d[o + 3]), \
-                        "+f"(d[o + 4]), "+f"(d[o + 5]), "+f"(d[o + 6]), "+f"(d[o + 7])
-#define MAXSIM_WG_OPS_N64 MAXSIM_WG_D8(0), MAXSIM_WG_D8(8), MAXSIM_WG_D8(16), MAXSIM_WG_D8(24)
-#define MAXSIM_WG_OPS_N128 MAXSIM_WG_OPS_N64, MAXSIM_WG_D8(32), MAXSIM_WG_D8(40), MAXSIM_WG_D8(48), MAXSIM_WG_D8(56)
+// R: the accumulators' constraint, "+f" (f32) or "+r" (s32).
+#define MAXSIM_WG_D8(R, o) R(d[o]), R(d[o + 1]), R(d[o + 2]), R(d[o + 3]), \
+                           R(d[o + 4]), R(d[o + 5]), R(d[o + 6]), R(d[o + 7])
+#define MAXSIM_WG_OPS_N64(R) MAXSIM_WG_D8(R, 0), MAXSIM_WG_D8(R, 8), MAXSIM_WG_D8(R, 16), MAXSIM_WG_D8(R, 24)
+#define MAXSIM_WG_OPS_N128(R) MAXSIM_WG_OPS_N64(R), MAXSIM_WG_D8(R, 32), MAXSIM_WG_D8(R, 40), MAXSIM_WG_D8(R, 48), \
+                              MAXSIM_WG_D8(R, 56)
+#define MAXSIM_WG_F(x) "+f"(x)
+#define MAXSIM_WG_S(x) "+r"(x)
 #define MAXSIM_WG_REGS_N64 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
 #define MAXSIM_WG_TAIL_N64 "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n"
 #define MAXSIM_WG_PRED_N64 "setp.ne.b32 p, %37, 0;\n"
 #define MAXSIM_WG_REGS_N128 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
 #define MAXSIM_WG_TAIL_N128 "{%64, %65, %66, %67}, %68, p, 1, 1, 0;\n"
+// Integer wgmma takes no scale or transpose immediates.
+#define MAXSIM_WG_ITAIL_N64 "{%32, %33, %34, %35}, %36, p;\n"
+#define MAXSIM_WG_ITAIL_N128 "{%64, %65, %66, %67}, %68, p;\n"
 #define MAXSIM_WG_PRED_N128 "setp.ne.b32 p, %69, 0;\n"
 
-// D[64 x N] (+)= A[64 x 16] (registers) * B[16 x N] (shared memory, K-major).
+// D[64 x N] (+)= A[64 x K] (registers) * B[K x N] (shared memory, K-major):
+// K = 16 for f16 / bf16 (f32 accumulators), 32 for s8 (s32).
 template <typename T, int N> struct Wgmma;
-#define MAXSIM_WGMMA(T, TS, N)                                                                            \
-    template <> struct Wgmma<T, N> {                                                                      \
-        static __device__ __forceinline__ void run(float* d, const uint32_t* a, uint64_t desc, int acc) { \
-            asm volatile("{\n.reg .pred p;\n" MAXSIM_WG_PRED_N##N                                          \
-                         "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TS "." TS " "                  \
-                         MAXSIM_WG_REGS_N##N ", " MAXSIM_WG_TAIL_N##N "}\n"                               \
-                         : MAXSIM_WG_OPS_N##N                                                             \
-                         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(acc));              \
-        }                                                                                                 \
+#define MAXSIM_WGMMA_AS(T, ACC, R, SHAPE, TAIL, N)                                                       \
+    template <> struct Wgmma<T, N> {                                                                     \
+        static __device__ __forceinline__ void run(ACC* d, const uint32_t* a, uint64_t desc, int acc) { \
+            asm volatile("{\n.reg .pred p;\n" MAXSIM_WG_PRED_N##N "wgmma.mma_async.sync.aligned.m64n" #N  \
+                         SHAPE " " MAXSIM_WG_REGS_N##N ", " TAIL##N "}\n"                                 \
+                         : MAXSIM_WG_OPS_N##N(R)                                                         \
+                         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(acc));             \
+        }                                                                                                \
     };
+#define MAXSIM_WGMMA(T, TS, N) \
+    MAXSIM_WGMMA_AS(T, float, MAXSIM_WG_F, "k16.f32." TS "." TS, MAXSIM_WG_TAIL_N, N)
 // D[64 x N] (+)= A[64 x 16] * B[16 x N], both from 128-byte-swizzled K-major
 // shared-memory tiles (the fused projection head stages both through cp.async).
 template <typename T, int N> struct WgmmaSS;
@@ -174,7 +203,7 @@ template <typename T, int N> struct WgmmaSS;
             asm volatile("{\n.reg .pred p;\n" MAXSIM_WG_SS_PRED_N##N                                       \
                          "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TS "." TS " "                   \
                          MAXSIM_WG_REGS_N##N ", " MAXSIM_WG_SS_TAIL_N##N "}\n"                            \
-                         : MAXSIM_WG_OPS_N##N                                                              \
+                         : MAXSIM_WG_OPS_N##N(MAXSIM_WG_F)                                                 \
                          : "l"(desc_a), "l"(desc_b), "r"(acc));                                            \
         }                                                                                                  \
     };
@@ -187,5 +216,7 @@ MAXSIM_WGMMA(__half, "f16", 64)
 MAXSIM_WGMMA(__half, "f16", 128)
 MAXSIM_WGMMA(__nv_bfloat16, "bf16", 64)
 MAXSIM_WGMMA(__nv_bfloat16, "bf16", 128)
+MAXSIM_WGMMA_AS(int8_t, int32_t, MAXSIM_WG_S, "k32.s32.s8.s8", MAXSIM_WG_ITAIL_N, 64)
+MAXSIM_WGMMA_AS(int8_t, int32_t, MAXSIM_WG_S, "k32.s32.s8.s8", MAXSIM_WG_ITAIL_N, 128)
 #endif // __CUDA_ARCH_FEAT_SM90_ALL
 

@@ -487,10 +487,10 @@ pub fn adamw_update(
 
 /// 8-bit embeddings as F64, `scale · I8 value` exactly (the bytes read as I8 directly).
 pub fn dequantize_exact(x: &crate::Quantized) -> Result<Tensor> {
-    let bytes = x.values.flatten_all()?.to_vec1::<u8>()?;
+    let bytes = x.values().flatten_all()?.to_vec1::<u8>()?;
     let v: Vec<f64> = bytes.into_iter().map(|b| b as i8 as f64).collect();
-    let v = Tensor::from_vec(v, x.values.shape(), x.values.device())?;
-    v.broadcast_mul(&x.scales.to_dtype(DType::F64)?.unsqueeze(D::Minus1)?)
+    let v = Tensor::from_vec(v, x.values().shape(), x.values().device())?;
+    v.broadcast_mul(&x.scales().to_dtype(DType::F64)?.unsqueeze(D::Minus1)?)
 }
 
 /// MaxSim of 8-bit embeddings: [`maxsim`] of [`dequantize_exact`]'s rows.

@@ -76,29 +76,35 @@ impl TileConfig {
         }
     }
     /// The element types it is compiled for, and from which module (compute capability).
+    /// U8 stands for the 8-bit (I8) kernels.
     fn runs(self, dtype: DType, cc: i32) -> bool {
         let half = matches!(dtype, DType::F16 | DType::BF16);
+        let int8 = dtype == DType::U8;
         match self.0.family {
             "f32" => dtype == DType::F32 && cc >= 80,
             "turing" => dtype == DType::F16 && cc < 80,
-            "hopper" => half && cc == 90,
-            _ => half && cc >= 80,
+            "hopper" => (half || int8) && cc == 90,
+            "wide16" => half && cc >= 80,
+            _ => (half || int8) && cc >= 80,
         }
     }
     /// Dynamic shared memory of its kernels, as maxsim_fwd.cu lays it out
     /// (the kernels trap when given less): mma.sync stages Q and the document
     /// tiles in rows padded by 16 bytes; Hopper tiles hold only the swizzled
     /// document stages, plus 1024 bytes of alignment slack; then the stages'
-    /// masks. Residual kernels (`res_nbits` > 0) also stage each tile's
-    /// packed residual bytes (`dpad * res_nbits / 8` per row, after the masks
-    /// rounded up to 16 bytes).
+    /// masks. After the masks rounded up to 16 bytes, 8-bit kernels
+    /// (`elem` 1) stage each tile's F32 token scales, and residual kernels
+    /// (`res_nbits` > 0) its packed residual bytes (`dpad * res_nbits / 8`
+    /// per row).
     fn smem(self, dpad: usize, elem: usize, res_nbits: usize) -> u32 {
         let residual = res_nbits > 0;
         let (bq, bd, _) = self.shape();
         let st = self.stages(residual);
-        let tiles = if self.hopper() { 1024 + st * bd * dpad * 2 } else { (bq + st * bd) * (dpad * elem + 16) };
-        let res = if residual { (st * bd).next_multiple_of(16) - st * bd + st * bd * dpad * res_nbits / 8 } else { 0 };
-        (tiles + st * bd + res) as u32
+        let tiles = if self.hopper() { 1024 + st * bd * dpad * elem } else { (bq + st * bd) * (dpad * elem + 16) };
+        let pad = (st * bd).next_multiple_of(16) - st * bd;
+        let scales = if elem == 1 { pad + st * bd * 4 } else { 0 };
+        let res = if residual { pad + st * bd * dpad * res_nbits / 8 } else { 0 };
+        (tiles + st * bd + scales + res) as u32
     }
 }
 
@@ -106,7 +112,8 @@ impl TileConfig {
 #[derive(Clone, Copy, Debug)]
 enum Path {
     /// `dpad`: stored tile width (64, 128, 256); `width`: columns multiplied
-    /// (48, 64, 96, 128, 256), the kernel's `d<width>` suffix.
+    /// (48, 64, 96, 128, 256; 8-bit: 32, 64, 96, 128), the kernel's
+    /// `d<width>` suffix.
     Mma {
         dpad: usize,
         width: usize,
@@ -115,6 +122,15 @@ enum Path {
 }
 
 fn path_for(info: &DeviceInfo, dtype: DType, dim: usize) -> Path {
+    if dtype == DType::U8 {
+        // 8-bit rows: one 128-byte panel, K steps of 32 (no SIMT kernel: the caller dequantizes).
+        let width = dim.next_multiple_of(32).max(32);
+        return if dim <= 128 && !candidates(info, dtype, 128, 0).is_empty() {
+            Path::Mma { dpad: 128, width }
+        } else {
+            Path::Simt
+        };
+    }
     let dpad = match dim {
         0..=64 => 64,
         65..=128 => 128,
@@ -315,6 +331,36 @@ pub(crate) fn maxsim_fwd(
     fwd_launch(&s1.device, pb, s1.dtype(), src, v)
 }
 
+/// Whether the 8-bit tensor-core kernels cover this dim on this device
+/// (sm_80+, dims up to 128).
+pub(crate) fn quantized_supported(dev: &CudaDevice, dim: usize) -> Result<bool> {
+    let info = device_info(dev)?;
+    Ok(matches!(path_for(&info, DType::U8, dim), Path::Mma { .. }))
+}
+
+/// 8-bit scores `[n_pairs]` F32 of `pb` (its masks included): `q` and `d`
+/// as (`values` U8 I8 bytes, `scales` F32), contiguous CUDA tensors of
+/// `pb`'s rows.
+pub(crate) fn maxsim_fwd_quantized(
+    dev: &CudaDevice,
+    pb: &Problem,
+    (qv, qs): (&Tensor, &Tensor),
+    (dv, ds): (&Tensor, &Tensor),
+) -> Result<Tensor> {
+    let (qp, dp) = (tensor_ptr(qv)?, tensor_ptr(dv)?);
+    let vec_ok = pb.dim.is_multiple_of(16) && qp.is_multiple_of(16) && dp.is_multiple_of(16);
+    let src = Params {
+        q: qp,
+        d: dp,
+        q_scales: tensor_ptr(qs)?,
+        d_scales: tensor_ptr(ds)?,
+        vec_ok: vec_ok as i32,
+        ..Default::default()
+    };
+    let (out, _) = fwd_launch(dev, pb, DType::U8, src, Variant::Nograd)?;
+    Ok(Tensor::from((Storage::Cuda(out), pb.n_out())))
+}
+
 /// Whether the residual kernels cover this query dtype, dim and nbits on this
 /// device: 16-byte centroid chunks (dim % 8 == 0) and, for the fused
 /// kernels' 4-byte copies, whole words of packed bits per token.
@@ -388,6 +434,8 @@ pub(crate) fn fwd_launch(
             res_nbits: src.res_nbits,
             res_colbert_order: src.res_colbert_order,
             res_normalize: src.res_normalize,
+            q_scales: src.q_scales,
+            d_scales: src.d_scales,
             q_valid: q_valid.as_ref().map(tensor_ptr).transpose()?.unwrap_or(0),
             d_valid: d_valid.as_ref().map(tensor_ptr).transpose()?.unwrap_or(0),
             out: slice_ptr(&dev, &out),
@@ -396,8 +444,8 @@ pub(crate) fn fwd_launch(
             ..layout_params(pb)?
         };
         match path_for(&info, dtype, pb.dim) {
-            Path::Simt if variant == Variant::Residual => {
-                bail!("maxsim: internal error, no fused residual kernel for {dtype:?} dim {}", pb.dim)
+            Path::Simt if variant == Variant::Residual || dtype == DType::U8 => {
+                bail!("maxsim: internal error, no fused kernel for {dtype:?} {variant:?} dim {}", pb.dim)
             }
             Path::Simt => {
                 // One block per pair, in pair order.

@@ -41,6 +41,8 @@ pub(crate) struct Params {
     pub(crate) res_colbert_order: i32,
     pub(crate) res_normalize: i32,
     pub(crate) argmax_i16: i32,
+    pub(crate) q_scales: u64,
+    pub(crate) d_scales: u64,
 }
 // SAFETY: plain old data with the layout of the C struct.
 unsafe impl DeviceRepr for Params {}
@@ -51,6 +53,7 @@ pub(crate) fn dtype_tag(dt: DType) -> &'static str {
         DType::F16 => "f16",
         DType::BF16 => "bf16",
         DType::F32 => "f32",
+        DType::U8 => "i8",
         _ => "f64",
     }
 }

@@ -3,24 +3,60 @@
 //! packed, pairs of packed sequences, streaming top-k). A similarity
 //! is `s_q · s_d · ⟨q8, d8⟩`: the document token's scale is applied to each
 //! similarity before the max over tokens, the query token's (positive,
-//! constant over that max) after it. On CPUs with AVX512_VNNI the dot
-//! products are exact I32 (cpu/avx512.rs; rounded to F32 before scaling,
-//! exact up to dim 1040); elsewhere, on CUDA included,
+//! constant over that max) after it. The dot products are exact I32 on
+//! CPUs with AVX512_VNNI (cpu/avx512.rs; rounded to F32 before scaling,
+//! exact up to dim 1040) and on CUDA sm_80+ for dims up to 128 (s8 tensor
+//! cores: mma.sync, and wgmma on sm_90a; kernels/maxsim_fwd.cu); elsewhere
 //! the dequantized rows are scored in F32 (the same scores up to F32
-//! rounding; no 8-bit tensor-core kernel yet).
+//! rounding).
 
 use crate::layout::{check_device, check_mask, check_rank, Pairing, Problem, Seqs};
 use candle_core::{bail, DType, Layout, Result, Shape, Storage, Tensor, D};
 
 /// 8-bit embeddings, `scales[…] · values[…, :]`: half the memory of BF16
-/// (plus 4 bytes per token).
+/// (plus 4 bytes per token). Validated once, when made ([`quantize`],
+/// [`Quantized::new`]), so that scoring never reads the scales back to the
+/// host.
 #[derive(Clone, Debug)]
 pub struct Quantized {
-    /// `[…, dim]` U8: the two's-complement bytes of I8 values in −127..=127
-    /// (candle has no I8 dtype).
-    pub values: Tensor,
-    /// `[…]` F32, one per token, non-negative.
-    pub scales: Tensor,
+    values: Tensor,
+    scales: Tensor,
+    /// Every scale ≥ 0 (required of queries).
+    nonneg: bool,
+}
+
+impl Quantized {
+    /// `values`: `[…, dim]` U8, the two's-complement bytes of I8 values
+    /// (candle has no I8 dtype); `scales`: `[…]` F32, one per token, on the
+    /// same device. Scales may have either sign for documents; a query's
+    /// must be non-negative (its scale is taken out of the max over document
+    /// tokens), which this notes with one reduction over `scales`.
+    pub fn new(values: Tensor, scales: Tensor) -> Result<Self> {
+        check(&values, &scales, "values", "scales")?;
+        let nonneg = scales.elem_count() == 0 || scales.flatten_all()?.min(0)?.to_scalar::<f32>()? >= 0.0;
+        Ok(Self { values, scales, nonneg })
+    }
+    /// `[…, dim]` U8 (I8 bytes).
+    pub fn values(&self) -> &Tensor {
+        &self.values
+    }
+    /// `[…]` F32, one per token.
+    pub fn scales(&self) -> &Tensor {
+        &self.scales
+    }
+    /// Tokens (or sequences) `start..start + len` along token axis `axis`
+    /// (not the embedding axis): a chunk of a collection, without a copy.
+    pub fn narrow(&self, axis: usize, start: usize, len: usize) -> Result<Self> {
+        if axis + 1 >= self.values.rank() {
+            bail!("axis: {axis} is not a token axis of values {:?}", self.values.dims())
+        }
+        let (values, scales) = (self.values.narrow(axis, start, len)?, self.scales.narrow(axis, start, len)?);
+        Ok(Self { values, scales, nonneg: self.nonneg })
+    }
+    /// A copy on `device`.
+    pub fn to_device(&self, device: &candle_core::Device) -> Result<Self> {
+        Ok(Self { values: self.values.to_device(device)?, scales: self.scales.to_device(device)?, nonneg: self.nonneg })
+    }
 }
 
 /// Symmetric per-token quantization of `x` (a float tensor, last axis the
@@ -40,12 +76,11 @@ pub fn quantize(x: &Tensor) -> Result<Quantized> {
     let v = x.broadcast_div(&divisor)?.round()?.clamp(-127f64, 127f64)?;
     // Two's complement bytes: v + 256 for the negative values.
     let bytes = (&v + v.lt(0f64)?.to_dtype(DType::F64)?.affine(256.0, 0.0)?)?.to_dtype(DType::U8)?;
-    Ok(Quantized { values: bytes, scales: scales.squeeze(D::Minus1)?.to_dtype(DType::F32)? })
+    Ok(Quantized { values: bytes, scales: scales.squeeze(D::Minus1)?.to_dtype(DType::F32)?, nonneg: true })
 }
 
 /// `scales · values` as F32 (the inverse of [`quantize`] up to its rounding).
 pub fn dequantize(q: &Quantized) -> Result<Tensor> {
-    check(&q.values, &q.scales, "values", "scales")?;
     signed(&q.values)?.broadcast_mul(&q.scales.unsqueeze(D::Minus1)?)
 }
 
@@ -67,10 +102,13 @@ fn check(values: &Tensor, scales: &Tensor, vn: &str, sn: &str) -> Result<()> {
             scales.dims()
         )
     }
-    check_device(sn, scales, values.device())?;
-    // The query scale is taken out of the max over document tokens, which needs it ≥ 0.
-    if scales.elem_count() > 0 && scales.flatten_all()?.min(0)?.to_scalar::<f32>()? < 0.0 {
-        bail!("{sn}: scales must be non-negative (quantize gives max|x| / 127)")
+    check_device(sn, scales, values.device())
+}
+
+/// A query's scales are taken out of the max over document tokens, which needs them ≥ 0.
+fn check_query(q: &Quantized) -> Result<()> {
+    if !q.nonneg {
+        bail!("q.scales: a query's scales must be non-negative (quantize gives max|x| / 127)")
     }
     Ok(())
 }
@@ -99,8 +137,7 @@ pub fn maxsim_quantized(
     q_mask: Option<&Tensor>,
     d_mask: Option<&Tensor>,
 ) -> Result<Tensor> {
-    check(&q.values, &q.scales, "q.values", "q.scales")?;
-    check(&d.values, &d.scales, "d.values", "d.scales")?;
+    check_query(q)?;
     check_rank("q.values", &q.values, &[3], "rank 3 [Nq, Lq, dim]")?;
     check_rank("d.values", &d.values, &[3], "rank 3 [Nd, Ld, dim]")?;
     let ((nq, lq, dim), (nd, ld, dd)) = (q.values.dims3()?, d.values.dims3()?);
@@ -116,7 +153,7 @@ pub fn maxsim_quantized(
         check_mask("d_mask", m, &[nd, ld], dev)?;
     }
     let (qs, ds) = (Seqs::Uniform { n: nq, len: lq }, Seqs::Uniform { n: nd, len: ld });
-    if let Some(scores) = lane_scores(dim, qs, ds, Pairing::Cross { nq, nd }, q, d, (q_mask, d_mask), (nq, nd))? {
+    if let Some(scores) = fused_scores(dim, qs, ds, Pairing::Cross { nq, nd }, q, d, (q_mask, d_mask), (nq, nd))? {
         return Ok(scores);
     }
     crate::maxsim(&dequantize(q)?, &dequantize(d)?, q_mask, d_mask)
@@ -135,7 +172,7 @@ pub fn maxsim_quantized_varlen(
 ) -> Result<Tensor> {
     let (qs, ds, dim) = packed(q, cu_q, max_lq, d, cu_d, max_ld)?;
     let (nq, nd) = (qs.n(), ds.n());
-    if let Some(scores) = lane_scores(dim, qs, ds, Pairing::Cross { nq, nd }, q, d, (None, None), (nq, nd))? {
+    if let Some(scores) = fused_scores(dim, qs, ds, Pairing::Cross { nq, nd }, q, d, (None, None), (nq, nd))? {
         return Ok(scores);
     }
     crate::maxsim_varlen(&dequantize(q)?, cu_q, max_lq, &dequantize(d)?, cu_d, max_ld)
@@ -161,7 +198,7 @@ pub fn score_pairs_quantized(
     check_device("pair_d", pair_d, dev)?;
     let pairs = Pairing::list_checked(pair_q, pair_d, qs.n(), ds.n())?;
     let n = pairs.len();
-    if let Some(scores) = lane_scores(dim, qs, ds, pairs, q, d, (None, None), n)? {
+    if let Some(scores) = fused_scores(dim, qs, ds, pairs, q, d, (None, None), n)? {
         return Ok(scores);
     }
     let (qf, df) = (dequantize(q)?, dequantize(d)?);
@@ -177,8 +214,7 @@ fn packed(
     cu_d: &Tensor,
     max_ld: usize,
 ) -> Result<(Seqs, Seqs, usize)> {
-    check(&q.values, &q.scales, "q.values", "q.scales")?;
-    check(&d.values, &d.scales, "d.values", "d.scales")?;
+    check_query(q)?;
     check_rank("q.values", &q.values, &[2], "rank 2 [Tq, dim] (packed)")?;
     check_rank("d.values", &d.values, &[2], "rank 2 [Td, dim] (packed)")?;
     let ((tq, dim), (td, dd)) = (q.values.dims2()?, d.values.dims2()?);
@@ -206,7 +242,6 @@ pub fn retrieve_quantized(
     chunk: usize,
 ) -> Result<(Tensor, Tensor)> {
     super::retrieve::check_chunking(top_k, chunk)?;
-    check(&d.values, &d.scales, "d.values", "d.scales")?;
     check_rank("d.values", &d.values, &[3], "rank 3 [Nd, Ld, dim]")?;
     let (nd, ld, _) = d.values.dims3()?;
     if let Some(m) = d_mask {
@@ -217,18 +252,19 @@ pub fn retrieve_quantized(
         maxsim_quantized(q, d, q_mask, d_mask)?;
     }
     super::retrieve::chunked_top_k(q.values.dim(0)?, nd, top_k, chunk, q.values.device(), |start, len| {
-        let part = Quantized { values: d.values.narrow(0, start, len)?, scales: d.scales.narrow(0, start, len)? };
+        let part = d.narrow(0, start, len)?;
         let dm = d_mask.map(|m| m.narrow(0, start, len)).transpose()?;
         maxsim_quantized(q, &part, q_mask, dm.as_ref())
     })
 }
 
-/// The scores (shaped `shape`) of the VNNI lane kernel over CPU operands
-/// in place, or `None` where it does not apply (another device, a CPU
-/// without AVX512_VNNI, a dim not a multiple of 4): the caller then scores
-/// the dequantized rows.
+/// The scores (shaped `shape`) of the 8-bit kernels, on the operands in
+/// place: the VNNI lane kernel on the CPU, the s8 tensor-core kernels on
+/// CUDA; `None` where neither applies (a CPU without AVX512_VNNI or a dim
+/// not a multiple of 4; a GPU below sm_80 or a dim over 128): the caller
+/// then scores the dequantized rows.
 #[allow(clippy::too_many_arguments)]
-fn lane_scores(
+fn fused_scores(
     dim: usize,
     qs: Seqs,
     ds: Seqs,
@@ -239,6 +275,18 @@ fn lane_scores(
     shape: impl Into<Shape>,
 ) -> Result<Option<Tensor>> {
     let dev = q.values.device();
+    #[cfg(feature = "cuda")]
+    if let candle_core::Device::Cuda(cd) = dev {
+        if !crate::cuda::quantized_supported(cd, dim)? {
+            return Ok(None);
+        }
+        let valid = |m: Option<&Tensor>| m.map(|t| t.flatten_all()).transpose();
+        let problem = Problem { dim, q: qs, d: ds, q_valid: valid(q_mask)?, d_valid: valid(d_mask)?, pairs };
+        let c = |t: &Tensor| t.contiguous();
+        let (qv, qsc, dv, dsc) = (c(&q.values)?, c(&q.scales)?, c(&d.values)?, c(&d.scales)?);
+        let out = crate::cuda::maxsim_fwd_quantized(cd, &problem, (&qv, &qsc), (&dv, &dsc))?;
+        return Ok(Some(out.reshape(shape)?));
+    }
     if !dev.is_cpu() {
         return Ok(None);
     }

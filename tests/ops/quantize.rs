@@ -16,11 +16,11 @@ fn quantize_round_trips_within_half_a_step(dev: &Device) -> Result<()> {
         let size = Tensor::from_vec((0..120).map(|i| if i == 1 { tiny } else { 1f32 }).collect(), (3, 40, 1), dev)?;
         let x = x.to_dtype(DType::F32)?.broadcast_mul(&keep)?.broadcast_mul(&size)?.to_dtype(dt)?;
         let q = ms::quantize(&x)?;
-        assert_eq!((q.values.dtype(), q.values.dims()), (DType::U8, x.dims()));
-        assert_eq!(q.scales.dims(), &[3, 40]);
+        assert_eq!((q.values().dtype(), q.values().dims()), (DType::U8, x.dims()));
+        assert_eq!(q.scales().dims(), &[3, 40]);
         let xf = x.to_dtype(DType::F32)?.to_device(&Device::Cpu)?;
         let want = (xf.abs()?.max(2)? / 127.0)?;
-        assert_close(&format!("scales {dt:?}"), &q.scales, &want, 1e-6)?;
+        assert_close(&format!("scales {dt:?}"), q.scales(), &want, 1e-6)?;
         let back = ms::dequantize(&q)?.to_device(&Device::Cpu)?;
         // Each element within half a step of its row's scale (relative to the step: rows of 1e-37
         // too), plus the F32 roundings of the stored scale and of the product (each ≤ 127·2^-24 steps).
@@ -29,7 +29,7 @@ fn quantize_round_trips_within_half_a_step(dev: &Device) -> Result<()> {
         let excess =
             (err - (&step * (0.5 + 254.0 * f32::EPSILON as f64))?)?.flatten_all()?.max(0)?.to_scalar::<f64>()?;
         assert!(excess <= 0.0, "{dt:?}: an element is {excess} past half a step");
-        let bytes = q.values.flatten_all()?.to_vec1::<u8>()?;
+        let bytes = q.values().flatten_all()?.to_vec1::<u8>()?;
         assert!(!bytes.contains(&0x80), "{dt:?}: -128 is outside the symmetric range");
     }
     Ok(())
@@ -75,6 +75,38 @@ test_device!(
     maxsim_quantized_matches_reference,
     maxsim_quantized_matches_reference_cpu,
     maxsim_quantized_matches_reference_cuda
+);
+
+/// Shapes that take each tile of the 8-bit CUDA kernels (the tests run once
+/// per `CANDLE_MAXSIM_TILE` on the GPU to cover every one): a grid of
+/// 128-row query tiles against documents spanning several 64- and 128-row
+/// tiles, one query against many documents, short documents, a dim that is
+/// no multiple of 16 (unaligned rows). Every other document's scales are
+/// negated: a document scale of either sign multiplies its similarities
+/// before the max.
+fn maxsim_quantized_tiles_match_reference(dev: &Device) -> Result<()> {
+    for (nq, nd, lq, ld, dim) in [(8, 12, 32, 200, 128), (1, 70, 32, 130, 128), (3, 9, 100, 64, 64), (5, 6, 17, 33, 120)]
+    {
+        let q = ms::quantize(&randn(&[nq, lq, dim], DType::F32, dev)?)?;
+        let d = ms::quantize(&randn(&[nd, ld, dim], DType::F32, dev)?)?;
+        let sign = Tensor::from_vec((0..nd).map(|j| if j % 2 == 1 { -1f32 } else { 1. }).collect(), (nd, 1), dev)?;
+        let d = Quantized::new(d.values().clone(), d.scales().broadcast_mul(&sign)?)?;
+        let qm = rand_mask(&[nq, lq], 0.2, dev)?;
+        let dm = rand_mask(&[nd, ld], 0.2, dev)?;
+        let what = format!("maxsim_quantized {nq}x{nd}x{lq}x{ld}x{dim} on {dev:?}");
+        for (qm, dm) in [(None, None), (Some(&qm), Some(&dm))] {
+            let out = ms::maxsim_quantized(&q, &d, qm, dm)?;
+            let want = r::maxsim_quantized(&q, &d, qm, dm)?;
+            assert_close(&format!("{what} masks {}", qm.is_some()), &out, &want, 1e-5)?;
+        }
+    }
+    Ok(())
+}
+
+test_device!(
+    maxsim_quantized_tiles_match_reference,
+    maxsim_quantized_tiles_match_reference_cpu,
+    maxsim_quantized_tiles_match_reference_cuda
 );
 
 /// The packed layout, pairs of packed sequences and the streaming top-k
@@ -131,15 +163,14 @@ test_device!(
 fn maxsim_quantized_rejects_bad_input(dev: &Device) -> Result<()> {
     let q = ms::quantize(&randn(&[2, 4, 8], DType::F32, dev)?)?;
     let d = ms::quantize(&randn(&[3, 5, 8], DType::F32, dev)?)?;
-    let float = Quantized { values: q.values.to_dtype(DType::F32)?, ..q.clone() };
-    expect_err(ms::maxsim_quantized(&float, &d, None, None), "q.values");
-    let short = Quantized { scales: q.scales.narrow(1, 0, 3)?, ..q.clone() };
-    expect_err(ms::maxsim_quantized(&short, &d, None, None), "q.scales");
+    expect_err(Quantized::new(q.values().to_dtype(DType::F32)?, q.scales().clone()), "values");
+    expect_err(Quantized::new(q.values().clone(), q.scales().narrow(1, 0, 3)?), "scales");
+    expect_err(q.narrow(2, 0, 4), "axis");
     let other = ms::quantize(&randn(&[3, 5, 12], DType::F32, dev)?)?;
     expect_err(ms::maxsim_quantized(&q, &other, None, None), "d.values");
     expect_err(ms::maxsim_quantized(&q, &d, Some(&Tensor::ones((2, 5), DType::U8, dev)?), None), "q_mask");
     expect_err(ms::quantize(&Tensor::new(&[1u32, 2], dev)?), "x");
-    let negative = Quantized { scales: q.scales.neg()?, ..q.clone() };
+    let negative = Quantized::new(q.values().clone(), q.scales().neg()?)?;
     expect_err(ms::maxsim_quantized(&negative, &d, None, None), "q.scales");
     Ok(())
 }
