@@ -2,7 +2,7 @@
 # One GPU benchmark table: this crate's bench binary and the peers back to back
 # on the same GPU, then the markdown table (bench/table.py).
 #
-#   bench/gpu.sh forward|train|plaid|head
+#   bench/gpu.sh forward|int8|train|plaid|head
 #
 # What it needs on the GPU machine:
 #   - the bench binary: `cargo build --release --features cuda --example bench`
@@ -26,15 +26,15 @@
 # Ours is timed before and after the peers; table.py shows the slower run.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
-usage="usage: bench/gpu.sh forward|train|plaid|head"
+usage="usage: bench/gpu.sh forward|int8|train|plaid|head"
 workload=${1:?$usage}
-case $workload in forward | train | plaid | head) ;; *) echo "$usage" >&2; exit 2 ;; esac
+case $workload in forward | int8 | train | plaid | head) ;; *) echo "$usage" >&2; exit 2 ;; esac
 B=${BENCH_BIN:-$here/../target/release/examples/bench}
 [ -x "$B" ] || { echo "no bench binary at $B: build it (see the top of $0) or set BENCH_BIN" >&2; exit 1; }
 out=${RESULTS:-$(mktemp -d)}
 mkdir -p "$out"
 
-if [ "$workload" != head ]; then
+if [ "$workload" != head ] && [ "$workload" != int8 ]; then
     if [ -n "${WHEELS:-}" ]; then
         SITE=${SITE:-/tmp/candle-maxsim-peers}
         python3 -m pip install -q --no-index --no-deps --target "$SITE" "$WHEELS"/*.whl
@@ -67,6 +67,18 @@ forward)
     "$B" --iters 50 --no-reference --dtype f32 "${inbatch[@]}" > "$out/forward_f32.jsonl"
     files=("$out"/forward.jsonl "$out"/forward_dims.jsonl "$out"/forward_f32.jsonl
         "$out"/peers_forward.jsonl "$out"/peers_forward_dims.jsonl)
+    ;;
+int8)
+    # No peer: maxsim_quantized against this crate's bf16 maxsim on the same
+    # shapes (the six standard ones, short documents, a mid-size grid, dim 96),
+    # each dtype twice, interleaved.
+    shapes=(--shape 128,128,128,1024,128 --shape 256,256,32,256,128 --shape 1,1000,32,300,128
+        --shape 1,1000,128,1024,128 --shape 16,32,32,8192,128 --shape 32,10000,32,256,128
+        --shape 32,10000,32,64,128 --shape 64,64,32,300,128 --shape 128,128,128,1024,96)
+    for _ in 1 2; do
+        for dt in bf16 i8; do "$B" --iters 30 --no-reference --dtype $dt "${shapes[@]}"; done
+    done > "$out/int8.jsonl"
+    files=("$out"/int8.jsonl)
     ;;
 train)
     "$B" --train --iters 30 --no-reference > "$out/train.jsonl"

@@ -176,6 +176,37 @@ def forward(rows):
                 print(f"\nGeometric mean, ours vs {label(p, peers)}: **{g:.2f}×** over {len(ratios[p])} shapes.")
 
 
+def int8_floor(shape):
+    """max(compute, memory) floor in ms of an 8-bit forward: the tensor cores'
+    8-bit rate taken as twice the measured bf16 peak; 1-byte values plus a
+    4-byte scale per token."""
+    nq, nd, lq, ld, dim = shape
+    c = 2 * nq * nd * lq * ld * dim / (2 * PEAK_FLOPS) * 1e3
+    m = ((nq * lq + nd * ld) * (dim + 4) + nq * nd * 4) / PEAK_BYTES * 1e3
+    return (c, "compute") if c >= m else (m, "memory")
+
+
+def int8(rows):
+    """`maxsim_quantized` against this crate's bf16 `maxsim`, same shapes, same call."""
+    t = Times([r for r in rows if r["impl"] == "fused"], lambda r: (tuple(r["shape"]), r.get("dtype", "bf16").lower()))
+    shapes = list(dict.fromkeys(k[0] for k in t.keys()))
+    head = ["case", "Nq,Nd,Lq,Ld,dim", "bf16 ms", "8-bit ms", "8-bit TOPS", "8-bit vs bf16", "floor ms", "8-bit / floor"]
+    body, ratios = [], []
+    for sh in shapes:
+        b, q = t.ms((sh, "bf16"), "fused"), t.ms((sh, "i8"), "fused")
+        fl, kind = int8_floor(sh)
+        line = [CASES.get(tuple(sh[:4]), "custom") if sh[4] == 128 else "custom", ",".join(map(str, sh)), f_ms(b), f_ms(q)]
+        line.append(f"{2 * math.prod(sh) / (q * 1e-3) / 1e12:.0f}" if q else "–")
+        line += [f_x(q, b), f"{f_ms(fl)} ({kind})", f"{q / fl:.2f}" if q else "–"]
+        if b and q:
+            ratios.append(b / q)
+        body.append(line)
+    md(head, body)
+    g = geomean(ratios)
+    if g:
+        print(f"\nGeometric mean, 8-bit vs bf16: **{g:.2f}×** over {len(ratios)} shapes.")
+
+
 def train(rows):
     rows = [r for r in rows if r["impl"] in ("unified", "lowmem", "lowmem_grads", "reference") or peer_of(r["impl"])]
     t = Times(rows, lambda r: tuple(r["shape"]))
@@ -288,9 +319,9 @@ def cpu(rows):
 
 
 def main():
-    if len(sys.argv) < 3 or sys.argv[1] not in ("forward", "train", "plaid", "head", "cpu"):
+    if len(sys.argv) < 3 or sys.argv[1] not in ("forward", "int8", "train", "plaid", "head", "cpu"):
         sys.exit(__doc__)
-    {"forward": forward, "train": train, "plaid": plaid, "head": head, "cpu": cpu}[sys.argv[1]](load(sys.argv[2:]))
+    {"forward": forward, "int8": int8, "train": train, "plaid": plaid, "head": head, "cpu": cpu}[sys.argv[1]](load(sys.argv[2:]))
 
 
 if __name__ == "__main__":

@@ -20,8 +20,8 @@
 // token's scale, staged with its tile, multiplies its similarities before
 // the max; each query token's scale multiplies the row's max after it.
 //
-// maxsim_fwd_simt: plain FMA fallback for F32/F64, for GPUs without the MMA
-// path (sm_75) and for dims over 256.
+// maxsim_fwd_simt: plain FMA fallback for F64, for GPUs without the MMA path
+// (sm_75), for F32 dims over 256 and 16-bit dims over 512.
 #include "common.cuh"
 #include "residual.cuh"
 
@@ -39,6 +39,10 @@ struct TileConfig {
     // are skipped).
     static constexpr int KSTEPS = KDIM_ / Frag<T>::K;
     static_assert(KDIM_ % Frag<T>::K == 0 && KDIM_ <= DPAD_, "KDIM");
+    // Dims over 256: the A fragments of all K steps would not fit in
+    // registers; each K step reads its own from the staged Q rows instead.
+    static constexpr bool A_SMEM = KDIM_ > 256;
+    static constexpr int AK = A_SMEM ? 1 : KSTEPS; // K steps of A held in registers
     static constexpr int STAGES = STAGES_;   // cp.async pipeline depth (tiles in flight + 1)
     static constexpr bool HOPPER = HOPPER_;  // wgmma (sm_90a) instead of mma.sync
     // 8-bit: per-token scales (F32) staged with each document tile.
@@ -67,6 +71,7 @@ struct TileConfig {
         return r * SROW + ch * EPC;
     }
     static_assert(NT % 2 == 0, "ldmatrix.x4 loads two n8 tiles");
+    static_assert(!(HOPPER && A_SMEM), "wgmma tiles hold A in registers");
     static_assert(!HOPPER || (sizeof(T) <= 2 && WN == 1 && MT == 1 && WM % 4 == 0 && (BD == 64 || BD == 128) &&
                               DPAD % (8 * EPC) == 0),
                   "wgmma tiles: warpgroups along the query rows, the whole tile along N");
@@ -290,12 +295,14 @@ __device__ __forceinline__ uint32_t q_word(const T* Q, int row, int row_end, int
 // ---------------------------------------------------------------------------
 // The MMA step: S = Q_tile . D_tile^T into acc. Hopper: one wgmma per 16
 // columns of dim (the first overwrites the accumulators), `overlap` run
-// between issue and wait; mma.sync: `overlap` first, then the MMAs.
+// between issue and wait; mma.sync: `overlap` first, then the MMAs (A from
+// `a`, or for A_SMEM tiles from the staged Q rows `sq`, this warp's from
+// row 16 * MT * wm).
 // ---------------------------------------------------------------------------
 template <typename C, typename T, typename Overlap>
 __device__ __forceinline__ void mma_step(typename Frag<T>::Acc (&acc)[C::MT][C::NT][4],
-                                         const uint32_t (&a)[C::MT][C::KSTEPS][Frag<T>::AREGS], const T* sd, int wn,
-                                         int lane, Overlap overlap) {
+                                         const uint32_t (&a)[C::MT][C::AK][Frag<T>::AREGS], const T* sd, int wn,
+                                         int lane, Overlap overlap, const T* sq, int wm) {
 #ifdef MAXSIM_HOPPER
     if constexpr (C::HOPPER) {
         auto* d = &acc[0][0][0];
@@ -320,6 +327,12 @@ __device__ __forceinline__ void mma_step(typename Frag<T>::Acc (&acc)[C::MT][C::
             for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0;
 #pragma unroll
     for (int ks = 0; ks < C::KSTEPS; ++ks) {
+        uint32_t as[C::MT][Frag<T>::AREGS];
+        if constexpr (C::A_SMEM) {
+#pragma unroll
+            for (int mt = 0; mt < C::MT; ++mt)
+                Frag<T>::load_a(as[mt], sq, C::SROW, (wm * C::MT + mt) * 16 + lane / 4, ks * Frag<T>::K, lane % 4);
+        }
 #pragma unroll
         for (int nt = 0; nt < C::NT; nt += 2) {
             uint32_t b[4];
@@ -327,7 +340,8 @@ __device__ __forceinline__ void mma_step(typename Frag<T>::Acc (&acc)[C::MT][C::
             const int row = wn * C::NT * 8 + nt * 8 + (mi / 2) * 8 + lane % 8;
             ldmatrix_x4(b, sd + row * C::SROW + ks * Frag<T>::K + (mi % 2) * (Frag<T>::K / 2));
 #pragma unroll
-            for (int mt = 0; mt < C::MT; ++mt) Frag<T>::mma2(acc[mt][nt], acc[mt][nt + 1], a[mt][ks], b);
+            for (int mt = 0; mt < C::MT; ++mt)
+                Frag<T>::mma2(acc[mt][nt], acc[mt][nt + 1], C::A_SMEM ? as[mt] : a[mt][ks % C::AK], b);
         }
     }
     }
@@ -630,7 +644,7 @@ __device__ __forceinline__ void maxsim_fwd_mma(const MaxSimParams& p) {
             cp_async_commit(); // possibly empty: keeps the group count uniform
             loader.issued();
         }
-        uint32_t a[C::MT][C::KSTEPS][Frag<T>::AREGS];
+        uint32_t a[C::MT][C::AK][Frag<T>::AREGS];
         if (C::HOPPER) {
             // A fragments straight from global memory, while the first tiles load.
 #pragma unroll
@@ -648,7 +662,7 @@ __device__ __forceinline__ void maxsim_fwd_mma(const MaxSimParams& p) {
         }
         loader.first_ready();
         __syncthreads();
-        if (!C::HOPPER) {
+        if (!C::HOPPER && !C::A_SMEM) {
 #pragma unroll
             for (int mt = 0; mt < C::MT; ++mt)
 #pragma unroll
@@ -681,7 +695,7 @@ __device__ __forceinline__ void maxsim_fwd_mma(const MaxSimParams& p) {
 
             typename Frag<T>::Acc acc[C::MT][C::NT][4];
             mma_step<C, T>(acc, a, sd0 + stage * C::TILE_ELEMS, wn, lane,
-                           [&] { loader.prepare_next((it + 1) % C::STAGES); });
+                           [&] { loader.prepare_next((it + 1) % C::STAGES); }, sq, wm);
 
             const int col0 = k * C::BD + wn * C::NT * 8 + 2 * c; // doc-local index of this thread's first column
             const int tcol = stage * C::BD + wn * C::NT * 8 + 2 * c; // ... and its slot in the stage's masks
@@ -778,12 +792,18 @@ __device__ __forceinline__ void maxsim_fwd_mma(const MaxSimParams& p) {
 #define MAXSIM_FAMILY_wide16(NAME, WM, WN, MT, NT, ST, RES)                              \
     MAXSIM_MMA_ENTRY(maxsim_mma_f16_##NAME##_d256, __half, 256, WM, WN, MT, NT, ST)      \
     MAXSIM_MMA_ENTRY(maxsim_mma_bf16_##NAME##_d256, __nv_bfloat16, 256, WM, WN, MT, NT, ST)
+#define MAXSIM_FAMILY_xwide16(NAME, WM, WN, MT, NT, ST, RES)                                  \
+    MAXSIM_MMA_ENTRY(maxsim_mma_f16_##NAME##_d384, __half, 512, WM, WN, MT, NT, ST, false, 384)      \
+    MAXSIM_MMA_ENTRY(maxsim_mma_f16_##NAME##_d512, __half, 512, WM, WN, MT, NT, ST)                  \
+    MAXSIM_MMA_ENTRY(maxsim_mma_bf16_##NAME##_d384, __nv_bfloat16, 512, WM, WN, MT, NT, ST, false, 384) \
+    MAXSIM_MMA_ENTRY(maxsim_mma_bf16_##NAME##_d512, __nv_bfloat16, 512, WM, WN, MT, NT, ST)
 #define MAXSIM_FAMILY_f32(NAME, WM, WN, MT, NT, ST, RES) \
     MAXSIM_MMA_WIDTHS(maxsim_mma_f32_##NAME, float, WM, WN, MT, NT, ST, false)
 #define MAXSIM_FAMILY_turing(NAME, WM, WN, MT, NT, ST, RES)
 #else // sm_75 module: F16 only (Turing has no BF16 / TF32 MMA)
 #define MAXSIM_FAMILY_mma16(NAME, WM, WN, MT, NT, ST, RES)
 #define MAXSIM_FAMILY_wide16(NAME, WM, WN, MT, NT, ST, RES)
+#define MAXSIM_FAMILY_xwide16(NAME, WM, WN, MT, NT, ST, RES)
 #define MAXSIM_FAMILY_f32(NAME, WM, WN, MT, NT, ST, RES)
 #define MAXSIM_FAMILY_turing(NAME, WM, WN, MT, NT, ST, RES) \
     MAXSIM_MMA_WIDTHS(maxsim_mma_f16_##NAME, __half, WM, WN, MT, NT, ST, false)

@@ -16,7 +16,7 @@ use std::sync::{Mutex, OnceLock};
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) struct TileRow {
     name: &'static str,
-    /// `mma16`, `wide16`, `f32`, `turing` or `hopper` (see kernels/tiles.def).
+    /// `mma16`, `wide16`, `xwide16`, `f32`, `turing` or `hopper` (see kernels/tiles.def).
     family: &'static str,
     wm: usize,
     wn: usize,
@@ -84,7 +84,7 @@ impl TileConfig {
             "f32" => dtype == DType::F32 && cc >= 80,
             "turing" => dtype == DType::F16 && cc < 80,
             "hopper" => (half || int8) && cc == 90,
-            "wide16" => half && cc >= 80,
+            "wide16" | "xwide16" => half && cc >= 80,
             _ => (half || int8) && cc >= 80,
         }
     }
@@ -134,14 +134,16 @@ fn path_for(info: &DeviceInfo, dtype: DType, dim: usize) -> Path {
     let dpad = match dim {
         0..=64 => 64,
         65..=128 => 128,
-        _ => 256,
+        129..=256 => 256,
+        _ => 512,
     };
     let width = match dim {
         33..=48 => 48,
         65..=96 => 96,
+        257..=384 => 384,
         _ => dpad,
     };
-    if dim <= 256 && !candidates(info, dtype, dpad, 0).is_empty() {
+    if dim <= 512 && !candidates(info, dtype, dpad, 0).is_empty() {
         Path::Mma { dpad, width }
     } else {
         Path::Simt
@@ -155,7 +157,14 @@ fn path_for(info: &DeviceInfo, dtype: DType, dim: usize) -> Path {
 fn candidates(info: &DeviceInfo, dtype: DType, dpad: usize, res_nbits: usize) -> Vec<TileConfig> {
     TileConfig::all()
         .filter(|c| c.runs(dtype, info.cc))
-        .filter(|c| (c.0.family == "wide16") == (dpad > 128))
+        .filter(|c| {
+            let width = match c.0.family {
+                "wide16" => 256,
+                "xwide16" => 512,
+                _ => 128,
+            };
+            width == dpad.max(128)
+        })
         .filter(|c| res_nbits == 0 || c.stages(true) > 0)
         .filter(|c| c.smem(dpad, dtype.size_in_bytes(), res_nbits) as usize <= info.smem_optin)
         .collect()

@@ -48,7 +48,7 @@ fn dense_matches_reference(dev: &Device) -> Result<()> {
     dense_case(dev, 3, 4, 6, 11, 20, DType::F64, true, false)?;
     if gpu_cases(dev) {
         for dt in DTYPES {
-            for dim in [16, 33, 48, 72, 96, 128, 250, 768] {
+            for dim in [16, 33, 48, 72, 96, 128, 250, 300, 384, 512, 768] {
                 dense_case(dev, 5, 7, 32, 300, dim, dt, true, false)?;
             }
         }
