@@ -16,8 +16,8 @@ mod topk;
 
 pub(crate) use hidden::{from_hidden_fwd, FusedHeadPlan};
 pub(crate) use maxsim_bwd::maxsim_bwd;
-pub(crate) use maxsim_fwd::{maxsim_fwd_quantized, quantized_supported, residual_supported};
 pub(crate) use maxsim_fwd::{maxsim_argmax, maxsim_fwd, Variant};
+pub(crate) use maxsim_fwd::{maxsim_fwd_quantized, quantized_supported, residual_supported};
 pub(crate) use normalize::{l2norm_bwd, l2norm_fwd};
 pub(crate) use residual::{
     codes_u32, compress_residual, decompress as decompress_residual, residual_path, residual_scores_tile,

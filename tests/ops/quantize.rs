@@ -85,7 +85,8 @@ test_device!(
 /// negated: a document scale of either sign multiplies its similarities
 /// before the max.
 fn maxsim_quantized_tiles_match_reference(dev: &Device) -> Result<()> {
-    for (nq, nd, lq, ld, dim) in [(8, 12, 32, 200, 128), (1, 70, 32, 130, 128), (3, 9, 100, 64, 64), (5, 6, 17, 33, 120)]
+    for (nq, nd, lq, ld, dim) in
+        [(8, 12, 32, 200, 128), (1, 70, 32, 130, 128), (3, 9, 100, 64, 64), (5, 6, 17, 33, 120)]
     {
         let q = ms::quantize(&randn(&[nq, lq, dim], DType::F32, dev)?)?;
         let d = ms::quantize(&randn(&[nd, ld, dim], DType::F32, dev)?)?;
