@@ -187,7 +187,7 @@ def int8_floor(shape):
 
 
 def int8(rows):
-    """`maxsim_quantized` against this crate's bf16 `maxsim`, same shapes, same call."""
+    """`maxsim_quantized` against this crate's bf16 `maxsim`, same shapes, one invocation."""
     t = Times([r for r in rows if r["impl"] == "fused"], lambda r: (tuple(r["shape"]), r.get("dtype", "bf16").lower()))
     shapes = list(dict.fromkeys(k[0] for k in t.keys()))
     head = ["case", "Nq,Nd,Lq,Ld,dim", "bf16 ms", "8-bit ms", "8-bit TOPS", "8-bit vs bf16", "floor ms", "8-bit / floor"]
