@@ -120,6 +120,10 @@ struct Args {
     /// Score L2-normalized queries and documents (MaxSim and --train cases).
     #[arg(long)]
     normalize: bool,
+    /// Also time the forward that keeps the argmax (`maxsim_with_argmax`,
+    /// the training forward's kernels), as `fused_argmax`.
+    #[arg(long)]
+    argmax: bool,
     /// Time only the implementation of this name (the `impl` field of the
     /// output), e.g. to profile it alone.
     #[arg(long = "impl", value_name = "NAME")]
@@ -181,7 +185,7 @@ impl Args {
         } else if self.train {
             &["unified", "lowmem", "lowmem_grads", "reference"]
         } else {
-            &["fused", "reference"]
+            &["fused", "fused_argmax", "reference"]
         }
     }
     /// The implementations to time: all, or the one `--impl` names.
@@ -453,7 +457,21 @@ fn main() -> Result<()> {
         } else {
             let opts = MaxSimOptions { normalize: args.normalize, ..Default::default() };
             let (q, d) = (q.clone(), d.clone());
-            vec![("fused", Box::new(move || Ok(candle_maxsim::maxsim_with(&q, &d, None, None, &opts)?)))]
+            let mut v: Vec<(&str, Box<Op>)> = vec![(
+                "fused",
+                Box::new({
+                    let (q, d) = (q.clone(), d.clone());
+                    move || Ok(candle_maxsim::maxsim_with(&q, &d, None, None, &opts)?)
+                }),
+            )];
+            if args.argmax {
+                let (q, d) = (q.clone(), d.clone());
+                v.push((
+                    "fused_argmax",
+                    Box::new(move || Ok(candle_maxsim::maxsim_with_argmax(&q, &d, None, None)?.0)),
+                ));
+            }
+            v
         };
         // The naive path materializes [Nq, Nd, Lq, Ld] in f32: skip it past 40 GB.
         if !args.no_reference && !int8 && (nq * nd * lq * ld * 4) as f64 <= 40e9 {

@@ -28,6 +28,7 @@
 template <typename T, int DPAD_, int WM_, int WN_, int MT_, int NT_, int STAGES_, bool HOPPER_ = false,
           int KDIM_ = DPAD_>
 struct TileConfig {
+    using Elem = T;
     static constexpr int DPAD = DPAD_;       // stored tile width (64, 128 or 256; 128 for 8-bit)
     static constexpr int WM = WM_, WN = WN_; // warps along query rows / document columns
     static constexpr int MT = MT_, NT = NT_; // m16 tiles and n8 tiles per warp
@@ -744,6 +745,269 @@ __device__ __forceinline__ void maxsim_fwd_mma(const MaxSimParams& p) {
     }
 }
 
+// ---------------------------------------------------------------------------
+// Hopper, warp-specialized (FlashAttention-3's split of mainloop, epilogue
+// and scheduler): a producer warp fills a ring of STAGES document tiles by
+// TMA, each stage signalled on its `full` mbarrier (masks and 8-bit scales
+// stored by the producer's lanes before the arrival); the consumer
+// warpgroups (64 query rows each) wait on it, issue the tile's wgmma, run
+// the previous tile's epilogue while it is in flight (two accumulator sets),
+// and release the stage on its `empty` mbarrier. There is no block-wide
+// barrier per tile: the consumers meet on a named barrier only at a
+// document's end, to sum its rows. Persistent: block b walks the work items
+// b, b + gridDim.x, ... (block_work's order) and the ring runs on across
+// documents, query chunks and work items without draining.
+// ---------------------------------------------------------------------------
+#ifdef MAXSIM_HOPPER
+template <typename C> struct WsConfig {
+    static constexpr int CONSUMERS = C::NTHREADS;     // 64 query rows per consumer warpgroup
+    static constexpr int CWG = C::NWARPS / 4;
+    static constexpr int NTHREADS = CONSUMERS + 128;  // + the producer warpgroup (one warp issues)
+    static constexpr int PANELS = C::DPAD * (int)sizeof(typename C::Elem) / 128;
+    static constexpr uint32_t STAGE_BYTES = C::TILE_ELEMS * sizeof(typename C::Elem);
+    // Two consumer warpgroups need more than the 168 registers a 384-thread
+    // block gets: the producer warpgroup gives its share back (40 for its
+    // step walk and mask stores; FA3's TMA-only producer keeps 24).
+    static constexpr bool REALLOC = CWG == 2;
+    static constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = 232;
+    static_assert(C::HOPPER && C::STAGES >= 3, "a tile in the MMA, one pending its epilogue, one loading");
+};
+
+template <typename C, typename T, bool ARGMAX>
+__device__ __forceinline__ void maxsim_fwd_ws(const MaxSimParams& p, const TmaMap* dmap) {
+    using W = WsConfig<C>;
+    using Epilogue = RowMax<C, T, ARGMAX>;
+    using Acc = typename Frag<T>::Acc;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    unsigned char* base = reinterpret_cast<unsigned char*>(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
+    T* sd0 = reinterpret_cast<T*>(base);
+    uint8_t* smask = base + C::STAGES * C::TILE_ELEMS * sizeof(T);
+    float* sscale = reinterpret_cast<float*>(smask + C::MASK_BYTES);
+    __shared__ __align__(8) uint64_t full[C::STAGES], empty[C::STAGES];
+    __shared__ float rowval[2][C::BQ]; // a document's row maxima, double-buffered across documents
+    __shared__ int row_q[C::BQ], row_s[C::BQ], q_lo[C::BQ], q_hi[C::BQ];
+    __shared__ float row_scale[C::SCALED ? C::BQ : 1];
+    {   // src/cuda/maxsim_fwd.rs sizes this layout from kernels/tiles.def; a mismatch must fail loudly.
+        uint32_t dyn;
+        asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
+        const unsigned char* end = C::SCALED ? (const unsigned char*)(sscale + C::STAGES * C::BD) : smask + C::STAGES * C::BD;
+        if (end > smem_raw + dyn) __trap();
+    }
+    const int tid = threadIdx.x, lane = tid % 32;
+    if (tid == 0) {
+        for (int s = 0; s < C::STAGES; ++s) mbar_init(&full[s], 1), mbar_init(&empty[s], C::NWARPS);
+        mbar_init_fence();
+    }
+    __syncthreads();
+    const int nwork = p.pair_q ? p.n_pairs : p.n_groups * ((p.nd + p.docs_per_block - 1) / p.docs_per_block);
+    // The query-row chunks of a work item.
+    auto chunks = [&](const BlockWork& w, int& grow0) {
+        grow0 = q_rows(p, w.q_begin).begin;
+        return (q_rows(p, w.q_end - 1).end - grow0 + C::BQ - 1) / C::BQ;
+    };
+
+    if (tid >= W::CONSUMERS) {
+        // ---- Producer: one warp walks the consumers' sequence of steps.
+        if constexpr (W::REALLOC) regs_decrease<W::PRODUCER_REGS>();
+        if (tid - W::CONSUMERS >= 32) return;
+        if (lane == 0) tma_prefetch(dmap);
+        uint32_t it = 0;
+        for (int b = blockIdx.x; b < nwork; b += gridDim.x) {
+            const BlockWork w = block_work(p, b);
+            int grow0;
+            const int nch = chunks(w, grow0);
+            for (int ch = 0; ch < nch; ++ch)
+                for (DocSteps<C> s(p, w.d_begin, w.d_end); s.more(); s.advance(p), ++it) {
+                    const int stage = it % C::STAGES;
+                    mbar_wait(&empty[stage], ((it / C::STAGES) & 1) ^ 1);
+                    int start, n;
+                    s.rows(p, start, n);
+                    if (p.d_valid || n < C::BD)
+                        for (int r = lane; r < C::BD; r += 32)
+                            smask[stage * C::BD + r] = r < n && (!p.d_valid || p.d_valid[start + r]);
+                    if constexpr (C::SCALED) {
+                        for (int r = lane; r < C::BD; r += 32)
+                            sscale[stage * C::BD + r] = r < n ? __ldg(p.d_scales + start + r) : 0.f;
+                    }
+                    __syncwarp();
+                    if (lane == 0) {
+                        mbar_arrive_tx(&full[stage], W::STAGE_BYTES);
+                        T* tile = sd0 + stage * C::TILE_ELEMS;
+#pragma unroll
+                        for (int pn = 0; pn < W::PANELS; ++pn)
+                            tma_load_2d(tile + pn * C::BD * (128 / sizeof(T)), dmap, &full[stage],
+                                        pn * (128 / (int)sizeof(T)), start);
+                    }
+                }
+        }
+        return;
+    }
+
+    // ---- Consumers.
+    if constexpr (W::REALLOC) regs_increase<W::CONSUMER_REGS>();
+    const T* Q = static_cast<const T*>(p.q);
+    const int warp = tid / 32, g = lane / 4, c = lane % 4;
+    auto consumers_sync = [] { named_barrier(1, W::CONSUMERS); };
+    uint32_t it = 0;
+    int buf = 0;
+    for (int b = blockIdx.x; b < nwork; b += gridDim.x) {
+        const BlockWork w = block_work(p, b);
+        const int nqg = w.q_end - w.q_begin;
+        if (w.pair >= 0) {
+            if (tid == 0) p.out[w.pair] = 0.f;
+        } else {
+            const int ndb = w.d_end - w.d_begin;
+            for (int k = tid; k < nqg * ndb; k += W::CONSUMERS)
+                p.out[(size_t)(w.q_begin + k / ndb) * p.nd + w.d_begin + k % ndb] = 0.f;
+        }
+        int grow0;
+        const int nch = chunks(w, grow0), grow1 = q_rows(p, w.q_end - 1).end;
+        for (int ch = 0; ch < nch; ++ch) {
+            const int r0 = grow0 + ch * C::BQ, r1 = min(r0 + C::BQ, grow1);
+            consumers_sync(); // the previous chunk's row metadata is read
+            for (int r = tid; r < C::BQ; r += W::CONSUMERS) row_q[r] = -1;
+            consumers_sync();
+            for (int qi = tid; qi < nqg; qi += W::CONSUMERS) {
+                const Range rr = q_rows(p, w.q_begin + qi);
+                const int lo = max(rr.begin, r0) - r0, hi = max(min(rr.end, r1) - r0, lo);
+                q_lo[qi] = lo;
+                q_hi[qi] = hi;
+                for (int r = lo; r < hi; ++r) {
+                    row_q[r] = !p.q_valid || p.q_valid[r0 + r] ? w.q_begin + qi : -1;
+                    row_s[r] = r0 + r - rr.begin;
+                    if constexpr (C::SCALED) {
+                        row_scale[r] = p.q_scales[r0 + r];
+                    }
+                }
+            }
+            // This warp's A fragments (rows 16 * warp + g, + 8), straight from global memory.
+            uint32_t a[1][C::KSTEPS][Frag<T>::AREGS];
+            {
+                const int ra = r0 + warp * 16 + g;
+#pragma unroll
+                for (int ks = 0; ks < C::KSTEPS; ++ks) {
+                    const int col = ks * Frag<T>::K + (4 / (int)sizeof(T)) * c;
+                    a[0][ks][0] = q_word(Q, ra, r1, col, p.dim, p.vec_ok);
+                    a[0][ks][1] = q_word(Q, ra + 8, r1, col, p.dim, p.vec_ok);
+                    a[0][ks][2] = q_word(Q, ra, r1, col + Frag<T>::K / 2, p.dim, p.vec_ok);
+                    a[0][ks][3] = q_word(Q, ra + 8, r1, col + Frag<T>::K / 2, p.dim, p.vec_ok);
+                }
+            }
+            consumers_sync(); // the row metadata is written
+
+            Epilogue epi;
+            epi.reset(0, 0), epi.reset(0, 1);
+            const uint32_t keep = p.dim >= 0 ? ~(uint32_t)Epilogue::PLOW : 0u;
+            // A step: document j's tile k of n rows (its last if `last`), in ring slot it.
+            struct Step { int j, k, n; bool last; uint32_t it; };
+            auto issue = [&](Acc (&acc)[1][C::NT][4], const Step& st) {
+                const int stage = st.it % C::STAGES;
+                mbar_wait(&full[stage], (st.it / C::STAGES) & 1);
+                auto* d = &acc[0][0][0];
+                const uint32_t sd_addr = smem_u32(sd0 + stage * C::TILE_ELEMS);
+                wgmma_fence();
+#pragma unroll
+                for (int ks = 0; ks < C::KSTEPS; ++ks)
+                    Wgmma<T, C::BD>::run(d, a[0][ks], wgmma_desc_sw128(sd_addr + (ks / 4) * C::BD * 128 + (ks % 4) * 32),
+                                         ks > 0);
+                wgmma_commit();
+            };
+            // The epilogue of a step whose accumulators are complete; at its
+            // document's last tile the rows' maxima, then (after the one
+            // barrier) the per-query sums.
+            auto consume = [&](Acc (&acc)[1][C::NT][4], const Step& st) {
+                const int stage = st.it % C::STAGES;
+                const int col0 = st.k * C::BD + 2 * c, tcol = stage * C::BD + 2 * c;
+                const bool full_tile = st.n == C::BD && !p.d_valid;
+                if constexpr (C::SCALED) {
+                    float sim[1][C::NT][4];
+                    scale_similarities<C>(sim, acc, sscale + tcol);
+                    epi.update(sim, col0, full_tile, smask + tcol, keep);
+                } else {
+                    epi.update(acc, col0, full_tile, smask + tcol, keep);
+                }
+                __syncwarp();
+                if (lane == 0) mbar_arrive(&empty[stage]); // this warp is done with the stage
+                if (!st.last) return;
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    float mv = epi.m[0][h];
+                    int iv = epi.idx[0][h];
+                    quad_max<ARGMAX>(mv, iv);
+                    const int r = warp * 16 + h * 8 + g, qa = row_q[r];
+                    const bool has = mv > MAXSIM_NEG_INF;
+                    if constexpr (C::SCALED) {
+                        mv *= row_scale[r];
+                    }
+                    if (c == 0) {
+                        rowval[buf][r] = qa >= 0 && has ? mv : 0.f;
+                        if (ARGMAX && qa >= 0 && has)
+                            argmax_store(p, (size_t)out_index(p, w, qa, st.j) * p.max_lq + row_s[r], iv);
+                    }
+                    epi.reset(0, h);
+                }
+                consumers_sync();
+                for (int qi = warp; qi < nqg; qi += C::NWARPS) {
+                    float s = 0.f;
+                    for (int r = q_lo[qi] + lane; r < q_hi[qi]; r += 32) s += rowval[buf][r];
+                    s = warp_sum(s);
+                    if (lane == 0 && q_hi[qi] > q_lo[qi]) p.out[out_index(p, w, w.q_begin + qi, st.j)] += s;
+                }
+                buf ^= 1; // the next document's maxima go to the other buffer: no second barrier
+            };
+            DocSteps<C> at(p, w.d_begin, w.d_end);
+            auto next_step = [&]() {
+                const Range dr = d_rows(p, at.j);
+                const int ntiles = (dr.end - dr.begin + C::BD - 1) / C::BD;
+                const Step st{at.j, at.k, min(C::BD, dr.end - dr.begin - at.k * C::BD), at.k == ntiles - 1, it++};
+                at.advance(p);
+                return st;
+            };
+            if (!at.more()) continue;
+            // Step i's wgmma runs while step i-1's epilogue does: two
+            // accumulator sets, alternated by unrolling the loop by two.
+            Acc acc0[1][C::NT][4], acc1[1][C::NT][4];
+            Step pending = next_step();
+            issue(acc0, pending);
+            auto step = [&](Acc (&cur)[1][C::NT][4], Acc (&prev)[1][C::NT][4]) {
+                const bool more = at.more();
+                Step st{};
+                if (more) st = next_step(), issue(cur, st), wgmma_wait<1>();
+                else wgmma_wait<0>();
+                fence_regs<C::NT * 4>(&prev[0][0][0]);
+                consume(prev, pending);
+                pending = st;
+                return more;
+            };
+            while (step(acc1, acc0) && step(acc0, acc1)) {
+            }
+            // Every path out of the loop has waited already; without this
+            // wait ptxas cannot tell and serializes every wgmma of the kernel
+            // (C7518, "WG.DP in divergent path").
+            wgmma_wait<0>();
+        }
+    }
+}
+
+// Entry points: maxsim_mma_<dtype>_<config>_d<width>_<nograd|argmax> of the
+// warp-specialized tiles (the D operand's tensor map as a second parameter).
+#define MAXSIM_WS_KERNEL(NAME, T, ARGMAX, ...)                                                                  \
+    extern "C" __global__ void __launch_bounds__(WsConfig<TileConfig<T, __VA_ARGS__>>::NTHREADS, 1)             \
+        NAME(const __grid_constant__ MaxSimParams p, const __grid_constant__ TmaMap dmap) {                     \
+        maxsim_fwd_ws<TileConfig<T, __VA_ARGS__>, T, ARGMAX>(p, &dmap);                                         \
+    }
+#define MAXSIM_WS_ENTRY(NAME, T, ...)                            \
+    MAXSIM_WS_KERNEL(NAME##_nograd, T, false, __VA_ARGS__)       \
+    MAXSIM_WS_KERNEL(NAME##_argmax, T, true, __VA_ARGS__)
+#define MAXSIM_WS_WIDTHS(NAME, T, WM, WN, MT, NT, ST)                        \
+    MAXSIM_WS_ENTRY(NAME##_d48, T, 64, WM, WN, MT, NT, ST, true, 48)         \
+    MAXSIM_WS_ENTRY(NAME##_d64, T, 64, WM, WN, MT, NT, ST, true, 64)         \
+    MAXSIM_WS_ENTRY(NAME##_d96, T, 128, WM, WN, MT, NT, ST, true, 96)        \
+    MAXSIM_WS_ENTRY(NAME##_d128, T, 128, WM, WN, MT, NT, ST, true, 128)
+#define MAXSIM_WS_I8(NAME, W, WM, WN, MT, NT, ST) \
+    MAXSIM_WS_KERNEL(maxsim_mma_i8_##NAME##_d##W##_nograd, int8_t, false, 128, WM, WN, MT, NT, ST, true, W)
+#endif // MAXSIM_HOPPER
+
 // Entry points: maxsim_mma_<dtype>_<config>_d<width>_<nograd|argmax|res>, one per
 // row of kernels/tiles.def, dtype and width.
 #define MAXSIM_MMA_KERNEL(NAME, T, ARGMAX, LOADER, ...)                                           \
@@ -811,8 +1075,14 @@ __device__ __forceinline__ void maxsim_fwd_mma(const MaxSimParams& p) {
 #ifdef MAXSIM_HOPPER
 #define MAXSIM_FAMILY_hopper(NAME, WM, WN, MT, NT, ST, RES) \
     MAXSIM_TILE_16(NAME, WM, WN, MT, NT, ST, RES, true) MAXSIM_I8_WIDTHS(NAME, WM, WN, MT, NT, ST, true)
+#define MAXSIM_FAMILY_hopperws(NAME, WM, WN, MT, NT, ST, RES)                                        \
+    MAXSIM_WS_WIDTHS(maxsim_mma_f16_##NAME, __half, WM, WN, MT, NT, ST)                               \
+    MAXSIM_WS_WIDTHS(maxsim_mma_bf16_##NAME, __nv_bfloat16, WM, WN, MT, NT, ST)                       \
+    MAXSIM_WS_I8(NAME, 32, WM, WN, MT, NT, ST) MAXSIM_WS_I8(NAME, 64, WM, WN, MT, NT, ST)             \
+    MAXSIM_WS_I8(NAME, 96, WM, WN, MT, NT, ST) MAXSIM_WS_I8(NAME, 128, WM, WN, MT, NT, ST)
 #else
 #define MAXSIM_FAMILY_hopper(NAME, WM, WN, MT, NT, ST, RES)
+#define MAXSIM_FAMILY_hopperws(NAME, WM, WN, MT, NT, ST, RES)
 #endif
 #define MAXSIM_TILE(NAME, FAMILY, WM, WN, MT, NT, ST, RES) MAXSIM_FAMILY_##FAMILY(NAME, WM, WN, MT, NT, ST, RES)
 #include "tiles.def"

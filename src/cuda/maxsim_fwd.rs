@@ -5,7 +5,7 @@ use super::params::{dtype_tag, layout_params, Params};
 use super::{device_info, fill_words, fwd_func, launch, slice_ptr, storage_ptr, tensor_ptr, DeviceInfo};
 use crate::layout::{Pairing, Problem, Seqs};
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::sys;
+use candle_core::cuda_backend::cudarc::driver::{sys, DeviceRepr, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{bail, CudaDevice, CudaStorage, DType, Layout, Result, Storage, Tensor};
 use std::collections::HashMap;
@@ -16,7 +16,7 @@ use std::sync::{Mutex, OnceLock};
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) struct TileRow {
     name: &'static str,
-    /// `mma16`, `wide16`, `xwide16`, `f32`, `turing` or `hopper` (see kernels/tiles.def).
+    /// `mma16`, `wide16`, `xwide16`, `f32`, `turing`, `hopper` or `hopperws` (see kernels/tiles.def).
     family: &'static str,
     wm: usize,
     wn: usize,
@@ -59,13 +59,20 @@ impl TileConfig {
     fn parse(s: &str) -> Option<Self> {
         Self::all().find(|c| c.name() == s)
     }
+    /// wgmma tiles (swizzled document stages, sm_90a).
     fn hopper(self) -> bool {
-        self.0.family == "hopper"
+        matches!(self.0.family, "hopper" | "hopperws")
+    }
+    /// Warp-specialized: a TMA producer warpgroup besides the consumers,
+    /// persistent blocks, the documents' tensor map as a second parameter.
+    fn ws(self) -> bool {
+        self.0.family == "hopperws"
     }
     /// (query rows per block, doc rows per stage, threads).
     fn shape(self) -> (usize, usize, u32) {
         let r = self.0;
-        (16 * r.wm * r.mt, 8 * r.wn * r.nt, (32 * r.wm * r.wn) as u32)
+        let producer = if self.ws() { 128 } else { 0 };
+        (16 * r.wm * r.mt, 8 * r.wn * r.nt, (32 * r.wm * r.wn + producer) as u32)
     }
     /// Pipeline depth of the dense or the residual kernels.
     fn stages(self, residual: bool) -> usize {
@@ -83,7 +90,7 @@ impl TileConfig {
         match self.0.family {
             "f32" => dtype == DType::F32 && cc >= 80,
             "turing" => dtype == DType::F16 && cc < 80,
-            "hopper" => (half || int8) && cc == 90,
+            "hopper" | "hopperws" => (half || int8) && cc == 90,
             "wide16" | "xwide16" => half && cc >= 80,
             _ => (half || int8) && cc >= 80,
         }
@@ -312,6 +319,113 @@ fn run(dev: &CudaDevice, name: &str, plan: &Plan, block: u32, smem: u32) -> Resu
     launch(dev, &func, plan.grid, block, smem, &plan.params)
 }
 
+/// A `CUtensorMap` (cuda.h), the kernels' `TmaMap`: passed by value after the parameters.
+#[repr(C, align(64))]
+#[derive(Clone, Copy)]
+struct TmaMap([u64; 16]);
+// SAFETY: 128 bytes of plain data, the layout of the kernels' `TmaMap`.
+unsafe impl DeviceRepr for TmaMap {}
+
+/// The documents' `[rows, dim]` matrix as a 2-D TMA tensor map: boxes of
+/// `box_rows` rows by one 128-byte panel, 128-byte swizzled (the layout of
+/// the wgmma tiles), rows and columns past the matrix zero-filled. `d` must
+/// be 16-byte aligned with rows of a multiple of 16 bytes (`vec_ok`).
+fn d_tensor_map(d: u64, rows: usize, dim: usize, dtype: DType, box_rows: usize) -> Result<TmaMap> {
+    use sys::{CUtensorMapDataType as Ty, CUtensorMapFloatOOBfill as Oob, CUtensorMapInterleave as Il};
+    use sys::{CUtensorMapL2promotion as L2, CUtensorMapSwizzle as Sw};
+    let (ty, elem) = match dtype {
+        DType::F16 => (Ty::CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2),
+        DType::BF16 => (Ty::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2),
+        DType::U8 => (Ty::CU_TENSOR_MAP_DATA_TYPE_UINT8, 1),
+        _ => bail!("maxsim: internal error, no tensor map for {dtype:?}"),
+    };
+    let dims = [dim as u64, rows as u64];
+    let strides = [(dim * elem) as u64];
+    let boxes = [(128 / elem) as u32, box_rows as u32];
+    let unit = [1u32, 1];
+    let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::zeroed();
+    // SAFETY: every pointer refers to a live array of the rank the call reads.
+    let r = unsafe {
+        sys::cuTensorMapEncodeTiled(
+            map.as_mut_ptr(),
+            ty,
+            2,
+            d as *mut std::ffi::c_void,
+            dims.as_ptr(),
+            strides.as_ptr(),
+            boxes.as_ptr(),
+            unit.as_ptr(),
+            Il::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            Sw::CU_TENSOR_MAP_SWIZZLE_128B,
+            L2::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            Oob::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+    };
+    if r != sys::CUresult::CUDA_SUCCESS {
+        bail!("maxsim: cuTensorMapEncodeTiled failed ({r:?}) for d [{rows}, {dim}] {dtype:?}")
+    }
+    // SAFETY: initialized by the successful call.
+    Ok(TmaMap(unsafe { map.assume_init() }.opaque))
+}
+
+/// One tensor-core launch, prepared (the autotuner runs it several times).
+struct TileLaunch {
+    name: String,
+    plan: Plan,
+    threads: u32,
+    smem: u32,
+    /// Warp-specialized tiles: the documents' tensor map; the grid is at
+    /// most one block per SM (persistent blocks).
+    dmap: Option<TmaMap>,
+}
+
+impl TileLaunch {
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        dev: &CudaDevice,
+        info: &DeviceInfo,
+        pb: &Problem,
+        base: Params,
+        dtype: DType,
+        (dpad, width): (usize, usize),
+        cfg: TileConfig,
+        variant: Variant,
+    ) -> Result<Self> {
+        let (bq, bd, threads) = cfg.shape();
+        let name = kernel_name(dtype, Path::Mma { dpad, width }, Some(cfg), variant);
+        let smem = cfg.smem(dpad, dtype.size_in_bytes(), res_nbits(variant, &base));
+        let per_sm = if cfg.ws() { 1 } else { per_sm(dev, &name, variant, threads, smem)? };
+        let mut plan = plan(dev, info, pb, base, bq, per_sm)?;
+        let dmap = if cfg.ws() {
+            plan.grid = plan.grid.min(info.sm_count as u32);
+            Some(d_tensor_map(base.d, pb.d.rows(), pb.dim, dtype, bd)?)
+        } else {
+            None
+        };
+        Ok(Self { name, plan, threads, smem, dmap })
+    }
+
+    fn run(&self, dev: &CudaDevice) -> Result<()> {
+        let Some(dmap) = &self.dmap else { return run(dev, &self.name, &self.plan, self.threads, self.smem) };
+        if self.plan.grid == 0 {
+            return Ok(());
+        }
+        let func = fwd_func(dev, &self.name, self.smem)?;
+        let cfg = LaunchConfig {
+            grid_dim: (self.plan.grid, 1, 1),
+            block_dim: (self.threads, 1, 1),
+            shared_mem_bytes: self.smem,
+        };
+        let stream = dev.cuda_stream();
+        let mut b = stream.launch_builder(&func);
+        b.arg(&self.plan.params);
+        b.arg(dmap);
+        // SAFETY: (MaxSimParams, TmaMap), the warp-specialized kernels' signature.
+        unsafe { b.launch(cfg) }.w()?;
+        Ok(())
+    }
+}
+
 fn simt_smem(dtype: DType, dim: usize) -> Result<u32> {
     let acc = if dtype == DType::F64 { 8 } else { 4 };
     // `SIMT_SMEM` in maxsim_fwd.cu: 47 KB of tile, the static buffer on top.
@@ -464,11 +578,7 @@ pub(crate) fn fwd_launch(
             }
             Path::Mma { dpad, width } => {
                 let cfg = choose_config(&dev, &info, pb, base, dtype, (dpad, width), variant, argmax_at)?;
-                let (bq, _, threads) = cfg.shape();
-                let name = kernel_name(dtype, Path::Mma { dpad, width }, Some(cfg), variant);
-                let smem = cfg.smem(dpad, dtype.size_in_bytes(), res_nbits(variant, &base));
-                let plan = plan(&dev, &info, pb, base, bq, per_sm(&dev, &name, variant, threads, smem)?)?;
-                run(&dev, &name, &plan, threads, smem)?;
+                TileLaunch::new(&dev, &info, pb, base, dtype, (dpad, width), cfg, variant)?.run(&dev)?;
             }
         }
     }
@@ -513,6 +623,9 @@ fn static_config(info: &DeviceInfo, pb: &Problem, fits: &[TileConfig]) -> TileCo
     // Blocks of a 128-row query tile: under a few waves, tile efficiency matters less than filling the SMs.
     let blocks = rows.div_ceil(128) * nd;
     let sms = info.sm_count as usize;
+    // The warp-specialized tiles (hws, hws64) are chosen by a pin or by
+    // Autotune only: the static rule names none of them until their timings
+    // of this build place them.
     let choice = if fits.iter().any(|c| c.hopper()) {
         // Hopper, f16 / bf16.
         if list {
@@ -567,7 +680,9 @@ fn choose_config(
     variant: Variant,
     argmax: Option<(u64, usize)>,
 ) -> Result<TileConfig> {
-    let fits = candidates(info, dtype, dpad, res_nbits(variant, &base));
+    let mut fits = candidates(info, dtype, dpad, res_nbits(variant, &base));
+    // TMA reads 16-byte-aligned rows only.
+    fits.retain(|c| !c.ws() || base.vec_ok != 0);
     if fits.len() == 1 {
         return Ok(fits[0]);
     }
@@ -607,14 +722,11 @@ fn choose_config(
     let mut best = (f32::INFINITY, fits[0]);
     let mut timed = Vec::with_capacity(fits.len());
     for cfg in fits {
-        let (bq, _, threads) = cfg.shape();
-        let name = kernel_name(dtype, Path::Mma { dpad, width }, Some(cfg), variant);
-        let smem = cfg.smem(dpad, dtype.size_in_bytes(), res_nbits(variant, &base));
-        let plan = plan(dev, info, pb, base, bq, per_sm(dev, &name, variant, threads, smem)?)?;
-        run(dev, &name, &plan, threads, smem)?; // warm-up (module load)
+        let tl = TileLaunch::new(dev, info, pb, base, dtype, (dpad, width), cfg, variant)?;
+        tl.run(dev)?; // warm-up (module load)
         let start = stream.record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)).w()?;
         for _ in 0..3 {
-            run(dev, &name, &plan, threads, smem)?;
+            tl.run(dev)?;
         }
         let end = stream.record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)).w()?;
         let ms = start.elapsed_ms(&end).w()?;

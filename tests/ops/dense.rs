@@ -75,6 +75,7 @@ fn dense_edge_lengths_match_reference(dev: &Device) -> Result<()> {
             }
             dense_case(dev, 40, 33, 32, 256, 128, dt, false, false)?; // many query groups and doc chunks
             dense_case(dev, 1, 300, 32, 300, 128, dt, false, false)?; // rerank-like
+            dense_case(dev, 300, 3, 128, 20, 64, dt, true, false)?; // more query groups than SMs: blocks take several
         }
     }
     Ok(())
