@@ -7,6 +7,9 @@
 //! answer). Prints one JSON line: the mean top-10 overlap of each pair of
 //! rankings, recall@10 of the planted documents, and the 8-bit scores' error
 //! against F32 (largest and median, relative to the largest F32 score).
+//! For comparison, FP8 e4m3 with the same per-token scaling (each row
+//! divided by max|x| / 448, rounded to e4m3, scored in F32 after scaling
+//! back: what an e4m3 tensor-core kernel with F32 accumulation computes).
 //!
 //!     cargo run --release --example int8_agreement -- [--docs 3000] [--topics 150] \
 //!         [--queries 128] [--seed 0] [--cuda]
@@ -123,6 +126,11 @@ fn main() -> Result<()> {
     let bf16 = rows(candle_maxsim::maxsim(&q.to_dtype(DType::BF16)?, &d.to_dtype(DType::BF16)?, None, Some(&dm))?)?;
     let (q8, d8) = (candle_maxsim::quantize(&q)?, candle_maxsim::quantize(&d)?);
     let int8 = rows(candle_maxsim::maxsim_quantized(&q8, &d8, None, Some(&dm))?)?;
+    let e4m3 = |x: &Tensor| -> Result<Tensor> {
+        let s = (x.abs()?.max_keepdim(candle_core::D::Minus1)? / 448.0)?.clamp(f32::MIN_POSITIVE, f32::MAX)?;
+        Ok(x.broadcast_div(&s)?.to_dtype(DType::F8E4M3)?.to_dtype(DType::F32)?.broadcast_mul(&s)?)
+    };
+    let fp8 = rows(candle_maxsim::maxsim(&e4m3(&q)?, &e4m3(&d)?, None, Some(&dm))?)?;
 
     let recall = |s: &[Vec<f32>]| {
         s.iter().zip(&planted).filter(|(row, j)| top10(row).contains(j)).count() as f64 / s.len().max(1) as f64
@@ -131,12 +139,15 @@ fn main() -> Result<()> {
     let mut errs: Vec<f32> =
         f32s.iter().flatten().zip(int8.iter().flatten()).map(|(x, y)| (x - y).abs() / scale).collect();
     errs.sort_by(f32::total_cmp);
-    let bf_err = f32s.iter().flatten().zip(bf16.iter().flatten()).fold(0f32, |m, (x, y)| m.max((x - y).abs() / scale));
+    let max_err = |s: &[Vec<f32>]| {
+        f32s.iter().flatten().zip(s.iter().flatten()).fold(0f32, |m, (x, y)| m.max((x - y).abs() / scale))
+    };
     println!(
         "{{\"collection\":\"clustered\",\"seed\":{},\"docs\":{},\"topics\":{},\"queries\":{},\"tokens\":{},\"device\":\"{}\",\
          \"top10_overlap_int8_vs_bf16\":{:.4},\"top10_overlap_int8_vs_f32\":{:.4},\"top10_overlap_bf16_vs_f32\":{:.4},\
          \"recall10_planted_f32\":{:.4},\"recall10_planted_bf16\":{:.4},\"recall10_planted_int8\":{:.4},\
-         \"int8_max_rel_err_vs_f32\":{:.2e},\"int8_median_rel_err_vs_f32\":{:.2e},\"bf16_max_rel_err_vs_f32\":{:.2e}}}",
+         \"int8_max_rel_err_vs_f32\":{:.2e},\"int8_median_rel_err_vs_f32\":{:.2e},\"bf16_max_rel_err_vs_f32\":{:.2e},\
+         \"top10_overlap_e4m3_vs_bf16\":{:.4},\"recall10_planted_e4m3\":{:.4},\"e4m3_max_rel_err_vs_f32\":{:.2e}}}",
         a.seed,
         a.docs,
         a.topics,
@@ -151,7 +162,10 @@ fn main() -> Result<()> {
         recall(&int8),
         errs.last().copied().unwrap_or(0.0),
         errs.get(errs.len() / 2).copied().unwrap_or(0.0),
-        bf_err,
+        max_err(&bf16),
+        overlap(&fp8, &bf16),
+        recall(&fp8),
+        max_err(&fp8),
     );
     Ok(())
 }

@@ -4,7 +4,9 @@
 //! relevant documents, then the corpus in order up to `--docs`), scored in
 //! F32, in BF16 and in 8-bit. Prints one JSON line: top-10 overlap of the
 //! 8-bit (and BF16) rankings with F32's, MRR@10 of each, the largest score
-//! error, and the documents' bytes in BF16 and in 8-bit.
+//! error, and the documents' bytes in BF16 and in 8-bit. For comparison,
+//! FP8 e4m3 with the same per-token scaling (rows divided by max|x| / 448,
+//! rounded to e4m3, scored in F32 after scaling back).
 //!
 //!     cargo run --release -p candle-maxsim-colbert --example quantized_agreement -- \
 //!         --model-dir DIR --beir DIR [--split dev] [--queries 200] [--docs 2000] [--cuda]
@@ -78,6 +80,11 @@ fn main() -> Result<()> {
     let bf16 = candle_maxsim::maxsim(&q.to_dtype(DType::BF16)?, &d.to_dtype(DType::BF16)?, Some(&qm), Some(&dm))?;
     let (q8, d8) = (candle_maxsim::quantize(&q)?, candle_maxsim::quantize(&d)?);
     let int8 = candle_maxsim::maxsim_quantized(&q8, &d8, Some(&qm), Some(&dm))?;
+    let e4m3 = |x: &Tensor| -> Result<Tensor> {
+        let s = (x.abs()?.max_keepdim(candle_core::D::Minus1)? / 448.0)?.clamp(f32::MIN_POSITIVE, f32::MAX)?;
+        Ok(x.broadcast_div(&s)?.to_dtype(DType::F8E4M3)?.to_dtype(DType::F32)?.broadcast_mul(&s)?)
+    };
+    let fp8 = candle_maxsim::maxsim(&e4m3(&q)?, &e4m3(&d)?, Some(&qm), Some(&dm))?.to_vec2::<f32>()?;
     let (f32s, bf16, int8) = (f32s.to_vec2::<f32>()?, bf16.to_vec2::<f32>()?, int8.to_vec2::<f32>()?);
     let mrr = |s: &[Vec<f32>]| -> f64 {
         let total: f64 = s
@@ -94,7 +101,8 @@ fn main() -> Result<()> {
         let n: usize = s.iter().zip(&f32s).map(|(a, b)| top10(a).iter().filter(|j| top10(b).contains(j)).count()).sum();
         n as f64 / (10 * s.len()) as f64
     };
-    let err = int8.iter().flatten().zip(f32s.iter().flatten()).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+    let err =
+        |s: &[Vec<f32>]| s.iter().flatten().zip(f32s.iter().flatten()).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
     let scale = f32s.iter().flatten().map(|x| x.abs()).fold(0f32, f32::max);
     let (n, l, dim) = d.dims3()?;
     println!(
@@ -103,7 +111,8 @@ fn main() -> Result<()> {
             "model": a.model_dir, "split": a.split, "queries": nq, "documents": n, "dim": dim,
             "top10_overlap_int8_vs_f32": overlap(&int8), "top10_overlap_bf16_vs_f32": overlap(&bf16),
             "mrr@10_f32": mrr(&f32s), "mrr@10_bf16": mrr(&bf16), "mrr@10_int8": mrr(&int8),
-            "max_abs_score_err_int8": err, "max_abs_score": scale,
+            "max_abs_score_err_int8": err(&int8), "max_abs_score": scale,
+            "top10_overlap_e4m3_vs_f32": overlap(&fp8), "mrr@10_e4m3": mrr(&fp8), "max_abs_score_err_e4m3": err(&fp8),
             "document_bytes_bf16": n * l * dim * 2, "document_bytes_int8": n * l * (dim + 4),
         })
     );
