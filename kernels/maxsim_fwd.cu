@@ -965,26 +965,38 @@ __device__ __forceinline__ void maxsim_fwd_ws(const MaxSimParams& p, const TmaMa
             };
             if (!at.more()) continue;
             // Step i's wgmma runs while step i-1's epilogue does: two
-            // accumulator sets, alternated by unrolling the loop by two.
+            // accumulator sets, alternated by unrolling the loop by two. Each
+            // step is straight-line with its wgmma unconditional: with the
+            // issue under a branch, ptxas 13.0 waits after every wgmma
+            // (WARPGROUP.DEPBAR per HGMMA in the SASS) and nothing overlaps.
             Acc acc0[1][C::NT][4], acc1[1][C::NT][4];
             Step pending = next_step();
             issue(acc0, pending);
             auto step = [&](Acc (&cur)[1][C::NT][4], Acc (&prev)[1][C::NT][4]) {
-                const bool more = at.more();
-                Step st{};
-                if (more) st = next_step(), issue(cur, st), wgmma_wait<1>();
-                else wgmma_wait<0>();
+                const Step st = next_step();
+                issue(cur, st);
+                wgmma_wait<1>();
                 fence_regs<C::NT * 4>(&prev[0][0][0]);
                 consume(prev, pending);
                 pending = st;
-                return more;
             };
-            while (step(acc1, acc0) && step(acc0, acc1)) {
+            auto last = [&](Acc (&prev)[1][C::NT][4]) {
+                wgmma_wait<0>();
+                fence_regs<C::NT * 4>(&prev[0][0][0]);
+                consume(prev, pending);
+            };
+            for (;;) {
+                if (!at.more()) {
+                    last(acc0);
+                    break;
+                }
+                step(acc1, acc0);
+                if (!at.more()) {
+                    last(acc1);
+                    break;
+                }
+                step(acc0, acc1);
             }
-            // Every path out of the loop has waited already; without this
-            // wait ptxas cannot tell and serializes every wgmma of the kernel
-            // (C7518, "WG.DP in divergent path").
-            wgmma_wait<0>();
         }
     }
 }
