@@ -623,9 +623,8 @@ fn static_config(info: &DeviceInfo, pb: &Problem, fits: &[TileConfig]) -> TileCo
     // Blocks of a 128-row query tile: under a few waves, tile efficiency matters less than filling the SMs.
     let blocks = rows.div_ceil(128) * nd;
     let sms = info.sm_count as usize;
-    // The warp-specialized tiles (hws, hws64) are chosen by a pin or by
-    // Autotune only: the static rule names none of them until their timings
-    // of this build place them.
+    // The warp-specialized tiles (hws, hws64) run only when pinned: the
+    // static rule names none of them until their timings place them.
     let choice = if fits.iter().any(|c| c.hopper()) {
         // Hopper, f16 / bf16.
         if list {
@@ -681,13 +680,16 @@ fn choose_config(
     argmax: Option<(u64, usize)>,
 ) -> Result<TileConfig> {
     let mut fits = candidates(info, dtype, dpad, res_nbits(variant, &base));
-    // TMA reads 16-byte-aligned rows only.
-    fits.retain(|c| !c.ws() || base.vec_ok != 0);
+    // The warp-specialized tiles run only when pinned (their overlapped
+    // build is not yet timed against the others), and TMA reads 16-byte-aligned
+    // rows only.
+    let pinned = pinned_config();
+    fits.retain(|c| !c.ws() || (base.vec_ok != 0 && pinned == Some(*c)));
+    if let Some(c) = pinned.filter(|c| fits.contains(c)) {
+        return Ok(c);
+    }
     if fits.len() == 1 {
         return Ok(fits[0]);
-    }
-    if let Some(c) = pinned_config().filter(|c| fits.contains(c)) {
-        return Ok(c);
     }
     if crate::options::tile_selection() == crate::options::TileSelection::Static {
         let c = static_config(info, pb, &fits);
