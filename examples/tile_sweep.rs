@@ -1,7 +1,7 @@
 //! Tile-configuration sweep of the CUDA forward: runs the autotuner over a
 //! grid of problem shapes and prints, for each, every candidate tile
 //! configuration's time. These measurements are what the static tile
-//! heuristic (src/cuda/maxsim_fwd.rs, `default_config`) is derived from;
+//! heuristic (src/cuda/maxsim_fwd.rs, `static_config`) is derived from;
 //! rerun this on a new GPU before changing it.
 //!
 //!   CANDLE_MAXSIM_LOG=1 cargo run --release --features cuda --example tile_sweep -- [--dtype bf16] > sweep.txt 2>&1

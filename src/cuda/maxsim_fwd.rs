@@ -344,7 +344,7 @@ fn d_tensor_map(d: u64, rows: usize, dim: usize, dtype: DType, box_rows: usize) 
     let boxes = [(128 / elem) as u32, box_rows as u32];
     let unit = [1u32, 1];
     let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::zeroed();
-    // SAFETY: every pointer refers to a live array of the rank the call reads.
+    // SAFETY: each pointer refers to a live array as long as the tensor rank (2) needs.
     let r = unsafe {
         sys::cuTensorMapEncodeTiled(
             map.as_mut_ptr(),
@@ -364,7 +364,7 @@ fn d_tensor_map(d: u64, rows: usize, dim: usize, dtype: DType, box_rows: usize) 
     if r != sys::CUresult::CUDA_SUCCESS {
         bail!("maxsim: cuTensorMapEncodeTiled failed ({r:?}) for d [{rows}, {dim}] {dtype:?}")
     }
-    // SAFETY: initialized by the successful call.
+    // SAFETY: cuTensorMapEncodeTiled succeeded, so the map is initialized.
     Ok(TmaMap(unsafe { map.assume_init() }.opaque))
 }
 
