@@ -770,6 +770,11 @@ template <typename C> struct WsConfig {
     // step walk and mask stores; FA3's TMA-only producer keeps 24).
     static constexpr bool REALLOC = CWG == 2;
     static constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = 232;
+    // setmaxnreg.inc blocks until the registers exist: what the producer
+    // frees must cover what the consumers take (168 each at launch).
+    static_assert(!REALLOC || 128 * (65536 / NTHREADS / 8 * 8 - PRODUCER_REGS) >=
+                                  CONSUMERS * (CONSUMER_REGS - 65536 / NTHREADS / 8 * 8),
+                  "register reallocation");
     static_assert(C::HOPPER && C::STAGES >= 3, "a tile in the MMA, one pending its epilogue, one loading");
 };
 
