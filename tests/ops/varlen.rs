@@ -83,3 +83,48 @@ test_device!(
     empty_packed_sequences_score_zero_cpu,
     empty_packed_sequences_score_zero_cuda
 );
+
+/// Documents whose lengths end in partial tiles of 64 and 128 rows, each
+/// followed by a document of rows 1000× larger: the short documents' scores
+/// match `reference` (a kernel that let the next document's rows into a
+/// partial tile would be off by orders of magnitude there).
+fn neighbouring_rows_never_enter_partial_tiles(dev: &Device) -> Result<()> {
+    let cpu = Device::Cpu;
+    let lens = [5u32, 70, 63, 130, 65, 200, 1, 129, 127, 40];
+    let mut cu = vec![0u32];
+    for l in lens {
+        cu.push(cu.last().unwrap() + l);
+    }
+    let rows = *cu.last().unwrap() as usize;
+    let small: Vec<u32> = (0..lens.len() as u32).step_by(2).collect();
+    for dt in DTYPES {
+        for dim in [48, 128] {
+            // Odd documents' rows scaled by 1000.
+            let scale: Vec<f32> =
+                (0..lens.len()).flat_map(|j| vec![if j % 2 == 1 { 1e3 } else { 1.0 }; lens[j] as usize]).collect();
+            let scale = Tensor::from_vec(scale, (rows, 1), &cpu)?;
+            let d = randn(&[rows, dim], DType::F32, &cpu)?.broadcast_mul(&scale)?.to_dtype(dt)?;
+            let cu_d = Tensor::new(cu.as_slice(), &cpu)?;
+            let (cu_q, lq) = rand_offsets(5, 40, 7);
+            let q = randn(&[*cu_q.last().unwrap() as usize, dim], dt, &cpu)?;
+            let cu_q = Tensor::new(cu_q, &cpu)?;
+            let g = |t: &Tensor| t.to_device(dev);
+            let out = ms::maxsim_varlen(&g(&q)?, &g(&cu_q)?, lq, &g(&d)?, &g(&cu_d)?, 200)?.to_device(&cpu)?;
+            let want = r::maxsim_varlen(&q, &cu_q, lq, &d, &cu_d, 200)?;
+            let idx = Tensor::new(small.as_slice(), &cpu)?;
+            assert_close(
+                &format!("short documents next to large rows, {dt:?} d{dim}"),
+                &out.index_select(&idx, 1)?,
+                &want.index_select(&idx, 1)?,
+                score_tol(dev, dt),
+            )?;
+        }
+    }
+    Ok(())
+}
+
+test_device!(
+    neighbouring_rows_never_enter_partial_tiles,
+    neighbouring_rows_never_enter_partial_tiles_cpu,
+    neighbouring_rows_never_enter_partial_tiles_cuda
+);
