@@ -293,6 +293,57 @@ __device__ __forceinline__ uint32_t q_word(const T* Q, int row, int row_end, int
     }
 }
 
+// A warpgroup's A fragments of rows ra and ra + 8 (chunk rows end at r1),
+// KS K steps, straight from global memory: the wgmma tiles stage no Q.
+template <int KS, typename T>
+__device__ __forceinline__ void q_frags(uint32_t (&a)[KS][Frag<T>::AREGS], const T* Q, int ra, int r1, int c,
+                                        const MaxSimParams& p) {
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+        const int col = ks * Frag<T>::K + (4 / (int)sizeof(T)) * c;
+        a[ks][0] = q_word(Q, ra, r1, col, p.dim, p.vec_ok);
+        a[ks][1] = q_word(Q, ra + 8, r1, col, p.dim, p.vec_ok);
+        a[ks][2] = q_word(Q, ra, r1, col + Frag<T>::K / 2, p.dim, p.vec_ok);
+        a[ks][3] = q_word(Q, ra + 8, r1, col + Frag<T>::K / 2, p.dim, p.vec_ok);
+    }
+}
+
+// The block owns its outputs and zeroes them itself (no memset launch),
+// threads [0, nthreads); empty queries and documents keep the 0.
+__device__ __forceinline__ void zero_outputs(const MaxSimParams& p, const BlockWork& w, int tid, int nthreads) {
+    if (w.pair >= 0) {
+        if (tid == 0) p.out[w.pair] = 0.f;
+        return;
+    }
+    const int nqg = w.q_end - w.q_begin, ndb = w.d_end - w.d_begin;
+    for (int k = tid; k < nqg * ndb; k += nthreads)
+        p.out[(size_t)(w.q_begin + k / ndb) * p.nd + w.d_begin + k % ndb] = 0.f;
+}
+
+// Row metadata of the block's query rows [r0, r1), by threads [0, nthreads)
+// once row_q holds -1: each tile row's query (-1: masked; padding keeps the
+// -1), its position in the query and, for 8-bit rows, its scale; each
+// query's tile rows [q_lo, q_hi).
+template <bool SCALED>
+__device__ __forceinline__ void chunk_rows(const MaxSimParams& p, const BlockWork& w, int r0, int r1, int tid,
+                                           int nthreads, int* row_q, int* row_s, int* q_lo, int* q_hi,
+                                           float* row_scale) {
+    for (int qi = tid; qi < w.q_end - w.q_begin; qi += nthreads) {
+        const Range rr = q_rows(p, w.q_begin + qi);
+        const int lo = max(rr.begin, r0) - r0, hi = max(min(rr.end, r1) - r0, lo);
+        q_lo[qi] = lo;
+        q_hi[qi] = hi;
+        for (int r = lo; r < hi; ++r) {
+            const bool ok = !p.q_valid || p.q_valid[r0 + r];
+            row_q[r] = ok ? w.q_begin + qi : -1;
+            row_s[r] = r0 + r - rr.begin;
+            if constexpr (SCALED) {
+                row_scale[r] = p.q_scales[r0 + r];
+            }
+        }
+    }
+}
+
 // ---------------------------------------------------------------------------
 // The MMA step: S = Q_tile . D_tile^T into acc. Hopper: one wgmma per 16
 // columns of dim (the first overwrites the accumulators), `overlap` run
@@ -582,15 +633,7 @@ __device__ __forceinline__ void maxsim_fwd_mma(const MaxSimParams& p) {
     const int wm = warp / C::WN, wn = warp % C::WN;
     const int g = lane / 4, c = lane % 4;
     const int nqg = w.q_end - w.q_begin;
-    // The block owns its outputs and zeroes them itself (no memset launch);
-    // empty queries and documents keep the 0.
-    if (w.pair >= 0) {
-        if (tid == 0) p.out[w.pair] = 0.f;
-    } else {
-        const int ndb = w.d_end - w.d_begin;
-        for (int k = tid; k < nqg * ndb; k += C::NTHREADS)
-            p.out[(size_t)(w.q_begin + k / ndb) * p.nd + w.d_begin + k % ndb] = 0.f;
-    }
+    zero_outputs(p, w, tid, C::NTHREADS);
     loader.init();
     __syncthreads();
     const int grow0 = q_rows(p, w.q_begin).begin, grow1 = q_rows(p, w.q_end - 1).end;
@@ -601,20 +644,7 @@ __device__ __forceinline__ void maxsim_fwd_mma(const MaxSimParams& p) {
         // Row metadata of this chunk.
         for (int r = tid; r < C::BQ; r += C::NTHREADS) row_q[r] = -1;
         __syncthreads();
-        for (int qi = tid; qi < nqg; qi += C::NTHREADS) {
-            const Range rr = q_rows(p, w.q_begin + qi);
-            const int lo = max(rr.begin, r0) - r0, hi = max(min(rr.end, r1) - r0, lo);
-            q_lo[qi] = lo;
-            q_hi[qi] = hi;
-            for (int r = lo; r < hi; ++r) {
-                const bool ok = !p.q_valid || p.q_valid[r0 + r];
-                row_q[r] = ok ? w.q_begin + qi : -1;
-                row_s[r] = r0 + r - rr.begin;
-                if constexpr (C::SCALED) {
-                    row_scale[r] = p.q_scales[r0 + r];
-                }
-            }
-        }
+        chunk_rows<C::SCALED>(p, w, r0, r1, tid, C::NTHREADS, row_q, row_s, q_lo, q_hi, row_scale);
         // A step's tile, and the validity of its columns (read by the epilogue
         // only for masked or partial tiles).
         auto issue = [&](int stage, const DocSteps<C>& s) {
@@ -649,17 +679,7 @@ __device__ __forceinline__ void maxsim_fwd_mma(const MaxSimParams& p) {
         if (C::HOPPER) {
             // A fragments straight from global memory, while the first tiles load.
 #pragma unroll
-            for (int mt = 0; mt < C::MT; ++mt) {
-                const int ra = r0 + (wm * C::MT + mt) * 16 + g;
-#pragma unroll
-                for (int ks = 0; ks < C::KSTEPS; ++ks) {
-                    const int col = ks * Frag<T>::K + (4 / (int)sizeof(T)) * c;
-                    a[mt][ks][0] = q_word(Q, ra, r1, col, p.dim, p.vec_ok);
-                    a[mt][ks][1] = q_word(Q, ra + 8, r1, col, p.dim, p.vec_ok);
-                    a[mt][ks][2] = q_word(Q, ra, r1, col + Frag<T>::K / 2, p.dim, p.vec_ok);
-                    a[mt][ks][3] = q_word(Q, ra + 8, r1, col + Frag<T>::K / 2, p.dim, p.vec_ok);
-                }
-            }
+            for (int mt = 0; mt < C::MT; ++mt) q_frags(a[mt], Q, r0 + (wm * C::MT + mt) * 16 + g, r1, c, p);
         }
         loader.first_ready();
         __syncthreads();
@@ -858,13 +878,7 @@ __device__ __forceinline__ void maxsim_fwd_ws(const MaxSimParams& p, const TmaMa
     for (int b = blockIdx.x; b < nwork; b += gridDim.x) {
         const BlockWork w = block_work(p, b);
         const int nqg = w.q_end - w.q_begin;
-        if (w.pair >= 0) {
-            if (tid == 0) p.out[w.pair] = 0.f;
-        } else {
-            const int ndb = w.d_end - w.d_begin;
-            for (int k = tid; k < nqg * ndb; k += W::CONSUMERS)
-                p.out[(size_t)(w.q_begin + k / ndb) * p.nd + w.d_begin + k % ndb] = 0.f;
-        }
+        zero_outputs(p, w, tid, W::CONSUMERS);
         int grow0;
         const int nch = chunks(w, grow0), grow1 = q_rows(p, w.q_end - 1).end;
         for (int ch = 0; ch < nch; ++ch) {
@@ -872,32 +886,10 @@ __device__ __forceinline__ void maxsim_fwd_ws(const MaxSimParams& p, const TmaMa
             consumers_sync(); // the previous chunk's row metadata is read
             for (int r = tid; r < C::BQ; r += W::CONSUMERS) row_q[r] = -1;
             consumers_sync();
-            for (int qi = tid; qi < nqg; qi += W::CONSUMERS) {
-                const Range rr = q_rows(p, w.q_begin + qi);
-                const int lo = max(rr.begin, r0) - r0, hi = max(min(rr.end, r1) - r0, lo);
-                q_lo[qi] = lo;
-                q_hi[qi] = hi;
-                for (int r = lo; r < hi; ++r) {
-                    row_q[r] = !p.q_valid || p.q_valid[r0 + r] ? w.q_begin + qi : -1;
-                    row_s[r] = r0 + r - rr.begin;
-                    if constexpr (C::SCALED) {
-                        row_scale[r] = p.q_scales[r0 + r];
-                    }
-                }
-            }
-            // This warp's A fragments (rows 16 * warp + g, + 8), straight from global memory.
+            chunk_rows<C::SCALED>(p, w, r0, r1, tid, W::CONSUMERS, row_q, row_s, q_lo, q_hi, row_scale);
+            // This warp's A fragments (rows 16 * warp + g, + 8).
             uint32_t a[1][C::KSTEPS][Frag<T>::AREGS];
-            {
-                const int ra = r0 + warp * 16 + g;
-#pragma unroll
-                for (int ks = 0; ks < C::KSTEPS; ++ks) {
-                    const int col = ks * Frag<T>::K + (4 / (int)sizeof(T)) * c;
-                    a[0][ks][0] = q_word(Q, ra, r1, col, p.dim, p.vec_ok);
-                    a[0][ks][1] = q_word(Q, ra + 8, r1, col, p.dim, p.vec_ok);
-                    a[0][ks][2] = q_word(Q, ra, r1, col + Frag<T>::K / 2, p.dim, p.vec_ok);
-                    a[0][ks][3] = q_word(Q, ra + 8, r1, col + Frag<T>::K / 2, p.dim, p.vec_ok);
-                }
-            }
+            q_frags(a[0], Q, r0 + warp * 16 + g, r1, c, p);
             consumers_sync(); // the row metadata is written
 
             Epilogue epi;
