@@ -917,8 +917,15 @@ __device__ __forceinline__ void maxsim_fwd_ws(const MaxSimParams& p, const TmaMa
                 const int col0 = st.k * C::BD + 2 * c, tcol = stage * C::BD + 2 * c;
                 const bool full_tile = st.n == C::BD && !p.d_valid;
                 if constexpr (C::SCALED) {
-                    float sim[1][C::NT][4];
-                    scale_similarities<C>(sim, acc, sscale + tcol);
+                    // In place: the s32 set becomes its F32 similarities (a
+                    // second array spills beside the two sets).
+                    auto& sim = reinterpret_cast<float(&)[1][C::NT][4]>(acc);
+#pragma unroll
+                    for (int nt = 0; nt < C::NT; ++nt) {
+                        const float2 sc = *reinterpret_cast<const float2*>(sscale + tcol + nt * 8);
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) sim[0][nt][e] = (float)acc[0][nt][e] * (e % 2 ? sc.y : sc.x);
+                    }
                     epi.update(sim, col0, full_tile, smask + tcol, keep);
                 } else {
                     epi.update(acc, col0, full_tile, smask + tcol, keep);
