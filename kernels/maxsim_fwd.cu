@@ -768,8 +768,9 @@ __device__ __forceinline__ void maxsim_fwd_mma(const MaxSimParams& p) {
 // ---------------------------------------------------------------------------
 // Hopper, warp-specialized (FlashAttention-3's split of mainloop, epilogue
 // and scheduler): a producer warp fills a ring of STAGES document tiles by
-// TMA, each stage signalled on its `full` mbarrier (masks and 8-bit scales
-// stored by the producer's lanes before the arrival); the consumer
+// TMA, each stage signalled on its `full` mbarrier (two arrivals: the TMA
+// issue with its bytes, then the masks and 8-bit scales stored by the
+// producer's lanes while the copy runs); the consumer
 // warpgroups (64 query rows each) wait on it, issue the tile's wgmma, run
 // the previous tile's epilogue while it is in flight (two accumulator sets),
 // and release the stage on its `empty` mbarrier. There is no block-wide
@@ -821,7 +822,7 @@ __device__ __forceinline__ void maxsim_fwd_ws(const MaxSimParams& p, const TmaMa
     }
     const int tid = threadIdx.x, lane = tid % 32;
     if (tid == 0) {
-        for (int s = 0; s < C::STAGES; ++s) mbar_init(&full[s], 1), mbar_init(&empty[s], C::NWARPS);
+        for (int s = 0; s < C::STAGES; ++s) mbar_init(&full[s], 2), mbar_init(&empty[s], C::NWARPS);
         mbar_init_fence();
     }
     __syncthreads();
@@ -848,14 +849,8 @@ __device__ __forceinline__ void maxsim_fwd_ws(const MaxSimParams& p, const TmaMa
                     mbar_wait(&empty[stage], ((it / C::STAGES) & 1) ^ 1);
                     int start, n;
                     s.rows(p, start, n);
-                    if (p.d_valid || n < C::BD)
-                        for (int r = lane; r < C::BD; r += 32)
-                            smask[stage * C::BD + r] = r < n && (!p.d_valid || p.d_valid[start + r]);
-                    if constexpr (C::SCALED) {
-                        for (int r = lane; r < C::BD; r += 32)
-                            sscale[stage * C::BD + r] = r < n ? __ldg(p.d_scales + start + r) : 0.f;
-                    }
-                    __syncwarp();
+                    // The tile's TMA first, then the masks and scales (global
+                    // loads the copy need not wait for), then a second arrival.
                     if (lane == 0) {
                         mbar_arrive_tx(&full[stage], W::STAGE_BYTES);
                         T* tile = sd0 + stage * C::TILE_ELEMS;
@@ -864,6 +859,15 @@ __device__ __forceinline__ void maxsim_fwd_ws(const MaxSimParams& p, const TmaMa
                             tma_load_2d(tile + pn * C::BD * (128 / sizeof(T)), dmap, &full[stage],
                                         pn * (128 / (int)sizeof(T)), start);
                     }
+                    if (p.d_valid || n < C::BD)
+                        for (int r = lane; r < C::BD; r += 32)
+                            smask[stage * C::BD + r] = r < n && (!p.d_valid || p.d_valid[start + r]);
+                    if constexpr (C::SCALED) {
+                        for (int r = lane; r < C::BD; r += 32)
+                            sscale[stage * C::BD + r] = r < n ? __ldg(p.d_scales + start + r) : 0.f;
+                    }
+                    __syncwarp();
+                    if (lane == 0) mbar_arrive(&full[stage]);
                 }
         }
         return;
