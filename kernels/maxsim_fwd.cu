@@ -805,7 +805,10 @@ __device__ __forceinline__ void maxsim_fwd_ws(const MaxSimParams& p, const TmaMa
     using Epilogue = RowMax<C, T, ARGMAX>;
     using Acc = typename Frag<T>::Acc;
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    unsigned char* base = reinterpret_cast<unsigned char*>(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
+    // Aligned by an offset from smem_raw (not an integer cast), so that the
+    // compiler keeps the shared address space: LDS / STS for the masks and
+    // scales, not generic loads.
+    unsigned char* base = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
     T* sd0 = reinterpret_cast<T*>(base);
     uint8_t* smask = base + C::STAGES * C::TILE_ELEMS * sizeof(T);
     float* sscale = reinterpret_cast<float*>(smask + C::MASK_BYTES);
