@@ -607,7 +607,9 @@ __device__ __forceinline__ void maxsim_fwd_mma(const MaxSimParams& p) {
     using Epilogue = RowMax<C, T, ARGMAX>;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     unsigned char* base = smem_raw;
-    if (C::HOPPER) base = reinterpret_cast<unsigned char*>(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
+    // An offset from smem_raw, not an integer cast: the compiler then keeps
+    // the shared address space (LDS / STS for masks and scales).
+    if (C::HOPPER) base = smem_raw + ((1024 - ((uint32_t)__cvta_generic_to_shared(smem_raw) & 1023)) & 1023);
     T* sbuf = reinterpret_cast<T*>(base);
     uint8_t* smask = base + (C::Q_ELEMS + C::STAGES * C::TILE_ELEMS) * sizeof(T);
     __shared__ float red_m[C::WN][C::BQ];
