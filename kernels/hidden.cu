@@ -65,7 +65,9 @@ template <typename C, typename T>
 __device__ __forceinline__ void hidden_fwd(const HiddenParams& p) {
     constexpr int BD = C::BD, BQ = C::BQ, KS = C::KS, DPAD = C::DPAD, STAGES = C::STAGES;
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    unsigned char* base = reinterpret_cast<unsigned char*>(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
+    // An offset from smem_raw, not an integer cast: the compiler then keeps
+    // the shared address space (LDS / STS for the maxima, bias and chunk).
+    unsigned char* base = smem_raw + ((1024 - ((uint32_t)__cvta_generic_to_shared(smem_raw) & 1023)) & 1023);
     T* stages = reinterpret_cast<T*>(base);
     T* dchunk = stages + STAGES * C::STAGE_ELEMS;                   // projected chunk, [BD, DPAD] swizzled
     float* sbias = reinterpret_cast<float*>(dchunk + C::DCHUNK_ELEMS); // [DPAD]
