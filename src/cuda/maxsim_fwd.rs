@@ -612,7 +612,12 @@ fn per_sm(dev: &CudaDevice, name: &str, v: Variant, threads: u32, smem: u32) -> 
 /// 48 to 128, and pinned one by one on the benchmark shapes of
 /// examples/bench.rs). `fits`: the configurations of this dtype and width
 /// that the device runs, in kernels/tiles.def order (never empty).
-fn static_config(info: &DeviceInfo, pb: &Problem, fits: &[TileConfig]) -> TileConfig {
+fn static_config(
+    info: &DeviceInfo,
+    pb: &Problem,
+    (eight_bit, argmax): (bool, bool),
+    fits: &[TileConfig],
+) -> TileConfig {
     let pick = |name: &str| fits.iter().copied().find(|c| c.name() == name);
     let list = matches!(pb.pairs, Pairing::List { .. });
     // Query rows that meet each document, documents, their longest length.
@@ -623,12 +628,14 @@ fn static_config(info: &DeviceInfo, pb: &Problem, fits: &[TileConfig]) -> TileCo
     // Blocks of a 128-row query tile: under a few waves, tile efficiency matters less than filling the SMs.
     let blocks = rows.div_ceil(128) * nd;
     let sms = info.sm_count as usize;
-    // The warp-specialized tiles (hws, hws64) run only when pinned: the
-    // static rule names none of them until their timings place them.
+    // `hws` is absent from `fits` where TMA cannot read the rows (see choose_config).
+    let ws = pick("hws").is_some();
     let choice = if fits.iter().any(|c| c.hopper()) {
-        // Hopper, f16 / bf16.
+        // Hopper, f16 / bf16 / 8-bit.
         if list {
             "narrow" // KD lists of 32-token queries: narrow best or within 8 % (K 8 and 32, Ld 180)
+        } else if ws && !eight_bit && rows > 64 && ld > 128 && (!argmax || pb.q.max_len() > 32 || ld > 256) {
+            "hws" // scores 1.03-1.41x the rule below on every grid, scan and long document of Ld >= 256 (colpali 1.27x); argmax 1.06-1.37x, but 0.95-1.03x at Lq 32, Ld 256; Ld 128 leaves one tile per document to overlap (64 x 5000: argmax 0.88x); 8-bit 0.97-0.99x
         } else if ld <= 64 && rows <= 64 {
             "hsmall" // 64-row document tiles: a 128-row tile would be half padding
         } else if ld <= 64 {
@@ -680,11 +687,9 @@ fn choose_config(
     argmax: Option<(u64, usize)>,
 ) -> Result<TileConfig> {
     let mut fits = candidates(info, dtype, dpad, res_nbits(variant, &base));
-    // The warp-specialized tiles run only when pinned (their overlapped
-    // build is not yet timed against the others), and TMA reads 16-byte-aligned
-    // rows only.
+    // The warp-specialized tiles read documents by TMA: 16-byte-aligned rows only.
+    fits.retain(|c| !c.ws() || base.vec_ok != 0);
     let pinned = pinned_config();
-    fits.retain(|c| !c.ws() || (base.vec_ok != 0 && pinned == Some(*c)));
     if let Some(c) = pinned.filter(|c| fits.contains(c)) {
         return Ok(c);
     }
@@ -692,7 +697,8 @@ fn choose_config(
         return Ok(fits[0]);
     }
     if crate::options::tile_selection() == crate::options::TileSelection::Static {
-        let c = static_config(info, pb, &fits);
+        let argmax_variant = matches!(variant, Variant::Argmax | Variant::ArgmaxCompact);
+        let c = static_config(info, pb, (dtype == DType::U8, argmax_variant), &fits);
         if crate::knobs::knobs().log {
             eprintln!("candle-maxsim: static tile {c:?} of {fits:?}");
         }
