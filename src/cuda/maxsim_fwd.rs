@@ -635,7 +635,7 @@ fn static_config(
         if list {
             "narrow" // KD lists of 32-token queries: narrow best or within 8 % (K 8 and 32, Ld 180)
         } else if ws && !eight_bit && rows > 64 && ld > 128 && (!argmax || pb.q.max_len() > 32 || ld > 256) {
-            "hws" // scores 1.03-1.41x the rule below on every grid, scan and long document of Ld >= 256 (colpali 1.27x); argmax 1.06-1.37x, but 0.95-1.03x at Lq 32, Ld 256; Ld 128 leaves one tile per document to overlap (64 x 5000: argmax 0.88x); 8-bit 0.97-0.99x
+            "hws" // scores 1.04-1.41x the rule below on every grid, scan and long document of Ld >= 256 (colpali 1.27x); argmax 1.05-1.37x, but 0.95-1.03x at Lq 32, Ld 256; Ld 128 leaves one tile per document to overlap (64 x 5000: argmax 0.88x); 8-bit 0.97-0.99x
         } else if ld <= 64 && rows <= 64 {
             "hsmall" // 64-row document tiles: a 128-row tile would be half padding
         } else if ld <= 64 {
