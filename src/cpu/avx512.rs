@@ -1,7 +1,7 @@
 //! The forward on AVX-512, F32 and BF16, with or without the argmax: query
 //! rows in vector lanes. A query's rows (up to 32 at a time) are packed transposed,
 //! `[dim][32]`, so that one FMA multiplies 16 query rows by one broadcast
-//! feature of a document token; six tokens at a time keep 12 accumulators in
+//! feature of a document token; six tokens at a time (BF16: eight) keep 12 (16) accumulators in
 //! registers, the max over tokens is a vertical `max` per lane, and the rows
 //! two token groups ahead are prefetched. No score tile, no document packing,
 //! no horizontal reduction: every FMA is useful work (the GEMM path computes
@@ -13,6 +13,9 @@ use std::arch::x86_64::*;
 
 /// Tokens per register block: 6 × 2 accumulators, 2 query vectors and a broadcast fit the 32 zmm registers with room.
 const U: usize = 6;
+/// BF16's: 8 × 2 accumulators. VDPBF16PS has a longer latency than the FMA, and 12 chains
+/// left it short of its rate (2-core EPYC: in-batch 32 × 32 × 256 2.9-3.6 -> 2.5-2.8 ms, 10 no better).
+const U_BF16: usize = 8;
 
 /// Whether this CPU runs the kernel.
 pub(crate) fn available() -> bool {
@@ -89,10 +92,10 @@ unsafe fn fold<const QV: usize, const N: usize, const ARGMAX: bool>(
     }
 }
 
-/// The driver of a lane kernel: the tokens in groups of `U` (then a tail of
-/// 1-5), each group's `BLOCK` folding its maxima into `best`, then stored.
+/// The driver of a lane kernel: the tokens in groups of `u` (then a tail of
+/// fewer), each group's `block` folding its maxima into `best`, then stored.
 macro_rules! token_groups {
-    ($name:ident, $block:ident, $packed:ty, $elem:ty, $features:literal) => {
+    ($name:ident, $block:ident, $packed:ty, $elem:ty, $features:literal, $u:expr, [$($tail:literal),*; $last:literal]) => {
         #[target_feature(enable = $features)]
         unsafe fn $name<const QV: usize, const ARGMAX: bool>(
             qt: *const $packed,
@@ -106,25 +109,22 @@ macro_rules! token_groups {
             let mut best = [_mm512_set1_ps(f32::NEG_INFINITY); QV];
             let mut idx = [_mm512_set1_epi32(-1); QV];
             let mut g = 0;
-            while g + U <= toks.len() {
+            while g + $u <= toks.len() {
                 // The rows two groups ahead into L1 while this one computes: the documents stream
                 // from memory, and without it the F32 rerank ran at 50 % of the FMA peak (75 % with).
-                for &t in &toks[(g + 2 * U).min(toks.len())..(g + 3 * U).min(toks.len())] {
+                for &t in &toks[(g + 2 * $u).min(toks.len())..(g + 3 * $u).min(toks.len())] {
                     let row = d.add(t as usize * dim) as *const i8;
                     for line in (0..dim * std::mem::size_of::<$elem>()).step_by(64) {
                         _mm_prefetch::<_MM_HINT_T0>(row.add(line));
                     }
                 }
-                $block::<QV, U, ARGMAX>(qt, dim, d, &toks[g..g + U], ds, &mut best, &mut idx);
-                g += U;
+                $block::<QV, $u, ARGMAX>(qt, dim, d, &toks[g..g + $u], ds, &mut best, &mut idx);
+                g += $u;
             }
             match toks.len() - g {
                 0 => {}
-                1 => $block::<QV, 1, ARGMAX>(qt, dim, d, &toks[g..], ds, &mut best, &mut idx),
-                2 => $block::<QV, 2, ARGMAX>(qt, dim, d, &toks[g..], ds, &mut best, &mut idx),
-                3 => $block::<QV, 3, ARGMAX>(qt, dim, d, &toks[g..], ds, &mut best, &mut idx),
-                4 => $block::<QV, 4, ARGMAX>(qt, dim, d, &toks[g..], ds, &mut best, &mut idx),
-                _ => $block::<QV, 5, ARGMAX>(qt, dim, d, &toks[g..], ds, &mut best, &mut idx),
+                $($tail => $block::<QV, $tail, ARGMAX>(qt, dim, d, &toks[g..], ds, &mut best, &mut idx),)*
+                _ => $block::<QV, $last, ARGMAX>(qt, dim, d, &toks[g..], ds, &mut best, &mut idx),
             }
             for v in 0..QV {
                 _mm512_storeu_ps(out.as_mut_ptr().add(16 * v), best[v]);
@@ -136,8 +136,8 @@ macro_rules! token_groups {
     };
 }
 
-token_groups!(doc_max_qv, block, f32, f32, "avx512f");
-token_groups!(bf16_qv, bf16_block, u32, u16, "avx512f,avx512bf16");
+token_groups!(doc_max_qv, block, f32, f32, "avx512f", U, [1, 2, 3, 4; 5]);
+token_groups!(bf16_qv, bf16_block, u32, u16, "avx512f,avx512bf16", U_BF16, [1, 2, 3, 4, 5, 6; 7]);
 
 /// `N` tokens against the packed rows: `N·QV` accumulators over the features, then folded into `best`.
 #[target_feature(enable = "avx512f")]

@@ -69,6 +69,7 @@ fn dense_edge_lengths_match_reference(dev: &Device) -> Result<()> {
         dense_case(dev, 2, 3, 600, 40, 64, dt, true, false)?; // Lq > 512: 128-token chunks
         dense_case(dev, 3, 9, 40, 700, 16, dt, true, false)?; // Ld spans several document tiles
         dense_case(dev, 70, 40, 5, 30, 24, dt, true, false)?; // many small items
+        dense_case(dev, 5, 6, 20, 23, 32, dt, true, false)?; // Ld 23: the CPU kernels' longest token-group tails
         if gpu_cases(dev) {
             for (lq, ld) in [(1, 300), (32, 1), (128, 1024), (600, 300), (32, 8192), (7, 13)] {
                 dense_case(dev, 3, 4, lq, ld, 128, dt, true, false)?;
