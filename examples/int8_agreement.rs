@@ -126,11 +126,12 @@ fn main() -> Result<()> {
     let bf16 = rows(candle_maxsim::maxsim(&q.to_dtype(DType::BF16)?, &d.to_dtype(DType::BF16)?, None, Some(&dm))?)?;
     let (q8, d8) = (candle_maxsim::quantize(&q)?, candle_maxsim::quantize(&d)?);
     let int8 = rows(candle_maxsim::maxsim_quantized(&q8, &d8, None, Some(&dm))?)?;
-    let e4m3 = |x: &Tensor| -> Result<Tensor> {
-        let s = (x.abs()?.max_keepdim(candle_core::D::Minus1)? / 448.0)?.clamp(f32::MIN_POSITIVE, f32::MAX)?;
-        Ok(x.broadcast_div(&s)?.to_dtype(DType::F8E4M3)?.to_dtype(DType::F32)?.broadcast_mul(&s)?)
-    };
-    let fp8 = rows(candle_maxsim::maxsim(&e4m3(&q)?, &e4m3(&d)?, None, Some(&dm))?)?;
+    let fp8 = rows(candle_maxsim::maxsim(
+        &candle_maxsim_testing::e4m3_roundtrip(&q)?,
+        &candle_maxsim_testing::e4m3_roundtrip(&d)?,
+        None,
+        Some(&dm),
+    )?)?;
 
     let recall = |s: &[Vec<f32>]| {
         s.iter().zip(&planted).filter(|(row, j)| top10(row).contains(j)).count() as f64 / s.len().max(1) as f64

@@ -80,11 +80,13 @@ fn main() -> Result<()> {
     let bf16 = candle_maxsim::maxsim(&q.to_dtype(DType::BF16)?, &d.to_dtype(DType::BF16)?, Some(&qm), Some(&dm))?;
     let (q8, d8) = (candle_maxsim::quantize(&q)?, candle_maxsim::quantize(&d)?);
     let int8 = candle_maxsim::maxsim_quantized(&q8, &d8, Some(&qm), Some(&dm))?;
-    let e4m3 = |x: &Tensor| -> Result<Tensor> {
-        let s = (x.abs()?.max_keepdim(candle_core::D::Minus1)? / 448.0)?.clamp(f32::MIN_POSITIVE, f32::MAX)?;
-        Ok(x.broadcast_div(&s)?.to_dtype(DType::F8E4M3)?.to_dtype(DType::F32)?.broadcast_mul(&s)?)
-    };
-    let fp8 = candle_maxsim::maxsim(&e4m3(&q)?, &e4m3(&d)?, Some(&qm), Some(&dm))?.to_vec2::<f32>()?;
+    let fp8 = candle_maxsim::maxsim(
+        &candle_maxsim_testing::e4m3_roundtrip(&q)?,
+        &candle_maxsim_testing::e4m3_roundtrip(&d)?,
+        Some(&qm),
+        Some(&dm),
+    )?
+    .to_vec2::<f32>()?;
     let (f32s, bf16, int8) = (f32s.to_vec2::<f32>()?, bf16.to_vec2::<f32>()?, int8.to_vec2::<f32>()?);
     let mrr = |s: &[Vec<f32>]| -> f64 {
         let total: f64 = s
