@@ -818,7 +818,6 @@ __device__ __forceinline__ void maxsim_fwd_ws(const MaxSimParams& p, const TmaMa
     __shared__ float rowval[2][C::BQ]; // a document's row maxima, double-buffered across documents
     __shared__ int row_q[C::BQ], row_s[C::BQ], q_lo[C::BQ], q_hi[C::BQ];
     __shared__ float row_scale[C::SCALED ? C::BQ : 1];
-    __shared__ int straddles; // the chunk has a query whose rows span two consumer warpgroups
     {   // src/cuda/maxsim_fwd.rs sizes this layout from kernels/tiles.def; a mismatch must fail loudly.
         uint32_t dyn;
         asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
@@ -883,9 +882,6 @@ __device__ __forceinline__ void maxsim_fwd_ws(const MaxSimParams& p, const TmaMa
     const T* Q = static_cast<const T*>(p.q);
     const int warp = tid / 32, g = lane / 4, c = lane % 4;
     auto consumers_sync = [] { named_barrier(1, W::CONSUMERS); };
-    // The warpgroup's own barrier (ids 2, 3, ...) and its first warp.
-    const int wg = warp / 4;
-    auto group_sync = [wg] { named_barrier(2 + wg, 128); };
     uint32_t it = 0;
     int buf = 0;
     for (int b = blockIdx.x; b < nwork; b += gridDim.x) {
@@ -898,19 +894,12 @@ __device__ __forceinline__ void maxsim_fwd_ws(const MaxSimParams& p, const TmaMa
             const int r0 = grow0 + ch * C::BQ, r1 = min(r0 + C::BQ, grow1);
             consumers_sync(); // the previous chunk's row metadata is read
             for (int r = tid; r < C::BQ; r += W::CONSUMERS) row_q[r] = -1;
-            if (tid == 0) straddles = 0;
             consumers_sync();
             chunk_rows<C::SCALED>(p, w, r0, r1, tid, W::CONSUMERS, row_q, row_s, q_lo, q_hi, row_scale);
-            for (int qi = tid; qi < nqg; qi += W::CONSUMERS) // the entries this thread just wrote
-                if (q_hi[qi] > q_lo[qi] && q_lo[qi] / 64 != (q_hi[qi] - 1) / 64) straddles = 1;
             // This warp's A fragments (rows 16 * warp + g, + 8).
             uint32_t a[1][C::KSTEPS][Frag<T>::AREGS];
             q_frags(a[0], Q, r0 + warp * 16 + g, r1, c, p);
             consumers_sync(); // the row metadata is written
-            // A document's per-query sums need both warpgroups' row maxima
-            // only when a query spans both; otherwise each warpgroup sums its
-            // own queries after its own barrier, and the two run decoupled.
-            const bool shared_rows = W::CWG > 1 && straddles;
 
             Epilogue epi;
             epi.reset(0, 0), epi.reset(0, 1);
@@ -970,15 +959,12 @@ __device__ __forceinline__ void maxsim_fwd_ws(const MaxSimParams& p, const TmaMa
                     }
                     epi.reset(0, h);
                 }
-                if (shared_rows) consumers_sync();
-                else group_sync();
-                const int first = shared_rows ? warp : warp % 4, stride = shared_rows ? C::NWARPS : 4;
-                for (int qi = first; qi < nqg; qi += stride) {
-                    if (q_hi[qi] == q_lo[qi] || (!shared_rows && q_lo[qi] / 64 != wg)) continue;
+                consumers_sync();
+                for (int qi = warp; qi < nqg; qi += C::NWARPS) {
                     float s = 0.f;
                     for (int r = q_lo[qi] + lane; r < q_hi[qi]; r += 32) s += rowval[buf][r];
                     s = warp_sum(s);
-                    if (lane == 0) p.out[out_index(p, w, w.q_begin + qi, st.j)] += s;
+                    if (lane == 0 && q_hi[qi] > q_lo[qi]) p.out[out_index(p, w, w.q_begin + qi, st.j)] += s;
                 }
                 buf ^= 1; // the next document's maxima go to the other buffer: no second barrier
             };
