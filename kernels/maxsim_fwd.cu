@@ -770,12 +770,14 @@ __device__ __forceinline__ void maxsim_fwd_mma(const MaxSimParams& p) {
 // ---------------------------------------------------------------------------
 // Hopper, warp-specialized (FlashAttention-3's split of mainloop, epilogue
 // and scheduler): a producer warp fills a ring of STAGES document tiles by
-// TMA, each stage signalled on its `full` mbarrier (two arrivals: the TMA
-// issue with its bytes, then the masks and 8-bit scales stored by the
-// producer's lanes while the copy runs); the consumer
+// TMA, each stage signalled on its `full` mbarrier (1 + 32 arrivals: the TMA
+// issue with its bytes, then each producer lane after storing its masks and
+// 8-bit scales while the copy runs); the consumer
 // warpgroups (64 query rows each) wait on it, issue the tile's wgmma, run
 // the previous tile's epilogue while it is in flight (two accumulator sets),
-// and release the stage on its `empty` mbarrier. There is no block-wide
+// and release the stage on its `empty` mbarrier, every consumer thread after
+// its own mask and scale reads (a lane-0 arrival after __syncwarp orders the
+// same accesses, but compute-sanitizer's racecheck reports it as a hazard). There is no block-wide
 // barrier per tile: the consumers meet on a named barrier only at a
 // document's end, to sum its rows. Persistent: block b walks the work items
 // b, b + gridDim.x, ... (block_work's order) and the ring runs on across
@@ -826,7 +828,7 @@ __device__ __forceinline__ void maxsim_fwd_ws(const MaxSimParams& p, const TmaMa
     }
     const int tid = threadIdx.x, lane = tid % 32;
     if (tid == 0) {
-        for (int s = 0; s < C::STAGES; ++s) mbar_init(&full[s], 2), mbar_init(&empty[s], C::NWARPS);
+        for (int s = 0; s < C::STAGES; ++s) mbar_init(&full[s], 1 + 32), mbar_init(&empty[s], W::CONSUMERS);
         mbar_init_fence();
     }
     __syncthreads();
@@ -854,7 +856,7 @@ __device__ __forceinline__ void maxsim_fwd_ws(const MaxSimParams& p, const TmaMa
                     int start, n;
                     s.rows(p, start, n);
                     // The tile's TMA first, then the masks and scales (global
-                    // loads the copy need not wait for), then a second arrival.
+                    // loads the copy need not wait for), then each lane's arrival.
                     if (lane == 0) {
                         mbar_arrive_tx(&full[stage], W::STAGE_BYTES);
                         T* tile = sd0 + stage * C::TILE_ELEMS;
@@ -870,8 +872,7 @@ __device__ __forceinline__ void maxsim_fwd_ws(const MaxSimParams& p, const TmaMa
                         for (int r = lane; r < C::BD; r += 32)
                             sscale[stage * C::BD + r] = r < n ? __ldg(p.d_scales + start + r) : 0.f;
                     }
-                    __syncwarp();
-                    if (lane == 0) mbar_arrive(&full[stage]);
+                    mbar_arrive(&full[stage]);
                 }
         }
         return;
@@ -939,8 +940,7 @@ __device__ __forceinline__ void maxsim_fwd_ws(const MaxSimParams& p, const TmaMa
                 } else {
                     epi.update(acc, col0, full_tile, smask + tcol, keep);
                 }
-                __syncwarp();
-                if (lane == 0) mbar_arrive(&empty[stage]); // this warp is done with the stage
+                mbar_arrive(&empty[stage]); // this thread is done with the stage
                 if (!st.last) return;
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
