@@ -615,7 +615,7 @@ fn per_sm(dev: &CudaDevice, name: &str, v: Variant, threads: u32, smem: u32) -> 
 fn static_config(
     info: &DeviceInfo,
     pb: &Problem,
-    (eight_bit, argmax): (bool, bool),
+    eight_bit: bool,
     fits: &[TileConfig],
 ) -> TileConfig {
     let pick = |name: &str| fits.iter().copied().find(|c| c.name() == name);
@@ -634,8 +634,8 @@ fn static_config(
         // Hopper, f16 / bf16 / 8-bit.
         if list {
             "narrow" // KD lists of 32-token queries: narrow best or within 8 % (K 8 and 32, Ld 180)
-        } else if ws && !eight_bit && rows > 64 && ld > 128 && (!argmax || pb.q.max_len() > 32 || ld > 256) {
-            "hws" // scores 1.04-1.41x the rule below on every grid, scan and long document of Ld >= 256 (colpali 1.27x); argmax 1.05-1.37x, but 0.95-1.03x at Lq 32, Ld 256; Ld 128 leaves one tile per document to overlap (64 x 5000: argmax 0.88x); 8-bit 0.97-0.99x
+        } else if ws && !eight_bit && rows > 64 && ld > 128 {
+            "hws" // scores 1.04-1.41x the rule below on every grid, scan and long document of Ld >= 256 (colpali 1.27x); argmax 1.05-1.37x, at Lq 32 / Ld 256 1.03-1.15x; Ld 128 leaves one tile per document to overlap (64 x 5000: argmax 0.86x); 8-bit 0.99-1.02x
         } else if ld <= 64 && rows <= 64 {
             "hsmall" // 64-row document tiles: a 128-row tile would be half padding
         } else if ld <= 64 {
@@ -697,8 +697,7 @@ fn choose_config(
         return Ok(fits[0]);
     }
     if crate::options::tile_selection() == crate::options::TileSelection::Static {
-        let argmax_variant = matches!(variant, Variant::Argmax | Variant::ArgmaxCompact);
-        let c = static_config(info, pb, (dtype == DType::U8, argmax_variant), &fits);
+        let c = static_config(info, pb, dtype == DType::U8, &fits);
         if crate::knobs::knobs().log {
             eprintln!("candle-maxsim: static tile {c:?} of {fits:?}");
         }
