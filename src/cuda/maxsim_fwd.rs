@@ -612,12 +612,7 @@ fn per_sm(dev: &CudaDevice, name: &str, v: Variant, threads: u32, smem: u32) -> 
 /// 48 to 128, and pinned one by one on the benchmark shapes of
 /// examples/bench.rs). `fits`: the configurations of this dtype and width
 /// that the device runs, in kernels/tiles.def order (never empty).
-fn static_config(
-    info: &DeviceInfo,
-    pb: &Problem,
-    eight_bit: bool,
-    fits: &[TileConfig],
-) -> TileConfig {
+fn static_config(info: &DeviceInfo, pb: &Problem, eight_bit: bool, fits: &[TileConfig]) -> TileConfig {
     let pick = |name: &str| fits.iter().copied().find(|c| c.name() == name);
     let list = matches!(pb.pairs, Pairing::List { .. });
     // Query rows that meet each document, documents, their longest length.
