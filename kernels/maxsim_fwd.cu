@@ -777,9 +777,9 @@ __device__ __forceinline__ void maxsim_fwd_mma(const MaxSimParams& p) {
 // the previous tile's epilogue while it is in flight (two accumulator sets),
 // and release the stage on its `empty` mbarrier, every consumer thread after
 // its own mask and scale reads (a lane-0 arrival after __syncwarp orders the
-// same accesses, but compute-sanitizer's racecheck reports it as a hazard). There is no block-wide
-// barrier per tile: the consumers meet on a named barrier only at a
-// document's end, to sum its rows. Persistent: block b walks the work items
+// same accesses, but compute-sanitizer's racecheck reports it as a hazard).
+// There is no block-wide barrier per tile: the consumers meet on a named
+// barrier only at a document's end, to sum its rows. Persistent: block b walks the work items
 // b, b + gridDim.x, ... (block_work's order) and the ring runs on across
 // documents, query chunks and work items without draining.
 // ---------------------------------------------------------------------------
