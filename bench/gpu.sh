@@ -69,14 +69,18 @@ forward)
         "$out"/peers_forward.jsonl "$out"/peers_forward_dims.jsonl)
     ;;
 int8)
-    # No peer: maxsim_quantized against this crate's bf16 maxsim on the same
-    # shapes (the six standard ones, short documents, a mid-size grid, dim 96),
-    # each dtype twice, interleaved.
+    # No peer: maxsim_quantized (I8, and e4m3 on Hopper) against this crate's
+    # bf16 maxsim on the same shapes (the six standard ones, short documents,
+    # a mid-size grid, dim 96), each dtype twice, interleaved.
     shapes=(--shape 128,128,128,1024,128 --shape 256,256,32,256,128 --shape 1,1000,32,300,128
         --shape 1,1000,128,1024,128 --shape 16,32,32,8192,128 --shape 32,10000,32,256,128
         --shape 32,10000,32,64,128 --shape 64,64,32,300,128 --shape 128,128,128,1024,96)
+    dts=(bf16 i8)
+    if [ "$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1)" = 9.0 ]; then
+        dts+=(e4m3)
+    fi
     for _ in 1 2; do
-        for dt in bf16 i8; do "$B" --iters 30 --no-reference --dtype $dt "${shapes[@]}"; done
+        for dt in "${dts[@]}"; do "$B" --iters 30 --no-reference --dtype "$dt" "${shapes[@]}"; done
     done > "$out/int8.jsonl"
     files=("$out"/int8.jsonl)
     ;;

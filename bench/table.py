@@ -187,24 +187,31 @@ def int8_floor(shape):
 
 
 def int8(rows):
-    """`maxsim_quantized` against this crate's bf16 `maxsim`, same shapes, one invocation."""
+    """`maxsim_quantized` (I8 and, where run, e4m3) against this crate's bf16 `maxsim`, same shapes, one invocation."""
     t = Times([r for r in rows if r["impl"] == "fused"], lambda r: (tuple(r["shape"]), r.get("dtype", "bf16").lower()))
     shapes = list(dict.fromkeys(k[0] for k in t.keys()))
-    head = ["case", "Nq,Nd,Lq,Ld,dim", "bf16 ms", "8-bit ms", "8-bit TOPS", "8-bit vs bf16", "floor ms", "8-bit / floor"]
-    body, ratios = [], []
+    fmts = [f for f in ("i8", "e4m3") if any(k[1] == f for k in t.keys())]
+    head = ["case", "Nq,Nd,Lq,Ld,dim", "bf16 ms"] + [f"{f} ms" for f in fmts] + [f"{f} TOPS" for f in fmts]
+    head += [f"{f} vs bf16" for f in fmts] + ["floor ms"] + [f"{f} / floor" for f in fmts]
+    body, ratios = [], {f: [] for f in fmts}
     for sh in shapes:
-        b, q = t.ms((sh, "bf16"), "fused"), t.ms((sh, "i8"), "fused")
+        b = t.ms((sh, "bf16"), "fused")
+        q = {f: t.ms((sh, f), "fused") for f in fmts}
         fl, kind = int8_floor(sh)
-        line = [CASES.get(tuple(sh[:4]), "custom") if sh[4] == 128 else "custom", ",".join(map(str, sh)), f_ms(b), f_ms(q)]
-        line.append(f"{2 * math.prod(sh) / (q * 1e-3) / 1e12:.0f}" if q else "–")
-        line += [f_x(q, b), f"{f_ms(fl)} ({kind})", f"{q / fl:.2f}" if q else "–"]
-        if b and q:
-            ratios.append(b / q)
+        line = [CASES.get(tuple(sh[:4]), "custom") if sh[4] == 128 else "custom", ",".join(map(str, sh)), f_ms(b)]
+        line += [f_ms(q[f]) for f in fmts]
+        line += [f"{2 * math.prod(sh) / (q[f] * 1e-3) / 1e12:.0f}" if q[f] else "–" for f in fmts]
+        line += [f_x(q[f], b) for f in fmts] + [f"{f_ms(fl)} ({kind})"]
+        line += [f"{q[f] / fl:.2f}" if q[f] else "–" for f in fmts]
+        for f in fmts:
+            if b and q[f]:
+                ratios[f].append(b / q[f])
         body.append(line)
     md(head, body)
-    g = geomean(ratios)
-    if g:
-        print(f"\nGeometric mean, 8-bit vs bf16: **{g:.2f}×** over {len(ratios)} shapes.")
+    for f in fmts:
+        g = geomean(ratios[f])
+        if g:
+            print(f"\nGeometric mean, {f} vs bf16: **{g:.2f}×** over {len(ratios[f])} shapes.")
 
 
 def train(rows):

@@ -4,7 +4,7 @@
 //! device and tensors.
 //!
 //!   cargo run --release --features cuda --example bench -- [--shape Nq,Nd,Lq,Ld,dim]... \
-//!       [--dtype bf16|f16|f32|i8] [--iters N] [--no-reference] [--cpu] [--wall] [--impl NAME] [--normalize] \
+//!       [--dtype bf16|f16|f32|i8|e4m3] [--iters N] [--no-reference] [--cpu] [--wall] [--impl NAME] [--normalize] \
 //!       [--train | --residual | --plaid-approx | --hidden]
 //!
 //! `--help` lists the flags and their defaults.
@@ -21,8 +21,9 @@
 //! `--hidden` times `maxsim_from_hidden` (dmodel 768 → dout 128, normalized)
 //! against linear + bias + `l2_normalize` + `maxsim` with this crate's ops,
 //! forward and fwd+bwd. `--impl NAME` times only the implementation whose
-//! `impl` field is NAME. `--dtype i8` times `maxsim_quantized` on the same
-//! random rows quantized per token (forward only).
+//! `impl` field is NAME. `--dtype i8` / `e4m3` time `maxsim_quantized` on
+//! the same random rows quantized per token (`quantize` / `quantize_e4m3`;
+//! forward only).
 
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
@@ -138,6 +139,8 @@ enum Dtype {
     F32,
     /// Symmetric per-token 8-bit (`quantize`, `maxsim_quantized`).
     I8,
+    /// Symmetric per-token FP8 e4m3 (`quantize_e4m3`, `maxsim_quantized`).
+    E4m3,
 }
 
 impl From<Dtype> for DType {
@@ -146,7 +149,7 @@ impl From<Dtype> for DType {
             Dtype::Bf16 => DType::BF16,
             Dtype::F16 => DType::F16,
             // 8-bit inputs are quantized from F32 rows.
-            Dtype::F32 | Dtype::I8 => DType::F32,
+            Dtype::F32 | Dtype::I8 | Dtype::E4m3 => DType::F32,
         }
     }
 }
@@ -410,11 +413,15 @@ fn main() -> Result<()> {
     if args.hidden {
         return hidden_bench(&dev, &args);
     }
-    let int8 = matches!(args.dtype, Dtype::I8);
+    let int8 = matches!(args.dtype, Dtype::I8 | Dtype::E4m3);
     if int8 && (args.train || args.normalize) {
-        anyhow::bail!("--dtype i8 times the forward of unnormalized rows only (no --train, --normalize)")
+        anyhow::bail!("--dtype i8 / e4m3 time the forward of unnormalized rows only (no --train, --normalize)")
     }
-    let dname = if int8 { "i8".to_string() } else { format!("{:?}", args.dtype()).to_lowercase() };
+    let dname = match args.dtype {
+        Dtype::I8 => "i8".to_string(),
+        Dtype::E4m3 => "e4m3".to_string(),
+        _ => format!("{:?}", args.dtype()).to_lowercase(),
+    };
     for (name, [nq, nd, lq, ld, dim]) in &args.cases() {
         let q = Tensor::randn(0f32, 1., (*nq, *lq, *dim), &dev)?.to_dtype(args.dtype())?;
         let d = Tensor::randn(0f32, 1., (*nd, *ld, *dim), &dev)?.to_dtype(args.dtype())?;
@@ -452,7 +459,9 @@ fn main() -> Result<()> {
                 }))
                 .collect::<Result<_>>()?
         } else if int8 {
-            let (q8, d8) = (candle_maxsim::quantize(&q)?, candle_maxsim::quantize(&d)?);
+            let quantize =
+                if matches!(args.dtype, Dtype::E4m3) { candle_maxsim::quantize_e4m3 } else { candle_maxsim::quantize };
+            let (q8, d8) = (quantize(&q)?, quantize(&d)?);
             vec![("fused", Box::new(move || Ok(candle_maxsim::maxsim_quantized(&q8, &d8, None, None)?)))]
         } else {
             let opts = MaxSimOptions { normalize: args.normalize, ..Default::default() };

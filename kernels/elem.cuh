@@ -3,6 +3,7 @@
 #pragma once
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
+#include <cuda_fp8.h>
 #include <stdint.h>
 
 #define MAXSIM_NEG_INF (__int_as_float(0xff800000))

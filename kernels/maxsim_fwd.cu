@@ -14,11 +14,12 @@
 // global memory, and multiplies them by the whole document tile with one
 // wgmma per 16 columns of dim, B read from a 128-byte-swizzled tile.
 //
-// 8-bit inputs (int8_t: the symmetric per-token quantization of
-// src/ops/quantize.rs) run the same kernel on s8 tensor cores (mma.sync
-// m16n8k32, wgmma k32 on sm_90a) with s32 accumulators: each document
-// token's scale, staged with its tile, multiplies its similarities before
-// the max; each query token's scale multiplies the row's max after it.
+// 8-bit inputs (the symmetric per-token quantization of src/ops/quantize.rs)
+// run the same kernel: int8_t on s8 tensor cores (mma.sync m16n8k32, wgmma
+// k32 on sm_90a) with s32 accumulators, __nv_fp8_e4m3 on e4m3 wgmma (sm_90a)
+// with f32 ones. Each document token's scale, staged with its tile,
+// multiplies its similarities before the max (Dot8); each query token's
+// scale multiplies the row's max after it.
 //
 // maxsim_fwd_simt: plain FMA fallback for F64, for GPUs without the MMA path
 // (sm_75), for F32 dims over 256 and 16-bit dims over 512.
@@ -359,10 +360,11 @@ __device__ __forceinline__ void mma_step(typename Frag<T>::Acc (&acc)[C::MT][C::
     if constexpr (C::HOPPER) {
         auto* d = &acc[0][0][0];
         const uint32_t sd_addr = (uint32_t)__cvta_generic_to_shared(sd);
-        wgmma_fence();
+        wgmma_start<T, C::NT * 4>(d);
 #pragma unroll
         for (int ks = 0; ks < C::KSTEPS; ++ks)
-            Wgmma<T, C::BD>::run(d, a[0][ks], wgmma_desc_sw128(sd_addr + (ks / 4) * C::BD * 128 + (ks % 4) * 32), ks > 0);
+            Wgmma<T, C::BD>::run(d, a[0][ks], wgmma_desc_sw128(sd_addr + (ks / 4) * C::BD * 128 + (ks % 4) * 32),
+                                 ks > 0 || Frag<T>::INT);
         wgmma_commit();
         overlap();
         wgmma_wait<0>();
@@ -376,7 +378,7 @@ __device__ __forceinline__ void mma_step(typename Frag<T>::Acc (&acc)[C::MT][C::
 #pragma unroll
         for (int nt = 0; nt < C::NT; ++nt)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0;
+            for (int e = 0; e < 4; ++e) acc[mt][nt][e] = Frag<T>::ZERO;
 #pragma unroll
     for (int ks = 0; ks < C::KSTEPS; ++ks) {
         uint32_t as[C::MT][Frag<T>::AREGS];
@@ -399,19 +401,21 @@ __device__ __forceinline__ void mma_step(typename Frag<T>::Acc (&acc)[C::MT][C::
     }
 }
 
-// 8-bit tiles: s32 dot products to F32 similarities, each times its
-// document token's scale (`scale`: this thread's first column's). The
-// conversion is exact (|dot| <= 127^2 * 128 < 2^24) and one I2FP on sm_86+.
-template <typename C>
-__device__ __forceinline__ void scale_similarities(float (&sim)[C::MT][C::NT][4], const int32_t (&acc)[C::MT][C::NT][4],
+// 8-bit tiles: the accumulators to F32 similarities, each times its
+// document token's scale (`scale`: this thread's first column's), by Dot8.
+template <typename C, typename T>
+__device__ __forceinline__ void scale_similarities(float (&sim)[C::MT][C::NT][4],
+                                                   const typename Frag<T>::Acc (&acc)[C::MT][C::NT][4],
                                                    const float* scale) {
 #pragma unroll
     for (int nt = 0; nt < C::NT; ++nt) {
         const float2 s = *reinterpret_cast<const float2*>(scale + nt * 8);
+        const float b0 = Dot8<T>::bias(s.x), b1 = Dot8<T>::bias(s.y);
 #pragma unroll
         for (int mt = 0; mt < C::MT; ++mt)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) sim[mt][nt][e] = (float)acc[mt][nt][e] * (e % 2 ? s.y : s.x);
+            for (int e = 0; e < 4; ++e)
+                sim[mt][nt][e] = Dot8<T>::sim(acc[mt][nt][e], e % 2 ? s.y : s.x, e % 2 ? b1 : b0);
     }
 }
 
@@ -725,7 +729,7 @@ __device__ __forceinline__ void maxsim_fwd_mma(const MaxSimParams& p) {
             const bool full = n == C::BD && !p.d_valid;
             if constexpr (C::SCALED) {
                 float sim[C::MT][C::NT][4];
-                scale_similarities<C>(sim, acc, sscale + tcol);
+                scale_similarities<C, T>(sim, acc, sscale + tcol);
                 epi.update(sim, col0, full, smask + tcol, keep);
             } else {
                 epi.update(acc, col0, full, smask + tcol, keep);
@@ -820,6 +824,7 @@ __device__ __forceinline__ void maxsim_fwd_ws(const MaxSimParams& p, const TmaMa
     __shared__ float rowval[2][C::BQ]; // a document's row maxima, double-buffered across documents
     __shared__ int row_q[C::BQ], row_s[C::BQ], q_lo[C::BQ], q_hi[C::BQ];
     __shared__ float row_scale[C::SCALED ? C::BQ : 1];
+    __shared__ __align__(16) float sbias[Frag<T>::INT ? C::STAGES * C::BD : 1]; // s8: Dot8's bias of each scale
     {   // src/cuda/maxsim_fwd.rs sizes this layout from kernels/tiles.def; a mismatch must fail loudly.
         uint32_t dyn;
         asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
@@ -869,8 +874,11 @@ __device__ __forceinline__ void maxsim_fwd_ws(const MaxSimParams& p, const TmaMa
                         for (int r = lane; r < C::BD; r += 32)
                             smask[stage * C::BD + r] = r < n && (!p.d_valid || p.d_valid[start + r]);
                     if constexpr (C::SCALED) {
-                        for (int r = lane; r < C::BD; r += 32)
-                            sscale[stage * C::BD + r] = r < n ? __ldg(p.d_scales + start + r) : 0.f;
+                        for (int r = lane; r < C::BD; r += 32) {
+                            const float sc = r < n ? __ldg(p.d_scales + start + r) : 0.f;
+                            sscale[stage * C::BD + r] = sc;
+                            if (Frag<T>::INT) sbias[stage * C::BD + r] = Dot8<T>::bias(sc);
+                        }
                     }
                     mbar_arrive(&full[stage]);
                 }
@@ -912,11 +920,11 @@ __device__ __forceinline__ void maxsim_fwd_ws(const MaxSimParams& p, const TmaMa
                 mbar_wait(&full[stage], (st.it / C::STAGES) & 1);
                 auto* d = &acc[0][0][0];
                 const uint32_t sd_addr = smem_u32(sd0 + stage * C::TILE_ELEMS);
-                wgmma_fence();
+                wgmma_start<T, C::NT * 4>(d);
 #pragma unroll
                 for (int ks = 0; ks < C::KSTEPS; ++ks)
                     Wgmma<T, C::BD>::run(d, a[0][ks], wgmma_desc_sw128(sd_addr + (ks / 4) * C::BD * 128 + (ks % 4) * 32),
-                                         ks > 0);
+                                         ks > 0 || Frag<T>::INT);
                 wgmma_commit();
             };
             // The epilogue of a step whose accumulators are complete; at its
@@ -927,14 +935,17 @@ __device__ __forceinline__ void maxsim_fwd_ws(const MaxSimParams& p, const TmaMa
                 const int col0 = st.k * C::BD + 2 * c, tcol = stage * C::BD + 2 * c;
                 const bool full_tile = st.n == C::BD && !p.d_valid;
                 if constexpr (C::SCALED) {
-                    // In place: the s32 set becomes its F32 similarities (a
+                    // In place: the set becomes its F32 similarities (a
                     // second array spills beside the two sets).
                     auto& sim = reinterpret_cast<float(&)[1][C::NT][4]>(acc);
 #pragma unroll
                     for (int nt = 0; nt < C::NT; ++nt) {
                         const float2 sc = *reinterpret_cast<const float2*>(sscale + tcol + nt * 8);
+                        const float2 bi = Frag<T>::INT ? *reinterpret_cast<const float2*>(sbias + tcol + nt * 8)
+                                                       : make_float2(0.f, 0.f);
 #pragma unroll
-                        for (int e = 0; e < 4; ++e) sim[0][nt][e] = (float)acc[0][nt][e] * (e % 2 ? sc.y : sc.x);
+                        for (int e = 0; e < 4; ++e)
+                            sim[0][nt][e] = Dot8<T>::sim(acc[0][nt][e], e % 2 ? sc.y : sc.x, e % 2 ? bi.y : bi.x);
                     }
                     epi.update(sim, col0, full_tile, smask + tcol, keep);
                 } else {
@@ -1029,8 +1040,12 @@ __device__ __forceinline__ void maxsim_fwd_ws(const MaxSimParams& p, const TmaMa
     MAXSIM_WS_ENTRY(NAME##_d64, T, 64, WM, WN, MT, NT, ST, true, 64)         \
     MAXSIM_WS_ENTRY(NAME##_d96, T, 128, WM, WN, MT, NT, ST, true, 96)        \
     MAXSIM_WS_ENTRY(NAME##_d128, T, 128, WM, WN, MT, NT, ST, true, 128)
-#define MAXSIM_WS_I8(NAME, W, WM, WN, MT, NT, ST) \
-    MAXSIM_WS_KERNEL(maxsim_mma_i8_##NAME##_d##W##_nograd, int8_t, false, 128, WM, WN, MT, NT, ST, true, W)
+// 8-bit scores (TAG i8 or e4m3) at width 128, multiplying KDIM = dim rounded up to 32.
+#define MAXSIM_WS_8BIT_WIDTH(TAG, T, NAME, W, WM, WN, MT, NT, ST) \
+    MAXSIM_WS_KERNEL(maxsim_mma_##TAG##_##NAME##_d##W##_nograd, T, false, 128, WM, WN, MT, NT, ST, true, W)
+#define MAXSIM_WS_8BIT(TAG, T, NAME, ...)                                                              \
+    MAXSIM_WS_8BIT_WIDTH(TAG, T, NAME, 32, __VA_ARGS__) MAXSIM_WS_8BIT_WIDTH(TAG, T, NAME, 64, __VA_ARGS__) \
+    MAXSIM_WS_8BIT_WIDTH(TAG, T, NAME, 96, __VA_ARGS__) MAXSIM_WS_8BIT_WIDTH(TAG, T, NAME, 128, __VA_ARGS__)
 #endif // MAXSIM_HOPPER
 
 // Entry points: maxsim_mma_<dtype>_<config>_d<width>_<nograd|argmax|res>, one per
@@ -1067,17 +1082,17 @@ __device__ __forceinline__ void maxsim_fwd_ws(const MaxSimParams& p, const TmaMa
     MAXSIM_RES_STAGES_##RES(maxsim_mma_bf16_##NAME, __nv_bfloat16, WM, WN, MT, NT, HOP)
 
 // 8-bit scores at width 128 (one 128-byte swizzle panel), multiplying KDIM
-// = dim rounded up to 32: maxsim_mma_i8_<config>_d<KDIM>_nograd.
-#define MAXSIM_I8_WIDTH(NAME, W, WM, WN, MT, NT, ST, HOP) \
-    MAXSIM_MMA_KERNEL(maxsim_mma_i8_##NAME##_d##W##_nograd, int8_t, false, DenseLoader, 128, WM, WN, MT, NT, ST, HOP, W)
-#define MAXSIM_I8_WIDTHS(NAME, WM, WN, MT, NT, ST, HOP)                                                      \
-    MAXSIM_I8_WIDTH(NAME, 32, WM, WN, MT, NT, ST, HOP) MAXSIM_I8_WIDTH(NAME, 64, WM, WN, MT, NT, ST, HOP)     \
-    MAXSIM_I8_WIDTH(NAME, 96, WM, WN, MT, NT, ST, HOP) MAXSIM_I8_WIDTH(NAME, 128, WM, WN, MT, NT, ST, HOP)
+// = dim rounded up to 32: maxsim_mma_<i8|e4m3>_<config>_d<KDIM>_nograd.
+#define MAXSIM_8BIT_WIDTH(TAG, T, NAME, W, ...) \
+    MAXSIM_MMA_KERNEL(maxsim_mma_##TAG##_##NAME##_d##W##_nograd, T, false, DenseLoader, 128, __VA_ARGS__, W)
+#define MAXSIM_8BIT(TAG, T, NAME, ...)                                                           \
+    MAXSIM_8BIT_WIDTH(TAG, T, NAME, 32, __VA_ARGS__) MAXSIM_8BIT_WIDTH(TAG, T, NAME, 64, __VA_ARGS__) \
+    MAXSIM_8BIT_WIDTH(TAG, T, NAME, 96, __VA_ARGS__) MAXSIM_8BIT_WIDTH(TAG, T, NAME, 128, __VA_ARGS__)
 
 // kernels/tiles.def, instantiated by family in the module that can run it.
 #if __CUDA_ARCH__ >= 800
 #define MAXSIM_FAMILY_mma16(NAME, WM, WN, MT, NT, ST, RES) \
-    MAXSIM_TILE_16(NAME, WM, WN, MT, NT, ST, RES, false) MAXSIM_I8_WIDTHS(NAME, WM, WN, MT, NT, ST, false)
+    MAXSIM_TILE_16(NAME, WM, WN, MT, NT, ST, RES, false) MAXSIM_8BIT(i8, int8_t, NAME, WM, WN, MT, NT, ST, false)
 #define MAXSIM_FAMILY_wide16(NAME, WM, WN, MT, NT, ST, RES)                              \
     MAXSIM_MMA_ENTRY(maxsim_mma_f16_##NAME##_d256, __half, 256, WM, WN, MT, NT, ST)      \
     MAXSIM_MMA_ENTRY(maxsim_mma_bf16_##NAME##_d256, __nv_bfloat16, 256, WM, WN, MT, NT, ST)
@@ -1098,13 +1113,15 @@ __device__ __forceinline__ void maxsim_fwd_ws(const MaxSimParams& p, const TmaMa
     MAXSIM_MMA_WIDTHS(maxsim_mma_f16_##NAME, __half, WM, WN, MT, NT, ST, false)
 #endif
 #ifdef MAXSIM_HOPPER
-#define MAXSIM_FAMILY_hopper(NAME, WM, WN, MT, NT, ST, RES) \
-    MAXSIM_TILE_16(NAME, WM, WN, MT, NT, ST, RES, true) MAXSIM_I8_WIDTHS(NAME, WM, WN, MT, NT, ST, true)
-#define MAXSIM_FAMILY_hopperws(NAME, WM, WN, MT, NT, ST, RES)                                        \
-    MAXSIM_WS_WIDTHS(maxsim_mma_f16_##NAME, __half, WM, WN, MT, NT, ST)                               \
-    MAXSIM_WS_WIDTHS(maxsim_mma_bf16_##NAME, __nv_bfloat16, WM, WN, MT, NT, ST)                       \
-    MAXSIM_WS_I8(NAME, 32, WM, WN, MT, NT, ST) MAXSIM_WS_I8(NAME, 64, WM, WN, MT, NT, ST)             \
-    MAXSIM_WS_I8(NAME, 96, WM, WN, MT, NT, ST) MAXSIM_WS_I8(NAME, 128, WM, WN, MT, NT, ST)
+#define MAXSIM_FAMILY_hopper(NAME, WM, WN, MT, NT, ST, RES)                    \
+    MAXSIM_TILE_16(NAME, WM, WN, MT, NT, ST, RES, true)                       \
+    MAXSIM_8BIT(i8, int8_t, NAME, WM, WN, MT, NT, ST, true)                   \
+    MAXSIM_8BIT(e4m3, __nv_fp8_e4m3, NAME, WM, WN, MT, NT, ST, true)
+#define MAXSIM_FAMILY_hopperws(NAME, WM, WN, MT, NT, ST, RES)                  \
+    MAXSIM_WS_WIDTHS(maxsim_mma_f16_##NAME, __half, WM, WN, MT, NT, ST)         \
+    MAXSIM_WS_WIDTHS(maxsim_mma_bf16_##NAME, __nv_bfloat16, WM, WN, MT, NT, ST) \
+    MAXSIM_WS_8BIT(i8, int8_t, NAME, WM, WN, MT, NT, ST)                        \
+    MAXSIM_WS_8BIT(e4m3, __nv_fp8_e4m3, NAME, WM, WN, MT, NT, ST)
 #else
 #define MAXSIM_FAMILY_hopper(NAME, WM, WN, MT, NT, ST, RES)
 #define MAXSIM_FAMILY_hopperws(NAME, WM, WN, MT, NT, ST, RES)

@@ -66,7 +66,11 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t* r, const void* smem) {
 // odd i) at column E * c (+K / 2 for i >= 2), E elements per register.
 template <typename T> struct Frag {
     static constexpr int K = 32 / (int)sizeof(T), AREGS = 4;
-    using Acc = typename std::conditional<sizeof(T) == 1, int32_t, float>::type;
+    static constexpr bool INT = std::is_same<T, int8_t>::value;
+    using Acc = typename std::conditional<INT, int32_t, float>::type;
+    // The accumulators' start: 0, or for s8 the bits of the F32 1.5 * 2^23
+    // (see Dot8).
+    static constexpr Acc ZERO = INT ? (Acc)0x4B400000 : (Acc)0;
     static __device__ __forceinline__ void load_a(uint32_t* a, const T* s, int srow, int ra, int col0, int c) {
         const T* p = s + ra * srow + col0 + (4 / (int)sizeof(T)) * c;
         a[0] = *reinterpret_cast<const uint32_t*>(p);
@@ -78,6 +82,28 @@ template <typename T> struct Frag {
         Mma<T>::run(c0, a, b);
         Mma<T>::run(c1, a, b + 2);
     }
+};
+
+// The similarity of an 8-bit dot product: s * dot, s the document token's
+// scale, b = bias(s) precomputed with it.
+//  s8: the s32 accumulators start at the bits of the F32 1.5 * 2^23 (ZERO), so
+//      they end as the F32 1.5 * 2^23 + dot, exactly while |dot| < 2^22 (dims
+//      up to 256 at |v| <= 128), and one FFMA with b = -1.5 * 2^23 * s gives
+//      s * dot: no int-to-float conversion beside the max (I2FP is an ALU op,
+//      as FMNMX is). b is exact, and the FFMA rounds s * dot once as an F32
+//      product would, when s has at most 22 significant bits (quantize's
+//      scales); otherwise b's rounding adds at most |s|.
+//  e4m3: F32 accumulators; s * acc.
+template <typename T> struct Dot8;
+template <> struct Dot8<int8_t> {
+    static __device__ __forceinline__ float bias(float s) { return -12582912.f * s; }
+    static __device__ __forceinline__ float sim(int32_t acc, float s, float b) {
+        return fmaf(__int_as_float(acc), s, b);
+    }
+};
+template <> struct Dot8<__nv_fp8_e4m3> {
+    static __device__ __forceinline__ float bias(float) { return 0.f; }
+    static __device__ __forceinline__ float sim(float acc, float s, float) { return acc * s; }
 };
 
 #if __CUDA_ARCH__ >= 800
@@ -99,6 +125,7 @@ __device__ __forceinline__ void mma_tf32(float* c, const uint32_t* a, const uint
 template <> struct Frag<float> { // m16n8k8 tf32; A kept split: a[0..3] hi, a[4..7] lo
     static constexpr int K = 8, AREGS = 8;
     using Acc = float;
+    static constexpr Acc ZERO = 0.f;
     static __device__ __forceinline__ void load_a(uint32_t* a, const float* s, int srow, int ra, int col0, int c) {
         const float* p = s + ra * srow + col0 + c;
         const float x[4] = {p[0], p[8 * srow], p[4], p[8 * srow + 4]};
@@ -145,6 +172,16 @@ __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_grou
 template <int N> __device__ __forceinline__ void wgmma_wait() {
     asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 }
+// Before a tile's first wgmma: the s8 accumulators' start value (Frag::ZERO;
+// the others are overwritten by the first wgmma), then the fence that orders
+// register writes before the tensor cores read them.
+template <typename T, int N, typename Acc> __device__ __forceinline__ void wgmma_start(Acc* d) {
+    if constexpr (Frag<T>::INT) {
+#pragma unroll
+        for (int i = 0; i < N; ++i) d[i] = Frag<T>::ZERO;
+    }
+    wgmma_fence();
+}
 // Writes by the generic proxy (cp.async, st.shared) made visible to the tensor cores.
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 // Keeps the compiler from moving accumulator accesses across wgmma issue/wait.
@@ -175,9 +212,12 @@ template <int N> __device__ __forceinline__ void fence_regs(int32_t* r) {
 #define MAXSIM_WG_ITAIL_N64 "{%32, %33, %34, %35}, %36, p;\n"
 #define MAXSIM_WG_ITAIL_N128 "{%64, %65, %66, %67}, %68, p;\n"
 #define MAXSIM_WG_PRED_N128 "setp.ne.b32 p, %69, 0;\n"
+// FP8 wgmma takes the A and B scale immediates but no transpose.
+#define MAXSIM_WG_F8TAIL_N64 "{%32, %33, %34, %35}, %36, p, 1, 1;\n"
+#define MAXSIM_WG_F8TAIL_N128 "{%64, %65, %66, %67}, %68, p, 1, 1;\n"
 
 // D[64 x N] (+)= A[64 x K] (registers) * B[K x N] (shared memory, K-major):
-// K = 16 for f16 / bf16 (f32 accumulators), 32 for s8 (s32).
+// K = 16 for f16 / bf16 (f32 accumulators), 32 for s8 (s32) and e4m3 (f32).
 template <typename T, int N> struct Wgmma;
 #define MAXSIM_WGMMA_AS(T, ACC, R, SHAPE, TAIL, N)                                                       \
     template <> struct Wgmma<T, N> {                                                                     \
@@ -218,5 +258,7 @@ MAXSIM_WGMMA(__nv_bfloat16, "bf16", 64)
 MAXSIM_WGMMA(__nv_bfloat16, "bf16", 128)
 MAXSIM_WGMMA_AS(int8_t, int32_t, MAXSIM_WG_S, "k32.s32.s8.s8", MAXSIM_WG_ITAIL_N, 64)
 MAXSIM_WGMMA_AS(int8_t, int32_t, MAXSIM_WG_S, "k32.s32.s8.s8", MAXSIM_WG_ITAIL_N, 128)
+MAXSIM_WGMMA_AS(__nv_fp8_e4m3, float, MAXSIM_WG_F, "k32.f32.e4m3.e4m3", MAXSIM_WG_F8TAIL_N, 64)
+MAXSIM_WGMMA_AS(__nv_fp8_e4m3, float, MAXSIM_WG_F, "k32.f32.e4m3.e4m3", MAXSIM_WG_F8TAIL_N, 128)
 #endif // __CUDA_ARCH_FEAT_SM90_ALL
 

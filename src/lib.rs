@@ -53,8 +53,8 @@ pub use ops::normalize::l2_normalize;
 pub use ops::optim::{adamw_sum_sq, adamw_update, AdamWStep};
 pub use ops::plaid_approx::{plaid_approx_candidates, plaid_approx_score, plaid_candidates, NO_CENTROID};
 pub use ops::quantize::{
-    dequantize, maxsim_quantized, maxsim_quantized_varlen, quantize, retrieve_quantized, score_pairs_quantized,
-    Quantized,
+    dequantize, e4m3_supported, maxsim_quantized, maxsim_quantized_varlen, quantize, quantize_e4m3, retrieve_quantized,
+    score_pairs_quantized, QuantFormat, Quantized,
 };
 pub use ops::residual::{
     maxsim_residual, maxsim_residual_pairs, maxsim_residual_varlen, nearest_centroids, pack_bucket_indices,

@@ -83,14 +83,14 @@ impl TileConfig {
         }
     }
     /// The element types it is compiled for, and from which module (compute capability).
-    /// U8 stands for the 8-bit (I8) kernels.
+    /// U8 stands for the I8 kernels, F8E4M3 for the e4m3 ones (wgmma only).
     fn runs(self, dtype: DType, cc: i32) -> bool {
         let half = matches!(dtype, DType::F16 | DType::BF16);
         let int8 = dtype == DType::U8;
         match self.0.family {
             "f32" => dtype == DType::F32 && cc >= 80,
             "turing" => dtype == DType::F16 && cc < 80,
-            "hopper" | "hopperws" => (half || int8) && cc == 90,
+            "hopper" | "hopperws" => (half || int8 || dtype == DType::F8E4M3) && cc == 90,
             "wide16" | "xwide16" => half && cc >= 80,
             _ => (half || int8) && cc >= 80,
         }
@@ -128,8 +128,13 @@ enum Path {
     Simt,
 }
 
+/// The 8-bit element types: U8 (the bytes of I8) and F8E4M3.
+fn eight_bit(dtype: DType) -> bool {
+    matches!(dtype, DType::U8 | DType::F8E4M3)
+}
+
 fn path_for(info: &DeviceInfo, dtype: DType, dim: usize) -> Path {
-    if dtype == DType::U8 {
+    if eight_bit(dtype) {
         // 8-bit rows: one 128-byte panel, K steps of 32 (no SIMT kernel: the caller dequantizes).
         let width = dim.next_multiple_of(32).max(32);
         return if dim <= 128 && !candidates(info, dtype, 128, 0).is_empty() {
@@ -336,7 +341,7 @@ fn d_tensor_map(d: u64, rows: usize, dim: usize, dtype: DType, box_rows: usize) 
     let (ty, elem) = match dtype {
         DType::F16 => (Ty::CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2),
         DType::BF16 => (Ty::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2),
-        DType::U8 => (Ty::CU_TENSOR_MAP_DATA_TYPE_UINT8, 1),
+        DType::U8 | DType::F8E4M3 => (Ty::CU_TENSOR_MAP_DATA_TYPE_UINT8, 1),
         _ => bail!("maxsim: internal error, no tensor map for {dtype:?}"),
     };
     let dims = [dim as u64, rows as u64];
@@ -454,19 +459,21 @@ pub(crate) fn maxsim_fwd(
     fwd_launch(&s1.device, pb, s1.dtype(), src, v)
 }
 
-/// Whether the 8-bit tensor-core kernels cover this dim on this device
-/// (sm_80+, dims up to 128).
-pub(crate) fn quantized_supported(dev: &CudaDevice, dim: usize) -> Result<bool> {
+/// Whether the 8-bit tensor-core kernels of `dtype` (U8: I8, sm_80+;
+/// F8E4M3: sm_90) cover this dim on this device (dims up to 128), and the
+/// device's compute capability.
+pub(crate) fn quantized_supported(dev: &CudaDevice, dtype: DType, dim: usize) -> Result<(bool, i32)> {
     let info = device_info(dev)?;
-    Ok(matches!(path_for(&info, DType::U8, dim), Path::Mma { .. }))
+    Ok((matches!(path_for(&info, dtype, dim), Path::Mma { .. }), info.cc))
 }
 
 /// 8-bit scores `[n_pairs]` F32 of `pb` (its masks included): `q` and `d`
-/// as (`values` U8 I8 bytes, `scales` F32), contiguous CUDA tensors of
-/// `pb`'s rows.
+/// as (`values` U8 bytes, `scales` F32), contiguous CUDA tensors of `pb`'s
+/// rows; `dtype` the bytes' format (U8: I8, F8E4M3: e4m3).
 pub(crate) fn maxsim_fwd_quantized(
     dev: &CudaDevice,
     pb: &Problem,
+    dtype: DType,
     (qv, qs): (&Tensor, &Tensor),
     (dv, ds): (&Tensor, &Tensor),
 ) -> Result<Tensor> {
@@ -480,7 +487,7 @@ pub(crate) fn maxsim_fwd_quantized(
         vec_ok: vec_ok as i32,
         ..Default::default()
     };
-    let (out, _) = fwd_launch(dev, pb, DType::U8, src, Variant::Nograd)?;
+    let (out, _) = fwd_launch(dev, pb, dtype, src, Variant::Nograd)?;
     Ok(Tensor::from((Storage::Cuda(out), pb.n_out())))
 }
 
@@ -567,7 +574,7 @@ pub(crate) fn fwd_launch(
             ..layout_params(pb)?
         };
         match path_for(&info, dtype, pb.dim) {
-            Path::Simt if variant == Variant::Residual || dtype == DType::U8 => {
+            Path::Simt if variant == Variant::Residual || eight_bit(dtype) => {
                 bail!("maxsim: internal error, no fused kernel for {dtype:?} {variant:?} dim {}", pb.dim)
             }
             Path::Simt => {
@@ -692,7 +699,7 @@ fn choose_config(
         return Ok(fits[0]);
     }
     if crate::options::tile_selection() == crate::options::TileSelection::Static {
-        let c = static_config(info, pb, dtype == DType::U8, &fits);
+        let c = static_config(info, pb, eight_bit(dtype), &fits);
         if crate::knobs::knobs().log {
             eprintln!("candle-maxsim: static tile {c:?} of {fits:?}");
         }

@@ -54,6 +54,7 @@ pub(crate) fn dtype_tag(dt: DType) -> &'static str {
         DType::BF16 => "bf16",
         DType::F32 => "f32",
         DType::U8 => "i8",
+        DType::F8E4M3 => "e4m3",
         _ => "f64",
     }
 }

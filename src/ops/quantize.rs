@@ -1,48 +1,86 @@
-//! Symmetric 8-bit embeddings: `quantize` (one F32 scale per token),
-//! `dequantize`, and MaxSim over 8-bit queries and documents (padded,
-//! packed, pairs of packed sequences, streaming top-k). A similarity
-//! is `s_q · s_d · ⟨q8, d8⟩`: the document token's scale is applied to each
-//! similarity before the max over tokens, the query token's (positive,
-//! constant over that max) after it. The dot products are exact I32 on
-//! CPUs with AVX512_VNNI (cpu/avx512.rs; rounded to F32 before scaling,
-//! exact up to dim 1040) and on CUDA sm_80+ for dims up to 128 (s8 tensor
-//! cores: mma.sync, and wgmma on sm_90a; kernels/maxsim_fwd.cu); elsewhere
-//! the dequantized rows are scored in F32 (the same scores up to F32
-//! rounding).
+//! Symmetric 8-bit embeddings, one F32 scale per token, in two formats:
+//! I8 (`quantize`) and FP8 e4m3 (`quantize_e4m3`); `dequantize`, and MaxSim
+//! over 8-bit queries and documents (padded, packed, pairs of packed
+//! sequences, streaming top-k). A similarity is `s_q · s_d · ⟨q8, d8⟩`: the
+//! document token's scale is applied to each similarity before the max over
+//! tokens, the query token's (positive, constant over that max) after it.
+//!
+//! I8: the dot products are exact I32 on CPUs with AVX512_VNNI
+//! (cpu/avx512.rs; rounded to F32 before scaling, exact up to dim 1040) and
+//! on CUDA sm_80+ for dims up to 128 (s8 tensor cores: mma.sync, and wgmma
+//! on sm_90a; kernels/maxsim_fwd.cu), each scaled similarity rounded once
+//! on both; elsewhere the dequantized rows are scored in F32 (the same
+//! scores up to F32 rounding).
+//!
+//! e4m3: on CUDA, Hopper (sm_90) e4m3 wgmma with F32 accumulation, dims up
+//! to 128; other GPUs have no kernel and get an `Err`. On the CPU the
+//! dequantized rows are scored in F32.
 
 use crate::layout::{check_device, check_mask, check_rank, Pairing, Problem, Seqs};
 use candle_core::{bail, DType, Layout, Result, Shape, Storage, Tensor, D};
 
+/// The number format of a [`Quantized`] tensor's bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum QuantFormat {
+    /// Two's-complement I8 (candle has no I8 dtype), symmetric: −127..=127.
+    I8,
+    /// FP8 e4m3 (OCP "E4M3FN": 4 exponent bits of bias 7, 3 mantissa bits,
+    /// largest finite 448, no infinities; 0x7F / 0xFF are NaN). Stored as
+    /// U8 bytes: candle 0.11's own F8E4M3 conversions are unusable here (its
+    /// CUDA casts look up misnamed kernels, and its CPU widening loops
+    /// forever on subnormals in optimized builds), so this crate encodes and
+    /// decodes e4m3 itself.
+    E4m3,
+}
+
 /// 8-bit embeddings, `scales[…] · values[…, :]`: half the memory of BF16
-/// (plus 4 bytes per token). Validated once, when made ([`quantize`],
-/// [`Quantized::new`]), so that scoring never reads the scales back to the
-/// host.
+/// (plus 4 bytes per token). The values are U8 bytes in one
+/// [`QuantFormat`]: I8 ([`quantize`]) or e4m3 ([`quantize_e4m3`]).
+/// Validated once, when made ([`quantize`], [`quantize_e4m3`],
+/// [`Quantized::new`], [`Quantized::new_e4m3`]), so that scoring never
+/// reads the scales back to the host.
 #[derive(Clone, Debug)]
 pub struct Quantized {
     values: Tensor,
     scales: Tensor,
+    format: QuantFormat,
     /// Every scale ≥ 0 (required of queries).
     nonneg: bool,
 }
 
 impl Quantized {
-    /// `values`: `[…, dim]` U8, the two's-complement bytes of I8 values
-    /// (candle has no I8 dtype); `scales`: `[…]` F32, one per token, on the
-    /// same device. Scales may have either sign for documents; a query's
-    /// must be non-negative (its scale is taken out of the max over document
-    /// tokens), which this notes with one reduction over `scales`.
+    /// I8 embeddings. `values`: `[…, dim]` U8, the two's-complement bytes of
+    /// I8 values; `scales`: `[…]` F32, one per token, on the same device.
+    /// Scales may have either sign for documents; a query's must be
+    /// non-negative (its scale is taken out of the max over document
+    /// tokens), which this notes with one reduction over `scales`. On CUDA a
+    /// similarity is rounded once when each scale has at most 22 significant
+    /// bits (as [`quantize`]'s); otherwise it may be off by up to
+    /// `|s_q · s_d|` more.
     pub fn new(values: Tensor, scales: Tensor) -> Result<Self> {
+        Self::with_format(values, scales, QuantFormat::I8)
+    }
+    /// e4m3 embeddings: `values` `[…, dim]` U8, e4m3 bytes; `scales` as
+    /// [`Quantized::new`].
+    pub fn new_e4m3(values: Tensor, scales: Tensor) -> Result<Self> {
+        Self::with_format(values, scales, QuantFormat::E4m3)
+    }
+    fn with_format(values: Tensor, scales: Tensor, format: QuantFormat) -> Result<Self> {
         check(&values, &scales, "values", "scales")?;
         let nonneg = scales.elem_count() == 0 || scales.flatten_all()?.min(0)?.to_scalar::<f32>()? >= 0.0;
-        Ok(Self { values, scales, nonneg })
+        Ok(Self { values, scales, format, nonneg })
     }
-    /// `[…, dim]` U8 (I8 bytes).
+    /// `[…, dim]` U8, bytes in [`Quantized::format`].
     pub fn values(&self) -> &Tensor {
         &self.values
     }
     /// `[…]` F32, one per token.
     pub fn scales(&self) -> &Tensor {
         &self.scales
+    }
+    /// The number format of the values' bytes.
+    pub fn format(&self) -> QuantFormat {
+        self.format
     }
     /// Tokens (or sequences) `start..start + len` along token axis `axis`
     /// (not the embedding axis): a chunk of a collection, without a copy.
@@ -51,37 +89,149 @@ impl Quantized {
             bail!("axis: {axis} is not a token axis of values {:?}", self.values.dims())
         }
         let (values, scales) = (self.values.narrow(axis, start, len)?, self.scales.narrow(axis, start, len)?);
-        Ok(Self { values, scales, nonneg: self.nonneg })
+        Ok(Self { values, scales, ..*self })
     }
     /// A copy on `device`.
     pub fn to_device(&self, device: &candle_core::Device) -> Result<Self> {
-        Ok(Self { values: self.values.to_device(device)?, scales: self.scales.to_device(device)?, nonneg: self.nonneg })
+        Ok(Self { values: self.values.to_device(device)?, scales: self.scales.to_device(device)?, ..*self })
     }
 }
 
-/// Symmetric per-token quantization of `x` (a float tensor, last axis the
-/// embedding): `scale = max|x| / 127`, `value = round(x / scale)` (a zero
-/// row gets scale 0 and zero values). Runs where `x` is.
+/// Symmetric per-token I8 quantization of `x` (a float tensor, last axis
+/// the embedding): `scale = max|x| / 127` rounded to 22 significant bits
+/// (a relative change under 2^-22, which lets the CUDA kernels round each
+/// scaled similarity once, see [`Quantized::new`]), `value = round(x /
+/// scale)` (a zero row gets scale 0 and zero values). Runs where `x` is.
 pub fn quantize(x: &Tensor) -> Result<Quantized> {
-    crate::layout::check_float("x", x)?;
-    if x.rank() == 0 {
-        bail!("x: expected at least one axis (the embedding), got a scalar")
-    }
-    // In F64: 127 / max|x| overflows F32 for rows below ~4e-37.
-    let x = x.to_dtype(DType::F64)?;
-    let amax = x.abs()?.max_keepdim(D::Minus1)?;
-    let scales = (&amax / 127.0)?;
+    let (x, amax) = row_amax(x)?;
+    let scales = round_to_22_bits(&(&amax / 127.0)?.to_dtype(DType::F32)?)?.to_dtype(DType::F64)?;
     // A zero row divides by 1 (its values stay 0).
     let divisor = amax.gt(0f64)?.where_cond(&scales, &amax.ones_like()?)?;
     let v = x.broadcast_div(&divisor)?.round()?.clamp(-127f64, 127f64)?;
     // Two's complement bytes: v + 256 for the negative values.
     let bytes = (&v + v.lt(0f64)?.to_dtype(DType::F64)?.affine(256.0, 0.0)?)?.to_dtype(DType::U8)?;
-    Ok(Quantized { values: bytes, scales: scales.squeeze(D::Minus1)?.to_dtype(DType::F32)?, nonneg: true })
+    let scales = scales.squeeze(D::Minus1)?.to_dtype(DType::F32)?;
+    Ok(Quantized { values: bytes, scales, format: QuantFormat::I8, nonneg: true })
 }
 
-/// `scales · values` as F32 (the inverse of [`quantize`] up to its rounding).
+/// Symmetric per-token FP8 e4m3 quantization of `x` (a float tensor, last
+/// axis the embedding): `scale = max|x| / 448` (e4m3's largest finite
+/// value), `value = e4m3(x / scale)` rounded to nearest even, in one
+/// rounding from F64 (a zero row gets scale 0 and zero values). The scales
+/// are computed where `x` is; the rounding to e4m3 runs on the CPU and the
+/// bytes are moved back to `x`'s device.
+pub fn quantize_e4m3(x: &Tensor) -> Result<Quantized> {
+    let (x, amax) = row_amax(x)?;
+    let scales = (&amax / 448.0)?;
+    let divisor = amax.gt(0f64)?.where_cond(&scales, &amax.ones_like()?)?;
+    let v = x.broadcast_div(&divisor)?.flatten_all()?.to_vec1::<f64>()?;
+    let bytes: Vec<u8> = v.into_iter().map(e4m3_encode).collect();
+    let values = Tensor::from_vec(bytes, x.shape(), x.device())?;
+    let scales = scales.squeeze(D::Minus1)?.to_dtype(DType::F32)?;
+    Ok(Quantized { values, scales, format: QuantFormat::E4m3, nonneg: true })
+}
+
+/// The e4m3 byte nearest `x` (ties to even), saturating at ±448; NaN to 0x7F.
+fn e4m3_encode(x: f64) -> u8 {
+    let sign = if x.is_sign_negative() { 0x80u8 } else { 0 };
+    let a = x.abs();
+    if a.is_nan() {
+        return 0x7F;
+    }
+    if a < 2f64.powi(-6) {
+        // Subnormals (and zero): m · 2^-9, m = 8 being the smallest normal (byte 0x08).
+        return sign | (a * 512.0).round_ties_even() as u8;
+    }
+    let a = a.min(448.0);
+    let e = a.log2().floor() as i32;
+    // a / 2^(e-3) in [8, 16): the significand with 3 fraction bits; a rounding
+    // up to 16 carries into the exponent. log2 may be off by one near a power
+    // of two: the loop settles it.
+    let (mut e, mut q) = (e, a / 2f64.powi(e - 3));
+    while q >= 16.0 {
+        e += 1;
+        q /= 2.0;
+    }
+    while q < 8.0 {
+        e -= 1;
+        q *= 2.0;
+    }
+    let mut r = q.round_ties_even() as u32;
+    if r == 16 {
+        e += 1;
+        r = 8;
+    }
+    // At the top binade, 448 = 1.75 · 2^8 (mantissa 6): 0x7F is NaN.
+    sign | (((e + 7) as u8) << 3) | (r - 8) as u8
+}
+
+/// The value of an e4m3 byte (exact in F32).
+fn e4m3_decode(b: u8) -> f32 {
+    let (e, m) = (((b >> 3) & 0xF) as i32, (b & 7) as f32);
+    let v = if b & 0x7F == 0x7F {
+        f32::NAN
+    } else if e == 0 {
+        m * 2f32.powi(-9)
+    } else {
+        (1.0 + m / 8.0) * 2f32.powi(e - 7)
+    };
+    if b & 0x80 != 0 {
+        -v
+    } else {
+        v
+    }
+}
+
+/// Whether [`maxsim_quantized`] and the other 8-bit entry points score
+/// e4m3 rows of `dim` on `device`: everywhere on the CPU; on CUDA, Hopper
+/// (compute capability 9.0) for dims up to 128 (elsewhere they return an
+/// `Err`).
+pub fn e4m3_supported(device: &candle_core::Device, dim: usize) -> Result<bool> {
+    match device {
+        candle_core::Device::Cpu => Ok(true),
+        #[cfg(feature = "cuda")]
+        candle_core::Device::Cuda(cd) => Ok(crate::cuda::quantized_supported(cd, DType::F8E4M3, dim)?.0),
+        _ => {
+            let _ = dim;
+            Ok(false)
+        }
+    }
+}
+
+/// `x` in F64 (127 / max|x| overflows F32 for rows below ~4e-37) and its
+/// rows' max|x| `[…, 1]`.
+fn row_amax(x: &Tensor) -> Result<(Tensor, Tensor)> {
+    crate::layout::check_float("x", x)?;
+    if x.rank() == 0 {
+        bail!("x: expected at least one axis (the embedding), got a scalar")
+    }
+    let x = x.to_dtype(DType::F64)?;
+    let amax = x.abs()?.max_keepdim(D::Minus1)?;
+    Ok((x, amax))
+}
+
+/// F32 values rounded to nearest with at most 22 significant bits, by
+/// Veltkamp's split (`c = 5x`, `hi = c − (c − x)`, each operation rounded
+/// in F32, as candle's element-wise F32 kernels do; exact for |x| under
+/// F32::MAX / 5).
+fn round_to_22_bits(x: &Tensor) -> Result<Tensor> {
+    let c = (x * 5.0)?;
+    &c - (&c - x)?
+}
+
+/// `scales · values` as F32 (the inverse of [`quantize`] or
+/// [`quantize_e4m3`] up to its rounding). Runs where the values are (e4m3
+/// through a 256-entry table).
 pub fn dequantize(q: &Quantized) -> Result<Tensor> {
-    signed(&q.values)?.broadcast_mul(&q.scales.unsqueeze(D::Minus1)?)
+    let v = match q.format {
+        QuantFormat::E4m3 => {
+            let table: Vec<f32> = (0..=255u8).map(e4m3_decode).collect();
+            let table = Tensor::from_vec(table, 256, q.values.device())?;
+            table.index_select(&q.values.flatten_all()?, 0)?.reshape(q.values.shape())?
+        }
+        QuantFormat::I8 => signed(&q.values)?,
+    };
+    v.broadcast_mul(&q.scales.unsqueeze(D::Minus1)?)
 }
 
 /// The I8 values of two's-complement bytes, as F32.
@@ -92,7 +242,7 @@ fn signed(values: &Tensor) -> Result<Tensor> {
 
 fn check(values: &Tensor, scales: &Tensor, vn: &str, sn: &str) -> Result<()> {
     if values.dtype() != DType::U8 {
-        bail!("{vn}: expected U8 (two's-complement I8 bytes), got {:?}", values.dtype())
+        bail!("{vn}: expected U8 (the bytes of I8 or e4m3 values), got {:?}", values.dtype())
     }
     if scales.dtype() != DType::F32 || values.rank() == 0 || scales.dims() != &values.dims()[..values.rank() - 1] {
         bail!(
@@ -105,10 +255,14 @@ fn check(values: &Tensor, scales: &Tensor, vn: &str, sn: &str) -> Result<()> {
     check_device(sn, scales, values.device())
 }
 
-/// A query's scales are taken out of the max over document tokens, which needs them ≥ 0.
-fn check_query(q: &Quantized) -> Result<()> {
+/// A query's scales are taken out of the max over document tokens, which
+/// needs them ≥ 0; both sides in one format.
+fn check_pair(q: &Quantized, d: &Quantized) -> Result<()> {
     if !q.nonneg {
         bail!("q.scales: a query's scales must be non-negative (quantize gives max|x| / 127)")
+    }
+    if q.format != d.format {
+        bail!("d.values: format {:?} does not match q's {:?} (quantize both sides alike)", d.format, q.format)
     }
     Ok(())
 }
@@ -137,7 +291,7 @@ pub fn maxsim_quantized(
     q_mask: Option<&Tensor>,
     d_mask: Option<&Tensor>,
 ) -> Result<Tensor> {
-    check_query(q)?;
+    check_pair(q, d)?;
     check_rank("q.values", &q.values, &[3], "rank 3 [Nq, Lq, dim]")?;
     check_rank("d.values", &d.values, &[3], "rank 3 [Nd, Ld, dim]")?;
     let ((nq, lq, dim), (nd, ld, dd)) = (q.values.dims3()?, d.values.dims3()?);
@@ -214,7 +368,7 @@ fn packed(
     cu_d: &Tensor,
     max_ld: usize,
 ) -> Result<(Seqs, Seqs, usize)> {
-    check_query(q)?;
+    check_pair(q, d)?;
     check_rank("q.values", &q.values, &[2], "rank 2 [Tq, dim] (packed)")?;
     check_rank("d.values", &d.values, &[2], "rank 2 [Td, dim] (packed)")?;
     let ((tq, dim), (td, dd)) = (q.values.dims2()?, d.values.dims2()?);
@@ -259,10 +413,11 @@ pub fn retrieve_quantized(
 }
 
 /// The scores (shaped `shape`) of the 8-bit kernels, on the operands in
-/// place: the VNNI lane kernel on the CPU, the s8 tensor-core kernels on
-/// CUDA; `None` where neither applies (a CPU without AVX512_VNNI or a dim
-/// not a multiple of 4; a GPU below sm_80 or a dim over 128): the caller
-/// then scores the dequantized rows.
+/// place: the VNNI lane kernel on the CPU (I8), the s8 / e4m3 tensor-core
+/// kernels on CUDA; `None` where none applies (I8 on a CPU without
+/// AVX512_VNNI or a dim not a multiple of 4, e4m3 on the CPU; I8 on a GPU
+/// below sm_80 or a dim over 128): the caller then scores the dequantized
+/// rows. e4m3 on a GPU without its kernels is an `Err`.
 #[allow(clippy::too_many_arguments)]
 fn fused_scores(
     dim: usize,
@@ -277,17 +432,26 @@ fn fused_scores(
     let dev = q.values.device();
     #[cfg(feature = "cuda")]
     if let candle_core::Device::Cuda(cd) = dev {
-        if !crate::cuda::quantized_supported(cd, dim)? {
+        // The kernels' element type: U8 for I8, F8E4M3 for e4m3 (a tag; the bytes are U8).
+        let dtype = if q.format == QuantFormat::E4m3 { DType::F8E4M3 } else { DType::U8 };
+        let (supported, cc) = crate::cuda::quantized_supported(cd, dtype, dim)?;
+        if !supported && dtype == DType::F8E4M3 {
+            bail!(
+                "q.values: FP8 e4m3 scoring on CUDA runs on Hopper (sm_90) e4m3 tensor cores for dims up to 128; \
+                 this is sm_{cc} with dim {dim} (quantize with `quantize` for I8, or score `dequantize`d rows)"
+            )
+        }
+        if !supported {
             return Ok(None);
         }
         let valid = |m: Option<&Tensor>| m.map(|t| t.flatten_all()).transpose();
         let problem = Problem { dim, q: qs, d: ds, q_valid: valid(q_mask)?, d_valid: valid(d_mask)?, pairs };
         let c = |t: &Tensor| t.contiguous();
         let (qv, qsc, dv, dsc) = (c(&q.values)?, c(&q.scales)?, c(&d.values)?, c(&d.scales)?);
-        let out = crate::cuda::maxsim_fwd_quantized(cd, &problem, (&qv, &qsc), (&dv, &dsc))?;
+        let out = crate::cuda::maxsim_fwd_quantized(cd, &problem, dtype, (&qv, &qsc), (&dv, &dsc))?;
         return Ok(Some(out.reshape(shape)?));
     }
-    if !dev.is_cpu() {
+    if !dev.is_cpu() || q.format != QuantFormat::I8 {
         return Ok(None);
     }
     let flags = |m: Option<&Tensor>| m.map(|t| t.flatten_all()?.to_vec1::<u8>()).transpose();

@@ -4,9 +4,8 @@
 //! relevant documents, then the corpus in order up to `--docs`), scored in
 //! F32, in BF16 and in 8-bit. Prints one JSON line: top-10 overlap of the
 //! 8-bit (and BF16) rankings with F32's, MRR@10 of each, the largest score
-//! error, and the documents' bytes in BF16 and in 8-bit. For comparison,
-//! FP8 e4m3 with the same per-token scaling (rows divided by max|x| / 448,
-//! rounded to e4m3, scored in F32 after scaling back).
+//! error, and the documents' bytes in BF16 and in 8-bit; the same for FP8
+//! e4m3 (`quantize_e4m3`: rows divided by max|x| / 448, rounded to e4m3).
 //!
 //!     cargo run --release -p candle-maxsim-colbert --example quantized_agreement -- \
 //!         --model-dir DIR --beir DIR [--split dev] [--queries 200] [--docs 2000] [--cuda]
@@ -80,13 +79,8 @@ fn main() -> Result<()> {
     let bf16 = candle_maxsim::maxsim(&q.to_dtype(DType::BF16)?, &d.to_dtype(DType::BF16)?, Some(&qm), Some(&dm))?;
     let (q8, d8) = (candle_maxsim::quantize(&q)?, candle_maxsim::quantize(&d)?);
     let int8 = candle_maxsim::maxsim_quantized(&q8, &d8, Some(&qm), Some(&dm))?;
-    let fp8 = candle_maxsim::maxsim(
-        &candle_maxsim_testing::e4m3_roundtrip(&q)?,
-        &candle_maxsim_testing::e4m3_roundtrip(&d)?,
-        Some(&qm),
-        Some(&dm),
-    )?
-    .to_vec2::<f32>()?;
+    let (qf8, df8) = (candle_maxsim::quantize_e4m3(&q)?, candle_maxsim::quantize_e4m3(&d)?);
+    let fp8 = candle_maxsim::maxsim_quantized(&qf8, &df8, Some(&qm), Some(&dm))?.to_vec2::<f32>()?;
     let (f32s, bf16, int8) = (f32s.to_vec2::<f32>()?, bf16.to_vec2::<f32>()?, int8.to_vec2::<f32>()?);
     let mrr = |s: &[Vec<f32>]| -> f64 {
         let total: f64 = s

@@ -111,15 +111,6 @@ pub fn randn_strided(n: usize, l: usize, dim: usize, dt: DType, dev: &Device) ->
     Ok(t)
 }
 
-/// F32 rows as an FP8 e4m3 kernel with per-token scales sees them: each row
-/// divided by max|x| / 448 (e4m3's largest finite value), rounded to e4m3,
-/// then scaled back in F32. For measuring what FP8 scoring would cost in
-/// ranking quality; no FP8 kernel exists.
-pub fn e4m3_roundtrip(x: &Tensor) -> Result<Tensor> {
-    let s = (x.abs()?.max_keepdim(candle_core::D::Minus1)? / 448.0)?.clamp(f32::MIN_POSITIVE, f32::MAX)?;
-    x.broadcast_div(&s)?.to_dtype(DType::F8E4M3)?.to_dtype(DType::F32)?.broadcast_mul(&s)
-}
-
 /// Offsets (U32 `[n+1]`) of random lengths in `0..=max`, some empty.
 pub fn rand_offsets(n: usize, max: usize, seed: u64) -> (Vec<u32>, usize) {
     let mut x = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
