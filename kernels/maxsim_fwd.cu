@@ -360,11 +360,10 @@ __device__ __forceinline__ void mma_step(typename Frag<T>::Acc (&acc)[C::MT][C::
     if constexpr (C::HOPPER) {
         auto* d = &acc[0][0][0];
         const uint32_t sd_addr = (uint32_t)__cvta_generic_to_shared(sd);
-        wgmma_start<T, C::NT * 4>(d);
+        wgmma_fence();
 #pragma unroll
         for (int ks = 0; ks < C::KSTEPS; ++ks)
-            Wgmma<T, C::BD>::run(d, a[0][ks], wgmma_desc_sw128(sd_addr + (ks / 4) * C::BD * 128 + (ks % 4) * 32),
-                                 ks > 0 || Frag<T>::INT);
+            Wgmma<T, C::BD>::run(d, a[0][ks], wgmma_desc_sw128(sd_addr + (ks / 4) * C::BD * 128 + (ks % 4) * 32), ks > 0);
         wgmma_commit();
         overlap();
         wgmma_wait<0>();
@@ -378,7 +377,7 @@ __device__ __forceinline__ void mma_step(typename Frag<T>::Acc (&acc)[C::MT][C::
 #pragma unroll
         for (int nt = 0; nt < C::NT; ++nt)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) acc[mt][nt][e] = Frag<T>::ZERO;
+            for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0;
 #pragma unroll
     for (int ks = 0; ks < C::KSTEPS; ++ks) {
         uint32_t as[C::MT][Frag<T>::AREGS];
@@ -410,12 +409,10 @@ __device__ __forceinline__ void scale_similarities(float (&sim)[C::MT][C::NT][4]
 #pragma unroll
     for (int nt = 0; nt < C::NT; ++nt) {
         const float2 s = *reinterpret_cast<const float2*>(scale + nt * 8);
-        const float b0 = Dot8<T>::bias(s.x), b1 = Dot8<T>::bias(s.y);
 #pragma unroll
         for (int mt = 0; mt < C::MT; ++mt)
 #pragma unroll
-            for (int e = 0; e < 4; ++e)
-                sim[mt][nt][e] = Dot8<T>::sim(acc[mt][nt][e], e % 2 ? s.y : s.x, e % 2 ? b1 : b0);
+            for (int e = 0; e < 4; ++e) sim[mt][nt][e] = Dot8<T>::scaled(acc[mt][nt][e], e % 2 ? s.y : s.x);
     }
 }
 
@@ -775,8 +772,9 @@ __device__ __forceinline__ void maxsim_fwd_mma(const MaxSimParams& p) {
 // Hopper, warp-specialized (FlashAttention-3's split of mainloop, epilogue
 // and scheduler): a producer warp fills a ring of STAGES document tiles by
 // TMA, each stage signalled on its `full` mbarrier (1 + 32 arrivals: the TMA
-// issue with its bytes, then each producer lane after storing its masks and
-// 8-bit scales while the copy runs); the consumer
+// issue with its bytes, then each producer lane after storing its masks
+// while the copy runs; 8-bit tiles: + 32, each lane's cp.async of its token
+// scales landing, so that no load latency stalls the producer); the consumer
 // warpgroups (64 query rows each) wait on it, issue the tile's wgmma, run
 // the previous tile's epilogue while it is in flight (two accumulator sets),
 // and release the stage on its `empty` mbarrier, every consumer thread after
@@ -824,7 +822,6 @@ __device__ __forceinline__ void maxsim_fwd_ws(const MaxSimParams& p, const TmaMa
     __shared__ float rowval[2][C::BQ]; // a document's row maxima, double-buffered across documents
     __shared__ int row_q[C::BQ], row_s[C::BQ], q_lo[C::BQ], q_hi[C::BQ];
     __shared__ float row_scale[C::SCALED ? C::BQ : 1];
-    __shared__ __align__(16) float sbias[Frag<T>::INT ? C::STAGES * C::BD : 1]; // s8: Dot8's bias of each scale
     {   // src/cuda/maxsim_fwd.rs sizes this layout from kernels/tiles.def; a mismatch must fail loudly.
         uint32_t dyn;
         asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
@@ -833,7 +830,8 @@ __device__ __forceinline__ void maxsim_fwd_ws(const MaxSimParams& p, const TmaMa
     }
     const int tid = threadIdx.x, lane = tid % 32;
     if (tid == 0) {
-        for (int s = 0; s < C::STAGES; ++s) mbar_init(&full[s], 1 + 32), mbar_init(&empty[s], W::CONSUMERS);
+        for (int s = 0; s < C::STAGES; ++s)
+            mbar_init(&full[s], 1 + 32 + (C::SCALED ? 32 : 0)), mbar_init(&empty[s], W::CONSUMERS);
         mbar_init_fence();
     }
     __syncthreads();
@@ -873,14 +871,14 @@ __device__ __forceinline__ void maxsim_fwd_ws(const MaxSimParams& p, const TmaMa
                     if (p.d_valid || n < C::BD)
                         for (int r = lane; r < C::BD; r += 32)
                             smask[stage * C::BD + r] = r < n && (!p.d_valid || p.d_valid[start + r]);
+                    mbar_arrive(&full[stage]);
                     if constexpr (C::SCALED) {
                         for (int r = lane; r < C::BD; r += 32) {
-                            const float sc = r < n ? __ldg(p.d_scales + start + r) : 0.f;
-                            sscale[stage * C::BD + r] = sc;
-                            if (Frag<T>::INT) sbias[stage * C::BD + r] = Dot8<T>::bias(sc);
+                            const bool ok = r < n;
+                            cp_async4(sscale + stage * C::BD + r, p.d_scales + (ok ? start + r : 0), ok ? 4 : 0);
                         }
+                        mbar_arrive_cp_async(&full[stage]);
                     }
-                    mbar_arrive(&full[stage]);
                 }
         }
         return;
@@ -920,7 +918,7 @@ __device__ __forceinline__ void maxsim_fwd_ws(const MaxSimParams& p, const TmaMa
                 mbar_wait(&full[stage], (st.it / C::STAGES) & 1);
                 auto* d = &acc[0][0][0];
                 const uint32_t sd_addr = smem_u32(sd0 + stage * C::TILE_ELEMS);
-                wgmma_start<T, C::NT * 4>(d);
+                wgmma_start_biased<T, C::NT * 4>(d);
 #pragma unroll
                 for (int ks = 0; ks < C::KSTEPS; ++ks)
                     Wgmma<T, C::BD>::run(d, a[0][ks], wgmma_desc_sw128(sd_addr + (ks / 4) * C::BD * 128 + (ks % 4) * 32),
@@ -941,11 +939,10 @@ __device__ __forceinline__ void maxsim_fwd_ws(const MaxSimParams& p, const TmaMa
 #pragma unroll
                     for (int nt = 0; nt < C::NT; ++nt) {
                         const float2 sc = *reinterpret_cast<const float2*>(sscale + tcol + nt * 8);
-                        const float2 bi = Frag<T>::INT ? *reinterpret_cast<const float2*>(sbias + tcol + nt * 8)
-                                                       : make_float2(0.f, 0.f);
+                        const float b0 = Dot8<T>::bias(sc.x), b1 = Dot8<T>::bias(sc.y);
 #pragma unroll
                         for (int e = 0; e < 4; ++e)
-                            sim[0][nt][e] = Dot8<T>::sim(acc[0][nt][e], e % 2 ? sc.y : sc.x, e % 2 ? bi.y : bi.x);
+                            sim[0][nt][e] = Dot8<T>::biased(acc[0][nt][e], e % 2 ? sc.y : sc.x, e % 2 ? b1 : b0);
                     }
                     epi.update(sim, col0, full_tile, smask + tcol, keep);
                 } else {

@@ -68,9 +68,6 @@ template <typename T> struct Frag {
     static constexpr int K = 32 / (int)sizeof(T), AREGS = 4;
     static constexpr bool INT = std::is_same<T, int8_t>::value;
     using Acc = typename std::conditional<INT, int32_t, float>::type;
-    // The accumulators' start: 0, or for s8 the bits of the F32 1.5 * 2^23
-    // (see Dot8).
-    static constexpr Acc ZERO = INT ? (Acc)0x4B400000 : (Acc)0;
     static __device__ __forceinline__ void load_a(uint32_t* a, const T* s, int srow, int ra, int col0, int c) {
         const T* p = s + ra * srow + col0 + (4 / (int)sizeof(T)) * c;
         a[0] = *reinterpret_cast<const uint32_t*>(p);
@@ -84,26 +81,33 @@ template <typename T> struct Frag {
     }
 };
 
-// The similarity of an 8-bit dot product: s * dot, s the document token's
-// scale, b = bias(s) precomputed with it.
-//  s8: the s32 accumulators start at the bits of the F32 1.5 * 2^23 (ZERO), so
-//      they end as the F32 1.5 * 2^23 + dot, exactly while |dot| < 2^22 (dims
-//      up to 256 at |v| <= 128), and one FFMA with b = -1.5 * 2^23 * s gives
-//      s * dot: no int-to-float conversion beside the max (I2FP is an ALU op,
-//      as FMNMX is). b is exact, and the FFMA rounds s * dot once as an F32
-//      product would, when s has at most 22 significant bits (quantize's
-//      scales); otherwise b's rounding adds at most |s|.
-//  e4m3: F32 accumulators; s * acc.
+// The similarity of an 8-bit dot product, s * dot (s the document token's
+// scale), from a tile's accumulators:
+//  scaled(acc, s): s32 accumulators converted exactly (|dot| < 2^24), one
+//      I2FP and one FMUL; e4m3's F32 ones, one FMUL.
+//  biased(acc, s, bias(s)): s32 accumulators that started at BIASED_ZERO,
+//      the bits of the F32 1.5 * 2^23, end as the F32 1.5 * 2^23 + dot,
+//      exactly while |dot| < 2^22 (dims up to 256 at |v| <= 128); one FFMA
+//      with bias(s) = -1.5 * 2^23 * s gives s * dot without the I2FP, an
+//      ALU op as the max's FMNMX is. bias(s) is exact, and the FFMA rounds
+//      once as `scaled` does, when s has at most 22 significant bits
+//      (quantize's scales); otherwise bias's rounding adds at most |s|. The
+//      start value costs one IMAD.MOV per similarity (FMA pipe): the
+//      warp-specialized tiles, whose epilogue is issue- and ALU-bound, take
+//      it; the others convert.
 template <typename T> struct Dot8;
 template <> struct Dot8<int8_t> {
+    static constexpr int32_t BIASED_ZERO = 0x4B400000;
+    static __device__ __forceinline__ float scaled(int32_t acc, float s) { return (float)acc * s; }
     static __device__ __forceinline__ float bias(float s) { return -12582912.f * s; }
-    static __device__ __forceinline__ float sim(int32_t acc, float s, float b) {
+    static __device__ __forceinline__ float biased(int32_t acc, float s, float b) {
         return fmaf(__int_as_float(acc), s, b);
     }
 };
 template <> struct Dot8<__nv_fp8_e4m3> {
+    static __device__ __forceinline__ float scaled(float acc, float s) { return acc * s; }
     static __device__ __forceinline__ float bias(float) { return 0.f; }
-    static __device__ __forceinline__ float sim(float acc, float s, float) { return acc * s; }
+    static __device__ __forceinline__ float biased(float acc, float s, float) { return acc * s; }
 };
 
 #if __CUDA_ARCH__ >= 800
@@ -125,7 +129,6 @@ __device__ __forceinline__ void mma_tf32(float* c, const uint32_t* a, const uint
 template <> struct Frag<float> { // m16n8k8 tf32; A kept split: a[0..3] hi, a[4..7] lo
     static constexpr int K = 8, AREGS = 8;
     using Acc = float;
-    static constexpr Acc ZERO = 0.f;
     static __device__ __forceinline__ void load_a(uint32_t* a, const float* s, int srow, int ra, int col0, int c) {
         const float* p = s + ra * srow + col0 + c;
         const float x[4] = {p[0], p[8 * srow], p[4], p[8 * srow + 4]};
@@ -172,13 +175,13 @@ __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_grou
 template <int N> __device__ __forceinline__ void wgmma_wait() {
     asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 }
-// Before a tile's first wgmma: the s8 accumulators' start value (Frag::ZERO;
-// the others are overwritten by the first wgmma), then the fence that orders
-// register writes before the tensor cores read them.
-template <typename T, int N, typename Acc> __device__ __forceinline__ void wgmma_start(Acc* d) {
+// Before a tile's first wgmma, for Dot8::biased: the s8 accumulators' start
+// value (the others are overwritten by the first wgmma), then the fence
+// that orders register writes before the tensor cores read them.
+template <typename T, int N, typename Acc> __device__ __forceinline__ void wgmma_start_biased(Acc* d) {
     if constexpr (Frag<T>::INT) {
 #pragma unroll
-        for (int i = 0; i < N; ++i) d[i] = Frag<T>::ZERO;
+        for (int i = 0; i < N; ++i) d[i] = Dot8<T>::BIASED_ZERO;
     }
     wgmma_fence();
 }
