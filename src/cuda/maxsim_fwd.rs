@@ -636,8 +636,8 @@ fn static_config(info: &DeviceInfo, pb: &Problem, dtype: DType, fits: &[TileConf
         // Hopper, f16 / bf16 / 8-bit.
         if list {
             "narrow" // KD lists of 32-token queries: narrow best or within 8 % (K 8 and 32, Ld 180)
-        } else if ws && rows > 64 && ld > 128 && (dtype != DType::F8E4M3 || ld > 1024) {
-            "hws" // scores 1.04-1.41x the rule below on every grid, scan and long document of Ld >= 256 (colpali 1.27x); argmax 1.05-1.37x, at Lq 32 / Ld 256 1.03-1.15x; Ld 128 leaves one tile per document to overlap (64 x 5000: argmax 0.86x); I8 1.00-1.17x (colpali 1.10x); e4m3 1.34x at Ld 8192, 0.95-1.02x at Ld 256-1024
+        } else if ws && rows > 64 && ld > 128 && (dtype != DType::F8E4M3 || ld > 256) {
+            "hws" // scores 1.04-1.41x the rule below on every grid, scan and long document of Ld >= 256 (colpali 1.27x); argmax 1.05-1.37x, at Lq 32 / Ld 256 1.03-1.15x; Ld 128 leaves one tile per document to overlap (64 x 5000: argmax 0.86x); I8 1.00-1.17x (colpali 1.10x); e4m3 1.00-1.10x at Ld 300-8192, 0.95x at Ld 256
         } else if ld <= 64 && rows <= 64 {
             "hsmall" // 64-row document tiles: a 128-row tile would be half padding
         } else if ld <= 64 {
