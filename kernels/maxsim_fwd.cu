@@ -321,19 +321,24 @@ __device__ __forceinline__ void zero_outputs(const MaxSimParams& p, const BlockW
         p.out[(size_t)(w.q_begin + k / ndb) * p.nd + w.d_begin + k % ndb] = 0.f;
 }
 
+// A query's rows within a query-row chunk: tile rows [lo, hi); `first`: the
+// chunk holds its first row, and stores its sums (later chunks add to them).
+struct ChunkQuery {
+    int lo, hi;
+    bool first;
+};
+
 // Row metadata of the block's query rows [r0, r1), by threads [0, nthreads)
 // once row_q holds -1: each tile row's query (-1: masked; padding keeps the
 // -1), its position in the query and, for 8-bit rows, its scale; each
-// query's tile rows [q_lo, q_hi).
+// query's ChunkQuery.
 template <bool SCALED>
 __device__ __forceinline__ void chunk_rows(const MaxSimParams& p, const BlockWork& w, int r0, int r1, int tid,
-                                           int nthreads, int* row_q, int* row_s, int* q_lo, int* q_hi,
-                                           float* row_scale) {
+                                           int nthreads, int* row_q, int* row_s, ChunkQuery* cq, float* row_scale) {
     for (int qi = tid; qi < w.q_end - w.q_begin; qi += nthreads) {
         const Range rr = q_rows(p, w.q_begin + qi);
         const int lo = max(rr.begin, r0) - r0, hi = max(min(rr.end, r1) - r0, lo);
-        q_lo[qi] = lo;
-        q_hi[qi] = hi;
+        cq[qi] = ChunkQuery{lo, hi, rr.begin >= r0};
         for (int r = lo; r < hi; ++r) {
             const bool ok = !p.q_valid || p.q_valid[r0 + r];
             row_q[r] = ok ? w.q_begin + qi : -1;
@@ -341,6 +346,25 @@ __device__ __forceinline__ void chunk_rows(const MaxSimParams& p, const BlockWor
             if constexpr (SCALED) {
                 row_scale[r] = p.q_scales[r0 + r];
             }
+        }
+    }
+}
+
+// End of document j: each query's sum of its row maxima `rowval` in this
+// chunk, one warp per query, into its output. The query's first chunk stores
+// it (no read of the output on the common path); later chunks add to it.
+template <int NWARPS>
+__device__ __forceinline__ void doc_scores(const MaxSimParams& p, const BlockWork& w, const ChunkQuery* cq,
+                                           const float* rowval, int j, int warp, int lane) {
+    for (int qi = warp; qi < w.q_end - w.q_begin; qi += NWARPS) {
+        const ChunkQuery q = cq[qi];
+        float s = 0.f;
+        for (int r = q.lo + lane; r < q.hi; r += 32) s += rowval[r];
+        s = warp_sum(s);
+        if (lane == 0 && q.hi > q.lo) {
+            float* o = p.out + out_index(p, w, w.q_begin + qi, j);
+            if (q.first) *o = s;
+            else *o += s;
         }
     }
 }
@@ -617,7 +641,7 @@ __device__ __forceinline__ void maxsim_fwd_mma(const MaxSimParams& p) {
     __shared__ int red_i[ARGMAX ? C::WN : 1][C::BQ];
     __shared__ float rowval[C::BQ];
     __shared__ int row_q[C::BQ], row_s[C::BQ]; // query of each tile row (-1: padding or masked), position
-    __shared__ int q_lo[C::BQ], q_hi[C::BQ];   // tile rows of each query of the group
+    __shared__ ChunkQuery cq[C::BQ];           // rows of each query of the group
     __shared__ float row_scale[C::SCALED ? C::BQ : 1]; // 8-bit: each tile row's query-token scale
     T* sq = sbuf;               // [BQ, SROW] query staging (mma.sync only)
     T* sd0 = sbuf + C::Q_ELEMS; // STAGES document tiles
@@ -635,7 +659,6 @@ __device__ __forceinline__ void maxsim_fwd_mma(const MaxSimParams& p) {
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int wm = warp / C::WN, wn = warp % C::WN;
     const int g = lane / 4, c = lane % 4;
-    const int nqg = w.q_end - w.q_begin;
     zero_outputs(p, w, tid, C::NTHREADS);
     loader.init();
     __syncthreads();
@@ -647,7 +670,7 @@ __device__ __forceinline__ void maxsim_fwd_mma(const MaxSimParams& p) {
         // Row metadata of this chunk.
         for (int r = tid; r < C::BQ; r += C::NTHREADS) row_q[r] = -1;
         __syncthreads();
-        chunk_rows<C::SCALED>(p, w, r0, r1, tid, C::NTHREADS, row_q, row_s, q_lo, q_hi, row_scale);
+        chunk_rows<C::SCALED>(p, w, r0, r1, tid, C::NTHREADS, row_q, row_s, cq, row_scale);
         // A step's tile, and the validity of its columns (read by the epilogue
         // only for masked or partial tiles).
         auto issue = [&](int stage, const DocSteps<C>& s) {
@@ -754,12 +777,7 @@ __device__ __forceinline__ void maxsim_fwd_mma(const MaxSimParams& p) {
                         argmax_store(p, (size_t)out_index(p, w, qa, j) * p.max_lq + row_s[r], iv);
                 }
                 __syncthreads();
-                for (int qi = warp; qi < nqg; qi += C::NWARPS) {
-                    float s = 0.f;
-                    for (int r = q_lo[qi] + lane; r < q_hi[qi]; r += 32) s += rowval[r];
-                    s = warp_sum(s);
-                    if (lane == 0 && q_hi[qi] > q_lo[qi]) p.out[out_index(p, w, w.q_begin + qi, j)] += s;
-                }
+                doc_scores<C::NWARPS>(p, w, cq, rowval, j, warp, lane);
             }
             at.advance(p);
         }
@@ -820,7 +838,8 @@ __device__ __forceinline__ void maxsim_fwd_ws(const MaxSimParams& p, const TmaMa
     float* sscale = reinterpret_cast<float*>(smask + C::MASK_BYTES);
     __shared__ __align__(8) uint64_t full[C::STAGES], empty[C::STAGES];
     __shared__ float rowval[2][C::BQ]; // a document's row maxima, double-buffered across documents
-    __shared__ int row_q[C::BQ], row_s[C::BQ], q_lo[C::BQ], q_hi[C::BQ];
+    __shared__ int row_q[C::BQ], row_s[C::BQ];
+    __shared__ ChunkQuery cq[C::BQ];
     __shared__ float row_scale[C::SCALED ? C::BQ : 1];
     {   // src/cuda/maxsim_fwd.rs sizes this layout from kernels/tiles.def; a mismatch must fail loudly.
         uint32_t dyn;
@@ -893,7 +912,6 @@ __device__ __forceinline__ void maxsim_fwd_ws(const MaxSimParams& p, const TmaMa
     int buf = 0;
     for (int b = blockIdx.x; b < nwork; b += gridDim.x) {
         const BlockWork w = block_work(p, b);
-        const int nqg = w.q_end - w.q_begin;
         zero_outputs(p, w, tid, W::CONSUMERS);
         int grow0;
         const int nch = chunks(w, grow0), grow1 = q_rows(p, w.q_end - 1).end;
@@ -902,7 +920,7 @@ __device__ __forceinline__ void maxsim_fwd_ws(const MaxSimParams& p, const TmaMa
             consumers_sync(); // the previous chunk's row metadata is read
             for (int r = tid; r < C::BQ; r += W::CONSUMERS) row_q[r] = -1;
             consumers_sync();
-            chunk_rows<C::SCALED>(p, w, r0, r1, tid, W::CONSUMERS, row_q, row_s, q_lo, q_hi, row_scale);
+            chunk_rows<C::SCALED>(p, w, r0, r1, tid, W::CONSUMERS, row_q, row_s, cq, row_scale);
             // This warp's A fragments (rows 16 * warp + g, + 8).
             uint32_t a[1][C::KSTEPS][Frag<T>::AREGS];
             q_frags(a[0], Q, r0 + warp * 16 + g, r1, c, p);
@@ -981,12 +999,7 @@ __device__ __forceinline__ void maxsim_fwd_ws(const MaxSimParams& p, const TmaMa
                     epi.reset(0, h);
                 }
                 consumers_sync();
-                for (int qi = warp; qi < nqg; qi += C::NWARPS) {
-                    float s = 0.f;
-                    for (int r = q_lo[qi] + lane; r < q_hi[qi]; r += 32) s += rowval[buf][r];
-                    s = warp_sum(s);
-                    if (lane == 0 && q_hi[qi] > q_lo[qi]) p.out[out_index(p, w, w.q_begin + qi, st.j)] += s;
-                }
+                doc_scores<C::NWARPS>(p, w, cq, rowval[buf], st.j, warp, lane);
                 buf ^= 1; // the next document's maxima go to the other buffer: no second barrier
             };
             DocSteps<C> at(p, w.d_begin, w.d_end);

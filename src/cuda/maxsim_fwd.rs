@@ -638,6 +638,8 @@ fn static_config(info: &DeviceInfo, pb: &Problem, dtype: DType, fits: &[TileConf
             "narrow" // KD lists of 32-token queries: narrow best or within 8 % (K 8 and 32, Ld 180)
         } else if ws && rows > 64 && ld > 128 && (dtype != DType::F8E4M3 || ld > 256) {
             "hws" // scores 1.04-1.41x the rule below on every grid, scan and long document of Ld >= 256 (colpali 1.27x); argmax 1.05-1.37x, at Lq 32 / Ld 256 1.03-1.15x; Ld 128 leaves one tile per document to overlap (64 x 5000: argmax 0.86x); I8 1.00-1.17x (colpali 1.10x); e4m3 1.00-1.10x at Ld 300-8192, 0.95x at Ld 256
+        } else if ws && ld <= 64 && rows > 64 && blocks >= 4 * sms && dtype != DType::U8 {
+            "hws64" // grids and scans of short documents (32 x 10 000 and 256 x 256, Lq 32, Ld 64): bf16 1.18-1.19x `large`, e4m3 1.26-1.27x `hlarge`; I8's `large` 1.27x faster than hws64; 16 x 16 grids too small
         } else if ld <= 64 && rows <= 64 {
             "hsmall" // 64-row document tiles: a 128-row tile would be half padding
         } else if ld <= 64 {
