@@ -2,7 +2,7 @@
 # One GPU benchmark table: this crate's bench binary and the peers back to back
 # on the same GPU, then the markdown table (bench/table.py).
 #
-#   bench/gpu.sh forward|int8|train|plaid|head
+#   bench/gpu.sh forward|families|int8|train|plaid|head
 #
 # What it needs on the GPU machine:
 #   - the bench binary: `cargo build --release --features cuda --example bench`
@@ -22,19 +22,21 @@
 #   WHEELS     folder of peer wheels to install first (default: none)
 #   SITE       install target for them (default: /tmp/candle-maxsim-peers)
 #   RESULTS    folder for the raw JSON lines (default: a new temporary folder)
+#   BEFORE_BIN families only: an earlier build's bench binary, timed in the
+#              same invocation for the before/after columns (default: none)
 #
 # Ours is timed before and after the peers; table.py shows the slower run.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
-usage="usage: bench/gpu.sh forward|int8|train|plaid|head"
+usage="usage: bench/gpu.sh forward|families|int8|train|plaid|head"
 workload=${1:?$usage}
-case $workload in forward | int8 | train | plaid | head) ;; *) echo "$usage" >&2; exit 2 ;; esac
+case $workload in forward | families | int8 | train | plaid | head) ;; *) echo "$usage" >&2; exit 2 ;; esac
 B=${BENCH_BIN:-$here/../target/release/examples/bench}
 [ -x "$B" ] || { echo "no bench binary at $B: build it (see the top of $0) or set BENCH_BIN" >&2; exit 1; }
 out=${RESULTS:-$(mktemp -d)}
 mkdir -p "$out"
 
-if [ "$workload" != head ] && [ "$workload" != int8 ]; then
+if [ "$workload" != head ] && [ "$workload" != int8 ] && [ "$workload" != families ]; then
     if [ -n "${WHEELS:-}" ]; then
         SITE=${SITE:-/tmp/candle-maxsim-peers}
         python3 -m pip install -q --no-index --no-deps --target "$SITE" "$WHEELS"/*.whl
@@ -67,6 +69,23 @@ forward)
     "$B" --iters 50 --no-reference --dtype f32 "${inbatch[@]}" > "$out/forward_f32.jsonl"
     files=("$out"/forward.jsonl "$out"/forward_dims.jsonl "$out"/forward_f32.jsonl
         "$out"/peers_forward.jsonl "$out"/peers_forward_dims.jsonl)
+    ;;
+families)
+    # No peer: scores and argmax forward (bf16, dim 128 unless given) on the
+    # standard shapes and the families the static rule treats apart (short
+    # documents, small dims, mid-size grids), twice, with BEFORE_BIN's first.
+    shapes=(--shape 128,128,128,1024,128 --shape 256,256,32,256,128 --shape 1,1000,32,300,128
+        --shape 1,1000,128,1024,128 --shape 16,32,32,8192,128 --shape 32,10000,32,256,128
+        --shape 32,10000,32,64,128 --shape 64,5000,16,128,128 --shape 128,2000,32,256,128
+        --shape 256,256,32,256,96 --shape 256,256,32,256,48 --shape 64,2000,32,300,96
+        --shape 64,64,32,300,128 --shape 32,32,32,300,128 --shape 256,256,32,64,128)
+    for _ in 1 2; do
+        if [ -n "${BEFORE_BIN:-}" ]; then
+            "$BEFORE_BIN" --iters 30 --no-reference --argmax "${shapes[@]}" | sed 's/^{/{"build":"before",/'
+        fi
+        "$B" --iters 30 --no-reference --argmax "${shapes[@]}"
+    done > "$out/forward_families.jsonl"
+    files=("$out"/forward_families.jsonl)
     ;;
 int8)
     # No peer: maxsim_quantized (I8, and e4m3 on Hopper) against this crate's

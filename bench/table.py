@@ -2,7 +2,7 @@
 benches/cpu.rs) and the peers' (bench/peers.py, bench/peers_plaid.py,
 bench/cpu_peers.py), all passed together.
 
-    python3 bench/table.py forward|train|plaid|head|cpu FILE.jsonl...   (- reads stdin)
+    python3 bench/table.py forward|families|int8|train|plaid|head|cpu FILE.jsonl...   (- reads stdin)
     python3 bench/table.py forward bench/results/h200-2026-11-30/*forward*.jsonl
 
 Lines that are not JSON objects are ignored; lines with an "error" field are
@@ -325,10 +325,33 @@ def cpu(rows):
     md(head, body)
 
 
+def families(rows):
+    """Scores and argmax forward per shape; rows tagged "build": "before" (an
+    earlier build, timed in the same invocation) add the before/after ratios."""
+    t = Times(rows, lambda r: (tuple(r["shape"]), r.get("build", "after")))
+    shapes = list(dict.fromkeys(k[0] for k in t.keys()))
+    before = any(k[1] == "before" for k in t.keys())
+    head = ["Nq,Nd,Lq,Ld,dim", "scores ms", "TFLOP/s", "scores / floor", "argmax ms", "argmax / scores"]
+    if before:
+        head += ["scores before ms", "scores after vs before", "argmax after vs before"]
+    body = []
+    for sh in shapes:
+        s, a = t.ms((sh, "after"), "fused"), t.ms((sh, "after"), "fused_argmax")
+        fl, _ = dense_floor(sh, "bf16")
+        line = [",".join(map(str, sh)), f_ms(s), f"{2 * math.prod(sh) / (s * 1e-3) / 1e12:.0f}", f"{s / fl:.2f}"]
+        line += [f_ms(a), f"{a / s:.2f}" if a else "–"]
+        if before:
+            sb, ab = t.ms((sh, "before"), "fused"), t.ms((sh, "before"), "fused_argmax")
+            line += [f_ms(sb), f_x(s, sb), f_x(a, ab)]
+        body.append(line)
+    md(head, body)
+
+
+
 def main():
-    if len(sys.argv) < 3 or sys.argv[1] not in ("forward", "int8", "train", "plaid", "head", "cpu"):
+    if len(sys.argv) < 3 or sys.argv[1] not in ("forward", "families", "int8", "train", "plaid", "head", "cpu"):
         sys.exit(__doc__)
-    {"forward": forward, "int8": int8, "train": train, "plaid": plaid, "head": head, "cpu": cpu}[sys.argv[1]](load(sys.argv[2:]))
+    {"forward": forward, "families": families, "int8": int8, "train": train, "plaid": plaid, "head": head, "cpu": cpu}[sys.argv[1]](load(sys.argv[2:]))
 
 
 if __name__ == "__main__":
