@@ -643,7 +643,7 @@ fn static_config(info: &DeviceInfo, pb: &Problem, dtype: DType, fits: &[TileConf
         } else if ld <= 64 && rows <= 64 {
             "hsmall" // 64-row document tiles: a 128-row tile would be half padding
         } else if ld <= 64 {
-            "large" // grids of short documents: large best from 16x16 to 256x256 and 32 x 10 000, Lq 32, Ld 64
+            "large" // I8 and small grids of short documents: large best of the non-warp-specialized tiles from 16x16 to 256x256 and 32 x 10 000, Lq 32, Ld 64
         } else if rows <= 64 && waste(128) > waste(64) * 11 / 10 {
             "hsmall" // one query against documents 64-row tiles fit better (Ld 300: hsmall best, hmid 1.03-1.06x)
         } else if rows <= 64 {
