@@ -347,7 +347,6 @@ def families(rows):
     md(head, body)
 
 
-
 def main():
     if len(sys.argv) < 3 or sys.argv[1] not in ("forward", "families", "int8", "train", "plaid", "head", "cpu"):
         sys.exit(__doc__)
