@@ -134,6 +134,15 @@ template <typename C> struct DocSteps {
     }
 };
 
+// A step as the warp-specialized producer hands it to the consumers with its
+// tile (one per ring stage, written before the stage's `full` arrival): the
+// consumers read it instead of walking the documents' offsets themselves.
+enum : uint32_t { STEP_DOC_LAST = 1, STEP_CHUNK_LAST = 2 };
+struct __align__(16) StepInfo {
+    int j, col0, n;  // document, its column of the tile's first row, valid rows
+    uint32_t flags;  // STEP_DOC_LAST: the document's last tile; STEP_CHUNK_LAST: the query chunk's last step
+};
+
 // ---------------------------------------------------------------------------
 // Loader policies: how a step's document tile reaches its pipeline stage. The
 // mainloop calls, in order:
@@ -790,8 +799,8 @@ __device__ __forceinline__ void maxsim_fwd_mma(const MaxSimParams& p) {
 // Hopper, warp-specialized (FlashAttention-3's split of mainloop, epilogue
 // and scheduler): a producer warp fills a ring of STAGES document tiles by
 // TMA, each stage signalled on its `full` mbarrier (1 + 32 arrivals: the TMA
-// issue with its bytes, then each producer lane after storing its masks
-// while the copy runs; 8-bit tiles: + 32, each lane's cp.async of its token
+// issue with its bytes, then each producer lane after storing its masks and,
+// lane 0, the step's StepInfo, while the copy runs; 8-bit tiles: + 32, each lane's cp.async of its token
 // scales landing, so that no load latency stalls the producer); the consumer
 // warpgroups (64 query rows each) wait on it, issue the tile's wgmma, run
 // the previous tile's epilogue while it is in flight (two accumulator sets),
@@ -837,6 +846,7 @@ __device__ __forceinline__ void maxsim_fwd_ws(const MaxSimParams& p, const TmaMa
     uint8_t* smask = base + C::STAGES * C::TILE_ELEMS * sizeof(T);
     float* sscale = reinterpret_cast<float*>(smask + C::MASK_BYTES);
     __shared__ __align__(8) uint64_t full[C::STAGES], empty[C::STAGES];
+    __shared__ StepInfo sstep[C::STAGES];
     __shared__ float rowval[2][C::BQ]; // a document's row maxima, double-buffered across documents
     __shared__ int row_q[C::BQ], row_s[C::BQ];
     __shared__ ChunkQuery cq[C::BQ];
@@ -872,13 +882,16 @@ __device__ __forceinline__ void maxsim_fwd_ws(const MaxSimParams& p, const TmaMa
             int grow0;
             const int nch = chunks(w, grow0);
             for (int ch = 0; ch < nch; ++ch)
-                for (DocSteps<C> s(p, w.d_begin, w.d_end); s.more(); s.advance(p), ++it) {
+                for (DocSteps<C> s(p, w.d_begin, w.d_end); s.more(); ++it) {
                     const int stage = it % C::STAGES;
                     mbar_wait(&empty[stage], ((it / C::STAGES) & 1) ^ 1);
                     int start, n;
                     s.rows(p, start, n);
-                    // The tile's TMA first, then the masks and scales (global
-                    // loads the copy need not wait for), then each lane's arrival.
+                    const int j = s.j, col0 = s.k * C::BD;
+                    s.advance(p);
+                    // The tile's TMA first, then its step, masks and scales
+                    // (global loads the copy need not wait for), then each
+                    // lane's arrival.
                     if (lane == 0) {
                         mbar_arrive_tx(&full[stage], W::STAGE_BYTES);
                         T* tile = sd0 + stage * C::TILE_ELEMS;
@@ -886,6 +899,8 @@ __device__ __forceinline__ void maxsim_fwd_ws(const MaxSimParams& p, const TmaMa
                         for (int pn = 0; pn < W::PANELS; ++pn)
                             tma_load_2d(tile + pn * C::BD * (128 / sizeof(T)), dmap, &full[stage],
                                         pn * (128 / (int)sizeof(T)), start);
+                        sstep[stage] = StepInfo{j, col0, n,
+                                                (s.j != j ? STEP_DOC_LAST : 0u) | (s.more() ? 0u : STEP_CHUNK_LAST)};
                     }
                     if (p.d_valid || n < C::BD)
                         for (int r = lane; r < C::BD; r += 32)
@@ -908,6 +923,7 @@ __device__ __forceinline__ void maxsim_fwd_ws(const MaxSimParams& p, const TmaMa
     const T* Q = static_cast<const T*>(p.q);
     const int warp = tid / 32, g = lane / 4, c = lane % 4;
     auto consumers_sync = [] { named_barrier(1, W::CONSUMERS); };
+    const uint32_t full_addr = smem_u32(full), empty_addr = smem_u32(empty), desc_lo = wgmma_desc_lo(smem_u32(sd0));
     uint32_t it = 0;
     int buf = 0;
     for (int b = blockIdx.x; b < nwork; b += gridDim.x) {
@@ -929,19 +945,22 @@ __device__ __forceinline__ void maxsim_fwd_ws(const MaxSimParams& p, const TmaMa
             Epilogue epi;
             epi.reset(0, 0), epi.reset(0, 1);
             const uint32_t keep = p.dim >= 0 ? ~(uint32_t)Epilogue::PLOW : 0u;
-            // A step: document j's tile k of n rows (its last if `last`), in ring slot it.
-            struct Step { int j, k, n; bool last; uint32_t it; };
-            auto issue = [&](Acc (&acc)[1][C::NT][4], const Step& st) {
-                const int stage = st.it % C::STAGES;
-                mbar_wait(&full[stage], (st.it / C::STAGES) & 1);
+            // A step: the producer's StepInfo of ring slot it.
+            struct Step { StepInfo s; uint32_t it; };
+            // Waits for the next slot's tile, issues its wgmma and returns its step.
+            auto issue = [&](Acc (&acc)[1][C::NT][4]) {
+                const uint32_t stage = it % C::STAGES;
+                mbar_wait(full_addr + stage * 8, (it / C::STAGES) & 1);
+                const Step st{sstep[stage], it++};
                 auto* d = &acc[0][0][0];
-                const uint32_t sd_addr = smem_u32(sd0 + stage * C::TILE_ELEMS);
+                const uint32_t lo = desc_lo + stage * (W::STAGE_BYTES >> 4);
                 wgmma_start_biased<T, C::NT * 4>(d);
 #pragma unroll
                 for (int ks = 0; ks < C::KSTEPS; ++ks)
-                    Wgmma<T, C::BD>::run(d, a[0][ks], wgmma_desc_sw128(sd_addr + (ks / 4) * C::BD * 128 + (ks % 4) * 32),
+                    Wgmma<T, C::BD>::run(d, a[0][ks], wgmma_desc_sw128_lo(lo + ((ks / 4) * C::BD * 128 + (ks % 4) * 32) / 16),
                                          ks > 0 || Frag<T>::INT);
                 wgmma_commit();
+                return st;
             };
             // 8-bit: this thread's document-token scales of a step, read
             // before the wait for its wgmma (in the SASS, ptxas keeps shared
@@ -961,8 +980,8 @@ __device__ __forceinline__ void maxsim_fwd_ws(const MaxSimParams& p, const TmaMa
             // barrier) the per-query sums.
             auto consume = [&](Acc (&acc)[1][C::NT][4], const Step& st, const Scales& scales) {
                 const int stage = st.it % C::STAGES;
-                const int col0 = st.k * C::BD + 2 * c, tcol = stage * C::BD + 2 * c;
-                const bool full_tile = st.n == C::BD && !p.d_valid;
+                const int col0 = st.s.col0 + 2 * c, tcol = stage * C::BD + 2 * c;
+                const bool full_tile = st.s.n == C::BD && !p.d_valid;
                 if constexpr (C::SCALED) {
                     // In place: the set becomes its F32 similarities (a
                     // second array spills beside the two sets).
@@ -979,8 +998,8 @@ __device__ __forceinline__ void maxsim_fwd_ws(const MaxSimParams& p, const TmaMa
                 } else {
                     epi.update(acc, col0, full_tile, smask + tcol, keep);
                 }
-                mbar_arrive(&empty[stage]); // this thread is done with the stage
-                if (!st.last) return;
+                mbar_arrive(empty_addr + stage * 8); // this thread is done with the stage
+                if (!(st.s.flags & STEP_DOC_LAST)) return;
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     float mv = epi.m[0][h];
@@ -994,36 +1013,26 @@ __device__ __forceinline__ void maxsim_fwd_ws(const MaxSimParams& p, const TmaMa
                     if (c == 0) {
                         rowval[buf][r] = qa >= 0 && has ? mv : 0.f;
                         if (ARGMAX && qa >= 0 && has)
-                            argmax_store(p, (size_t)out_index(p, w, qa, st.j) * p.max_lq + row_s[r], iv);
+                            argmax_store(p, (size_t)out_index(p, w, qa, st.s.j) * p.max_lq + row_s[r], iv);
                     }
                     epi.reset(0, h);
                 }
                 consumers_sync();
-                doc_scores<C::NWARPS>(p, w, cq, rowval[buf], st.j, warp, lane);
+                doc_scores<C::NWARPS>(p, w, cq, rowval[buf], st.s.j, warp, lane);
                 buf ^= 1; // the next document's maxima go to the other buffer: no second barrier
             };
-            DocSteps<C> at(p, w.d_begin, w.d_end);
-            auto next_step = [&]() {
-                const Range dr = d_rows(p, at.j);
-                const int ntiles = (dr.end - dr.begin + C::BD - 1) / C::BD;
-                const Step st{at.j, at.k, min(C::BD, dr.end - dr.begin - at.k * C::BD), at.k == ntiles - 1, it++};
-                at.advance(p);
-                return st;
-            };
-            if (!at.more()) continue;
+            if (!DocSteps<C>(p, w.d_begin, w.d_end).more()) continue; // no step in this chunk
             // Step i's wgmma runs while step i-1's epilogue does: two
             // accumulator sets, alternated by unrolling the loop by two. Each
             // step is straight-line with its wgmma unconditional: with the
             // issue under a branch, ptxas 13.0 waits after every wgmma
             // (WARPGROUP.DEPBAR per HGMMA in the SASS) and nothing overlaps.
             Acc acc0[1][C::NT][4], acc1[1][C::NT][4];
-            Step pending = next_step();
-            issue(acc0, pending);
+            Step pending = issue(acc0);
             auto step = [&](Acc (&cur)[1][C::NT][4], Acc (&prev)[1][C::NT][4]) {
-                const Step st = next_step();
                 Scales sc;
                 load_scales(sc, pending);
-                issue(cur, st);
+                const Step st = issue(cur);
                 wgmma_wait<1>();
                 fence_regs<C::NT * 4>(&prev[0][0][0]);
                 consume(prev, pending, sc);
@@ -1037,12 +1046,12 @@ __device__ __forceinline__ void maxsim_fwd_ws(const MaxSimParams& p, const TmaMa
                 consume(prev, pending, sc);
             };
             for (;;) {
-                if (!at.more()) {
+                if (pending.s.flags & STEP_CHUNK_LAST) {
                     last(acc0);
                     break;
                 }
                 step(acc1, acc0);
-                if (!at.more()) {
+                if (pending.s.flags & STEP_CHUNK_LAST) {
                     last(acc1);
                     break;
                 }

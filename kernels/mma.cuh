@@ -162,13 +162,23 @@ template <> struct Frag<float> { // m16n8k8 tf32; A kept split: a[0..3] hi, a[4.
 // Swizzled tile of rows with 64 two-byte elements per 128-byte row (K-major
 // B operand): 16-byte chunk c of row r sits at chunk c ^ (r % 8). Wider rows
 // are stored as consecutive [rows, 64] panels. The tile base is 1024-aligned.
+//
+// Tiles and K steps within one region differ only in the start address, so
+// a loop keeps the low word (start address >> 4, leading byte offset) and
+// adds byte offsets >> 4 to it: 1 integer add per wgmma instead of the 3 of
+// masking, shifting and or-ing an address (no carry: shared addresses are
+// below 2^18).
+__device__ __forceinline__ uint32_t wgmma_desc_lo(uint32_t smem_addr) {
+    return ((smem_addr & 0x3FFFF) >> 4)   // start address
+           | (1u << 16);                    // leading byte offset (unused with swizzle)
+}
+__device__ __forceinline__ uint64_t wgmma_desc_sw128_lo(uint32_t lo) {
+    constexpr uint32_t HI = (1024 >> 4)    // stride byte offset: 8 rows x 128 B
+                            | (1u << 30);   // 128-byte swizzle
+    return (uint64_t)HI << 32 | lo;
+}
 __device__ __forceinline__ uint64_t wgmma_desc_sw128(uint32_t smem_addr) {
-    uint64_t d = 0;
-    d |= (uint64_t)((smem_addr & 0x3FFFF) >> 4);   // start address
-    d |= (uint64_t)1 << 16;                         // leading byte offset (unused with swizzle)
-    d |= (uint64_t)(1024 >> 4) << 32;               // stride byte offset: 8 rows x 128 B
-    d |= (uint64_t)1 << 62;                         // 128-byte swizzle
-    return d;
+    return wgmma_desc_sw128_lo(wgmma_desc_lo(smem_addr));
 }
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
