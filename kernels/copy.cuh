@@ -87,7 +87,7 @@ __device__ __forceinline__ void mbar_init_fence() {
     asm volatile("fence.mbarrier_init.release.cluster;\nfence.proxy.async.shared::cta;\n" ::: "memory");
 }
 // The barrier by its shared address as well as by pointer: a loop over a
-// ring of barriers adds stage * 8 to one address kept in a register.
+// ring of barriers adds stage * 8 to the ring's base address.
 __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
     asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }

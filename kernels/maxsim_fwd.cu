@@ -800,9 +800,10 @@ __device__ __forceinline__ void maxsim_fwd_mma(const MaxSimParams& p) {
 // and scheduler): a producer warp fills a ring of STAGES document tiles by
 // TMA, each stage signalled on its `full` mbarrier (1 + 32 arrivals: the TMA
 // issue with its bytes, then each producer lane after storing its masks and,
-// lane 0, the step's StepInfo, while the copy runs; 8-bit tiles: + 32, each lane's cp.async of its token
-// scales landing, so that no load latency stalls the producer); the consumer
-// warpgroups (64 query rows each) wait on it, issue the tile's wgmma, run
+// lane 0, the step's StepInfo, while the copy runs; 8-bit tiles: + 32, each
+// lane's cp.async of its token scales landing, so that no load latency
+// stalls the producer); the consumer warpgroups (64 query rows each) wait
+// on it, issue the tile's wgmma, run
 // the previous tile's epilogue while it is in flight (two accumulator sets),
 // and release the stage on its `empty` mbarrier, every consumer thread after
 // its own mask and scale reads (a lane-0 arrival after __syncwarp orders the
