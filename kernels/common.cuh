@@ -8,6 +8,22 @@
 #include "copy.cuh"
 #include "mma.cuh"
 
+// f(std::integral_constant<int, I>{}) for I = 0, ..., N - 1 while f returns
+// true; whether all N did. An unrolled loop whose index is a constant
+// expression (register arrays indexed by it stay in registers whatever the
+// unroller decides) and whose early exit is a plain branch.
+template <int I, int N> struct StaticWhile {
+    template <typename F> static __device__ __forceinline__ bool run(F& f) {
+        if constexpr (I < N) {
+            if (!f(std::integral_constant<int, I>{})) return false;
+            return StaticWhile<I + 1, N>::run(f);
+        } else {
+            return true;
+        }
+    }
+};
+template <int N, typename F> __device__ __forceinline__ bool static_while(F&& f) { return StaticWhile<0, N>::run(f); }
+
 // ---------------------------------------------------------------------------
 // The problem, identical for every layout (mirrors src/layout.rs):
 // queries are row ranges of a packed Q [Tq, dim], documents row ranges of a

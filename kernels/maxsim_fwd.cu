@@ -811,7 +811,9 @@ __device__ __forceinline__ void maxsim_fwd_mma(const MaxSimParams& p) {
 // There is no block-wide barrier per tile: the consumers meet on a named
 // barrier only at a document's end, to sum its rows. Persistent: block b walks the work items
 // b, b + gridDim.x, ... (block_work's order) and the ring runs on across
-// documents, query chunks and work items without draining.
+// documents, query chunks and work items without draining. Each query chunk
+// starts at slot 0 (each slot keeps its own barrier phase bit), so that the
+// consumers' loop, unrolled by STAGES, sees every slot as a constant.
 // ---------------------------------------------------------------------------
 #ifdef MAXSIM_HOPPER
 template <typename C> struct WsConfig {
@@ -877,15 +879,16 @@ __device__ __forceinline__ void maxsim_fwd_ws(const MaxSimParams& p, const TmaMa
         if constexpr (W::REALLOC) regs_decrease<W::PRODUCER_REGS>();
         if (tid - W::CONSUMERS >= 32) return;
         if (lane == 0) tma_prefetch(dmap);
-        uint32_t it = 0;
+        uint32_t phase = ~0u; // bit s: the parity of slot s's next `empty` wait (a fresh barrier passes 1)
         for (int b = blockIdx.x; b < nwork; b += gridDim.x) {
             const BlockWork w = block_work(p, b);
             int grow0;
             const int nch = chunks(w, grow0);
-            for (int ch = 0; ch < nch; ++ch)
-                for (DocSteps<C> s(p, w.d_begin, w.d_end); s.more(); ++it) {
-                    const int stage = it % C::STAGES;
-                    mbar_wait(&empty[stage], ((it / C::STAGES) & 1) ^ 1);
+            for (int ch = 0; ch < nch; ++ch) {
+                int stage = 0; // every query chunk starts at slot 0, as the consumers expect
+                for (DocSteps<C> s(p, w.d_begin, w.d_end); s.more(); stage = stage + 1 == C::STAGES ? 0 : stage + 1) {
+                    mbar_wait(&empty[stage], (phase >> stage) & 1);
+                    phase ^= 1u << stage;
                     int start, n;
                     s.rows(p, start, n);
                     const int j = s.j, col0 = s.k * C::BD;
@@ -915,6 +918,7 @@ __device__ __forceinline__ void maxsim_fwd_ws(const MaxSimParams& p, const TmaMa
                         mbar_arrive_cp_async(&full[stage]);
                     }
                 }
+            }
         }
         return;
     }
@@ -925,7 +929,7 @@ __device__ __forceinline__ void maxsim_fwd_ws(const MaxSimParams& p, const TmaMa
     const int warp = tid / 32, g = lane / 4, c = lane % 4;
     auto consumers_sync = [] { named_barrier(1, W::CONSUMERS); };
     const uint32_t full_addr = smem_u32(full), empty_addr = smem_u32(empty), desc_lo = wgmma_desc_lo(smem_u32(sd0));
-    uint32_t it = 0;
+    uint32_t phase = 0; // bit s: the parity of slot s's next `full` wait
     int buf = 0;
     for (int b = blockIdx.x; b < nwork; b += gridDim.x) {
         const BlockWork w = block_work(p, b);
@@ -946,15 +950,16 @@ __device__ __forceinline__ void maxsim_fwd_ws(const MaxSimParams& p, const TmaMa
             Epilogue epi;
             epi.reset(0, 0), epi.reset(0, 1);
             const uint32_t keep = p.dim >= 0 ? ~(uint32_t)Epilogue::PLOW : 0u;
-            // A step: the producer's StepInfo of ring slot it.
-            struct Step { StepInfo s; uint32_t it; };
-            // Waits for the next slot's tile, issues its wgmma and returns its step.
-            auto issue = [&](Acc (&acc)[1][C::NT][4]) {
-                const uint32_t stage = it % C::STAGES;
-                mbar_wait(full_addr + stage * 8, (it / C::STAGES) & 1);
-                const Step st{sstep[stage], it++};
+            // Waits for slot s's tile, issues its wgmma and returns its step.
+            // The slot is a constant wherever the loop below calls this, so
+            // its barrier, StepInfo and descriptors are fixed offsets from
+            // the kernel's bases.
+            auto issue = [&](Acc (&acc)[1][C::NT][4], const int s) {
+                mbar_wait(full_addr + s * 8, (phase >> s) & 1);
+                phase ^= 1u << s;
+                const StepInfo st = sstep[s];
                 auto* d = &acc[0][0][0];
-                const uint32_t lo = desc_lo + stage * (W::STAGE_BYTES >> 4);
+                const uint32_t lo = desc_lo + s * (W::STAGE_BYTES >> 4);
                 wgmma_start_biased<T, C::NT * 4>(d);
 #pragma unroll
                 for (int ks = 0; ks < C::KSTEPS; ++ks)
@@ -963,26 +968,25 @@ __device__ __forceinline__ void maxsim_fwd_ws(const MaxSimParams& p, const TmaMa
                 wgmma_commit();
                 return st;
             };
-            // 8-bit: this thread's document-token scales of a step, read
+            // 8-bit: this thread's document-token scales of slot s, read
             // before the wait for its wgmma (in the SASS, ptxas keeps shared
             // loads after the WARPGROUP.DEPBAR, and the epilogue then stalls
             // on their latency: short scoreboard 1.33 cycles per issued
             // instruction at ColPali in-batch for e4m3).
             using Scales = float2[C::SCALED ? C::NT : 1];
-            auto load_scales = [&](Scales& sc, const Step& st) {
+            auto load_scales = [&](Scales& sc, const int s) {
                 if constexpr (C::SCALED) {
-                    const float* at_col = sscale + (st.it % C::STAGES) * C::BD + 2 * c;
+                    const float* at_col = sscale + s * C::BD + 2 * c;
 #pragma unroll
                     for (int nt = 0; nt < C::NT; ++nt) sc[nt] = *reinterpret_cast<const float2*>(at_col + nt * 8);
                 }
             };
-            // The epilogue of a step whose accumulators are complete; at its
-            // document's last tile the rows' maxima, then (after the one
-            // barrier) the per-query sums.
-            auto consume = [&](Acc (&acc)[1][C::NT][4], const Step& st, const Scales& scales) {
-                const int stage = st.it % C::STAGES;
-                const int col0 = st.s.col0 + 2 * c, tcol = stage * C::BD + 2 * c;
-                const bool full_tile = st.s.n == C::BD && !p.d_valid;
+            // The epilogue of the step in slot s, its accumulators complete;
+            // at its document's last tile the rows' maxima, then (after the
+            // one barrier) the per-query sums.
+            auto consume = [&](Acc (&acc)[1][C::NT][4], const StepInfo& st, const int s, const Scales& scales) {
+                const int col0 = st.col0 + 2 * c, tcol = s * C::BD + 2 * c;
+                const bool full_tile = st.n == C::BD && !p.d_valid;
                 if constexpr (C::SCALED) {
                     // In place: the set becomes its F32 similarities (a
                     // second array spills beside the two sets).
@@ -999,8 +1003,8 @@ __device__ __forceinline__ void maxsim_fwd_ws(const MaxSimParams& p, const TmaMa
                 } else {
                     epi.update(acc, col0, full_tile, smask + tcol, keep);
                 }
-                mbar_arrive(empty_addr + stage * 8); // this thread is done with the stage
-                if (!(st.s.flags & STEP_DOC_LAST)) return;
+                mbar_arrive(empty_addr + s * 8); // this thread is done with the slot
+                if (!(st.flags & STEP_DOC_LAST)) return;
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     float mv = epi.m[0][h];
@@ -1014,49 +1018,60 @@ __device__ __forceinline__ void maxsim_fwd_ws(const MaxSimParams& p, const TmaMa
                     if (c == 0) {
                         rowval[buf][r] = qa >= 0 && has ? mv : 0.f;
                         if (ARGMAX && qa >= 0 && has)
-                            argmax_store(p, (size_t)out_index(p, w, qa, st.s.j) * p.max_lq + row_s[r], iv);
+                            argmax_store(p, (size_t)out_index(p, w, qa, st.j) * p.max_lq + row_s[r], iv);
                     }
                     epi.reset(0, h);
                 }
                 consumers_sync();
-                doc_scores<C::NWARPS>(p, w, cq, rowval[buf], st.s.j, warp, lane);
+                doc_scores<C::NWARPS>(p, w, cq, rowval[buf], st.j, warp, lane);
                 buf ^= 1; // the next document's maxima go to the other buffer: no second barrier
             };
             if (!DocSteps<C>(p, w.d_begin, w.d_end).more()) continue; // no step in this chunk
-            // Step i's wgmma runs while step i-1's epilogue does: two
-            // accumulator sets, alternated by unrolling the loop by two. Each
-            // step is straight-line with its wgmma unconditional: with the
-            // issue under a branch, ptxas 13.0 waits after every wgmma
-            // (WARPGROUP.DEPBAR per HGMMA in the SASS) and nothing overlaps.
+            // Step i's wgmma runs while step i-1's epilogue does, with two
+            // accumulator sets: the step in slot s uses set s % 2 (STAGES is
+            // even). Each step is straight-line with its wgmma unconditional:
+            // with the issue under a branch, ptxas 13.0 waits after every
+            // wgmma (WARPGROUP.DEPBAR per HGMMA in the SASS) and nothing
+            // overlaps.
+            static_assert(C::STAGES % 2 == 0, "slots alternate the accumulator sets");
             Acc acc0[1][C::NT][4], acc1[1][C::NT][4];
-            Step pending = issue(acc0);
-            auto step = [&](Acc (&cur)[1][C::NT][4], Acc (&prev)[1][C::NT][4]) {
+            StepInfo pending = issue(acc0, 0);
+            // The pending step (slot sp, set prev) is the chunk's last: its epilogue.
+            auto drain = [&](Acc (&prev)[1][C::NT][4], const int sp) {
                 Scales sc;
-                load_scales(sc, pending);
-                const Step st = issue(cur);
-                wgmma_wait<1>();
-                fence_regs<C::NT * 4>(&prev[0][0][0]);
-                consume(prev, pending, sc);
-                pending = st;
-            };
-            auto last = [&](Acc (&prev)[1][C::NT][4]) {
-                Scales sc;
-                load_scales(sc, pending);
+                load_scales(sc, sp);
                 wgmma_wait<0>();
                 fence_regs<C::NT * 4>(&prev[0][0][0]);
-                consume(prev, pending, sc);
+                consume(prev, pending, sp, sc);
             };
-            for (;;) {
-                if (pending.s.flags & STEP_CHUNK_LAST) {
-                    last(acc0);
-                    break;
+            // The next step's wgmma (slot s, set cur), then the pending one's epilogue.
+            auto next = [&](Acc (&cur)[1][C::NT][4], Acc (&prev)[1][C::NT][4], const int s, const int sp) {
+                Scales sc;
+                load_scales(sc, sp);
+                const StepInfo st = issue(cur, s);
+                wgmma_wait<1>();
+                fence_regs<C::NT * 4>(&prev[0][0][0]);
+                consume(prev, pending, sp, sc);
+                pending = st;
+            };
+            // Unrolled by STAGES: every slot a constant, so that its barrier,
+            // StepInfo, masks, scales and wgmma descriptors are fixed offsets
+            // from the kernel's bases (the descriptors in uniform registers,
+            // no per-step slot arithmetic). The two sets stay two arrays
+            // and the chunk's end a separate path per position: with one
+            // [2] array and the end test inside a single step function,
+            // ptxas 13.0 serialized every 8-bit wgmma (C7518).
+            while (static_while<C::STAGES>([&](auto i_t) {
+                constexpr int i = decltype(i_t)::value + 1, s = i % C::STAGES, sp = i - 1;
+                auto& cur = i % 2 ? acc1 : acc0;
+                auto& prev = i % 2 ? acc0 : acc1;
+                if (pending.flags & STEP_CHUNK_LAST) {
+                    drain(prev, sp);
+                    return false;
                 }
-                step(acc1, acc0);
-                if (pending.s.flags & STEP_CHUNK_LAST) {
-                    last(acc1);
-                    break;
-                }
-                step(acc0, acc1);
+                next(cur, prev, s, sp);
+                return true;
+            })) {
             }
         }
     }
