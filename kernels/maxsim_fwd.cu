@@ -551,17 +551,7 @@ template <typename C, typename T, bool ARGMAX> struct RowMax {
                         idx[mt][h] = u ? col0 + (pos >> 1) * 8 + (pos & 1) : idx[mt][h];
                     }
             } else {
-#pragma unroll
-                for (int nt = 0; nt < C::NT; ++nt)
-#pragma unroll
-                    for (int mt = 0; mt < C::MT; ++mt)
-#pragma unroll
-                        for (int e = 0; e < 4; ++e) {
-                            const float v = __uint_as_float(__float_as_uint(acc[mt][nt][e]) & keep);
-                            const bool u = v > m[mt][e / 2]; // strict: ties keep the lower index
-                            m[mt][e / 2] = u ? v : m[mt][e / 2];
-                            idx[mt][e / 2] = u ? col0 + nt * 8 + e % 2 : idx[mt][e / 2];
-                        }
+                scan_exact(acc, col0, keep);
             }
         } else if constexpr (!ARGMAX) {
             // Scores only: each row's tile max as a tree (log depth, not a
@@ -572,18 +562,25 @@ template <typename C, typename T, bool ARGMAX> struct RowMax {
                 for (int h = 0; h < 2; ++h)
                     m[mt][h] = fmaxf(m[mt][h], row_max<C::NT>([&](int i) { return acc[mt][i / 2][h * 2 + i % 2]; }));
         } else {
-            // F32 argmax: exact compare and select, in column order.
+            scan_exact(acc, col0, keep); // F32 argmax
+        }
+    }
+
+    // Compare and select in column order (strict: ties keep the lower
+    // index); 16-bit values truncated as packing truncates them, so that
+    // both scans rank alike.
+    __device__ __forceinline__ void scan_exact(const float (&acc)[C::MT][C::NT][4], int col0, uint32_t keep) {
+#pragma unroll
+        for (int nt = 0; nt < C::NT; ++nt)
 #pragma unroll
             for (int mt = 0; mt < C::MT; ++mt)
 #pragma unroll
-                for (int nt = 0; nt < C::NT; ++nt)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const bool u = acc[mt][nt][e] > m[mt][e / 2]; // strict: ties keep the lower index
-                        m[mt][e / 2] = u ? acc[mt][nt][e] : m[mt][e / 2];
-                        idx[mt][e / 2] = u ? col0 + nt * 8 + e % 2 : idx[mt][e / 2];
-                    }
-        }
+                for (int e = 0; e < 4; ++e) {
+                    const float v = PACKED ? __uint_as_float(__float_as_uint(acc[mt][nt][e]) & keep) : acc[mt][nt][e];
+                    const bool u = v > m[mt][e / 2];
+                    m[mt][e / 2] = u ? v : m[mt][e / 2];
+                    idx[mt][e / 2] = u ? col0 + nt * 8 + e % 2 : idx[mt][e / 2];
+                }
     }
 
     // End of a document: each row reduced over its quad into red_m / red_i
