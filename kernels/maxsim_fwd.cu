@@ -555,12 +555,44 @@ template <typename C, typename T, bool ARGMAX> struct RowMax {
             }
         } else if constexpr (!ARGMAX) {
             // Scores only: each row's tile max as a tree (log depth, not a
-            // 2 * NT-long chain before the next barrier).
+            // 2 * NT-long chain before the next barrier). Hopper tiles of
+            // 128 columns: first as ints with the running max (int_max3),
+            // exact unless a row's result is negative (all its values are:
+            // a document's first tiles, masks), NaN or -0; the float tree
+            // takes those tiles. Measured (H200, against the float tree):
+            // scores 1.02-1.09x on 128-column tiles, 0.97x on 64-column ones
+            // (8 maxima saved per row do not pay for the check and vote).
+            // The packed argmax keeps FMNMX: as ints it measured 0.94-1.06x,
+            // the spread of an unchanged kernel's reruns.
+            constexpr bool INT_TREE = C::HOPPER && C::NT >= 16;
+            bool exact = true;
+            if constexpr (INT_TREE) {
+                int r[C::MT][2];
 #pragma unroll
-            for (int mt = 0; mt < C::MT; ++mt)
+                for (int mt = 0; mt < C::MT; ++mt)
 #pragma unroll
-                for (int h = 0; h < 2; ++h)
-                    m[mt][h] = fmaxf(m[mt][h], row_max<C::NT>([&](int i) { return acc[mt][i / 2][h * 2 + i % 2]; }));
+                    for (int h = 0; h < 2; ++h) {
+                        r[mt][h] = int_max3<2 * C::NT + 1>([&](int i) {
+                            return __float_as_int(i < 2 * C::NT ? acc[mt][i / 2][h * 2 + i % 2] : m[mt][h]);
+                        });
+                        exact &= (uint32_t)r[mt][h] <= 0x7f800000u;
+                    }
+                exact = __all_sync(0xffffffffu, exact);
+                if (exact) {
+#pragma unroll
+                    for (int mt = 0; mt < C::MT; ++mt)
+#pragma unroll
+                        for (int h = 0; h < 2; ++h) m[mt][h] = __int_as_float(r[mt][h]);
+                }
+            }
+            if (!INT_TREE || !exact) {
+#pragma unroll
+                for (int mt = 0; mt < C::MT; ++mt)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h)
+                        m[mt][h] =
+                            fmaxf(m[mt][h], row_max<C::NT>([&](int i) { return acc[mt][i / 2][h * 2 + i % 2]; }));
+            }
         } else {
             scan_exact(acc, col0, keep); // F32 argmax
         }

@@ -43,6 +43,25 @@ __device__ __forceinline__ float argmax_pack(float v, uint32_t keep, uint32_t co
     return __uint_as_float((__float_as_uint(v) & keep) | code);
 }
 
+// Max over n ints value(i), i < N, as a tree of 3-input maxima: sm_90's
+// VIMNMX3 (__vimax3_s32) does two maxima in one instruction, where FMNMX
+// takes two inputs. On float bits it is the float max whenever that max is
+// a non-negative non-NaN float (such a value outranks every negative one as
+// an int); callers check the result and fall back otherwise.
+template <int N, typename F> __device__ __forceinline__ int int_max3(F value) {
+    int v[N];
+#pragma unroll
+    for (int i = 0; i < N; ++i) v[i] = value(i);
+#pragma unroll
+    for (int w = 1; w < N; w *= 3)
+#pragma unroll
+        for (int i = 0; i < N; i += 3 * w) {
+            if (i + 2 * w < N) v[i] = __vimax3_s32(v[i], v[i + w], v[i + 2 * w]);
+            else if (i + w < N) v[i] = max(v[i], v[i + w]);
+        }
+    return v[0];
+}
+
 // Running (max, argmax) merge: larger value wins, ties keep the lower index.
 __device__ __forceinline__ void merge_max(float& m, int& idx, float om, int oidx) {
     if (om > m || (om == m && oidx >= 0 && (idx < 0 || oidx < idx))) {

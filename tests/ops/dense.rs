@@ -378,3 +378,72 @@ fn argmax_ties_pick_lowest_index(dev: &Device) -> Result<()> {
 }
 
 test_device!(argmax_ties_pick_lowest_index, argmax_ties_pick_lowest_index_cpu, argmax_ties_pick_lowest_index_cuda);
+
+/// Similarities of both signs across the tiles of long documents, on grid
+/// inputs (every similarity exact in F32). Query rows lean on feature 0 one
+/// way or the other; a document's first half leans the other way than its
+/// second, and document 1 leans away everywhere. So a row's running maximum
+/// stays negative over several tiles before turning positive, and tiles
+/// whose rows are all negative follow a positive maximum: the cases where
+/// the CUDA epilogues' integer max of float bits is not the float max.
+/// Scores, and the argmax (the first valid token of the exact maximum).
+fn mixed_sign_maxima_match_reference(dev: &Device) -> Result<()> {
+    let cpu = Device::Cpu;
+    let mut shapes = vec![(3, 4, 24, 300, 64)];
+    if gpu_cases(dev) {
+        shapes.push((2, 3, 40, 700, 128));
+    }
+    for dt in DTYPES {
+        for &(nq, nd, lq, ld, dim) in &shapes {
+            let axis = |sign: Vec<f32>, n: usize| -> Result<Tensor> {
+                let e0 = Tensor::from_vec((0..dim).map(|k| if k == 0 { 8f32 } else { 0. }).collect(), (1, dim), &cpu)?;
+                Tensor::from_vec(sign, (n, 1), &cpu)?.broadcast_mul(&e0)
+            };
+            let qs = (0..nq * lq).map(|r| if r % 3 == 0 { -1. } else { 1. }).collect();
+            let ds = (0..nd * ld).map(|t| if t / ld == 1 || t % ld < ld / 2 { -1. } else { 1. }).collect();
+            let q = (grid(&[nq * lq, dim], DType::F32)? + axis(qs, nq * lq)?)?.reshape((nq, lq, dim))?;
+            let d = (grid(&[nd * ld, dim], DType::F32)? + axis(ds, nd * ld)?)?.reshape((nd, ld, dim))?;
+            let (q, d) = (q.to_dtype(dt)?, d.to_dtype(dt)?);
+            let dm = rand_mask(&[nd, ld], 0.1, &cpu)?;
+            let (qg, dg, dmg) = (q.to_device(dev)?, d.to_device(dev)?, dm.to_device(dev)?);
+            let what = format!("mixed signs {nq}x{nd} lq{lq} ld{ld} d{dim} {dt:?}");
+            let want = r::maxsim(&q, &d, None, Some(&dm))?;
+            assert_close(&what, &ms::maxsim(&qg, &dg, None, Some(&dmg))?, &want, score_tol(dev, dt))?;
+            let (scores, am) = ms::maxsim_with_argmax(&qg, &dg, None, Some(&dmg))?;
+            assert_close(&format!("{what} with argmax"), &scores, &want, score_tol(dev, dt))?;
+            let am: Vec<i32> = am.to_device(&cpu)?.flatten_all()?.to_vec1()?;
+            let sim = q
+                .to_dtype(DType::F32)?
+                .reshape((nq * lq, dim))?
+                .matmul(&d.to_dtype(DType::F32)?.reshape((nd * ld, dim))?.t()?)?;
+            let sim: Vec<Vec<f32>> = sim.to_vec2()?;
+            let dmv: Vec<u8> = dm.flatten_all()?.to_vec1()?;
+            let (mut negative, mut late) = (0, 0);
+            for i in 0..nq {
+                for j in 0..nd {
+                    for s in 0..lq {
+                        let row = &sim[i * lq + s][j * ld..][..ld];
+                        let mut best: Option<usize> = None;
+                        for t in (0..ld).filter(|&t| dmv[j * ld + t] != 0) {
+                            if best.is_none_or(|b| row[t] > row[b]) {
+                                best = Some(t);
+                            }
+                        }
+                        let want = best.map_or(-1, |b| b as i32);
+                        assert_eq!(am[(i * nd + j) * lq + s], want, "{what}: argmax of ({i},{j},{s})");
+                        negative += best.is_some_and(|b| row[b] < 0.0) as usize;
+                        late += best.is_some_and(|b| b >= ld / 2) as usize;
+                    }
+                }
+            }
+            assert!(negative > 0 && late > 0, "{what}: {negative} negative maxima, {late} late winners");
+        }
+    }
+    Ok(())
+}
+
+test_device!(
+    mixed_sign_maxima_match_reference,
+    mixed_sign_maxima_match_reference_cpu,
+    mixed_sign_maxima_match_reference_cuda
+);
