@@ -43,11 +43,11 @@ __device__ __forceinline__ float argmax_pack(float v, uint32_t keep, uint32_t co
     return __uint_as_float((__float_as_uint(v) & keep) | code);
 }
 
-// Max over n ints value(i), i < N, as a tree of 3-input maxima: sm_90's
-// VIMNMX3 (__vimax3_s32) does two maxima in one instruction, where FMNMX
-// takes two inputs. On float bits it is the float max whenever that max is
-// a non-negative non-NaN float (such a value outranks every negative one as
-// an int); callers check the result and fall back otherwise.
+// Max over the N ints value(i) as a tree of 3-input maxima: sm_90's VIMNMX3
+// (__vimax3_s32) does two maxima in one instruction, where FMNMX does one.
+// On float bits it is the float max whenever that max is a non-negative,
+// non-NaN float (such a value outranks every negative one as an int);
+// callers check the result and fall back otherwise.
 template <int N, typename F> __device__ __forceinline__ int int_max3(F value) {
     int v[N];
 #pragma unroll
