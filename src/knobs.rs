@@ -8,6 +8,7 @@
 //! | `CANDLE_MAXSIM_LOG=1` | print each tile-selection decision to stderr |
 //! | `CANDLE_MAXSIM_RESIDUAL=tile` | keep residual scoring on the tile kernels (never the warp kernel) |
 //! | `CANDLE_MAXSIM_CPU=gemm` | CPU forward on the portable GEMM path even where the AVX-512 lane kernels run (CI tests both) |
+//! | `CANDLE_MAXSIM_CPU=bf16dot\|bf16widen` | BF16 CPU forward on VDPBF16PS (where the CPU has it), or widened to F32, whatever the CPU's vendor (CI tests both) |
 
 use std::sync::OnceLock;
 
@@ -25,6 +26,8 @@ pub struct Knobs {
     pub residual_tile: bool,
     /// CPU forward on the GEMM path only.
     pub cpu_gemm: bool,
+    /// BF16 CPU forward pinned to VDPBF16PS (true) or to widening (false).
+    pub cpu_bf16_dot: Option<bool>,
 }
 
 impl Knobs {
@@ -40,6 +43,11 @@ impl Knobs {
             log: std::env::var_os("CANDLE_MAXSIM_LOG").is_some(),
             residual_tile: var("CANDLE_MAXSIM_RESIDUAL").as_deref() == Some("tile"),
             cpu_gemm: var("CANDLE_MAXSIM_CPU").as_deref() == Some("gemm"),
+            cpu_bf16_dot: match var("CANDLE_MAXSIM_CPU").as_deref() {
+                Some("bf16dot") => Some(true),
+                Some("bf16widen") => Some(false),
+                _ => None,
+            },
         }
     }
 }

@@ -6,8 +6,10 @@
 //! two token groups ahead are prefetched. No score tile, no document packing,
 //! no horizontal reduction: every FMA is useful work (the GEMM path computes
 //! a `[128, 512]` tile into memory and scans it with a scalar loop that also
-//! tracks the argmax). Chosen at run time when the CPU has AVX-512F (BF16:
-//! and AVX512_BF16).
+//! tracks the argmax). Chosen at run time when the CPU has AVX-512F. BF16
+//! takes one of two kernels (`bf16_by_dot`): VDPBF16PS on the packed pairs,
+//! or each group's rows widened to F32 in L1 (a shift per 16 features) and
+//! the F32 FMA loop.
 
 use std::arch::x86_64::*;
 
@@ -26,6 +28,26 @@ pub(crate) fn available() -> bool {
 /// `qt`: element `(k, v, l)` at `(k·QV + v)·16 + l` is row `16v + l`'s
 /// feature k, zero past the last row. Returns QV (1 for ≤ 16 rows, else 2).
 pub(crate) fn pack_queries(q: &[f32], dim: usize, rows: std::ops::Range<usize>, qt: &mut Vec<f32>) -> usize {
+    pack_rows(q, dim, rows, qt, |x| x)
+}
+
+/// [`pack_queries`] of BF16 rows, widened to F32 (exactly).
+pub(crate) fn pack_queries_widened(
+    q: &[half::bf16],
+    dim: usize,
+    rows: std::ops::Range<usize>,
+    qt: &mut Vec<f32>,
+) -> usize {
+    pack_rows(q, dim, rows, qt, half::bf16::to_f32)
+}
+
+fn pack_rows<E: Copy>(
+    q: &[E],
+    dim: usize,
+    rows: std::ops::Range<usize>,
+    qt: &mut Vec<f32>,
+    f: impl Fn(E) -> f32,
+) -> usize {
     let n = rows.len();
     debug_assert!(n <= 32);
     let qv = if n > 16 { 2 } else { 1 };
@@ -34,7 +56,7 @@ pub(crate) fn pack_queries(q: &[f32], dim: usize, rows: std::ops::Range<usize>, 
     for (r, row) in rows.enumerate() {
         let (v, l) = (r / 16, r % 16);
         for (k, &x) in q[row * dim..(row + 1) * dim].iter().enumerate() {
-            qt[(k * qv + v) * 16 + l] = x;
+            qt[(k * qv + v) * 16 + l] = f(x);
         }
     }
     qv
@@ -152,6 +174,17 @@ unsafe fn block<const QV: usize, const N: usize, const ARGMAX: bool>(
     idx: &mut [__m512i; QV],
 ) {
     let rows: [*const f32; N] = std::array::from_fn(|u| d.add(toks[u] as usize * dim));
+    fold::<QV, N, ARGMAX>(&fma_rows::<QV, N>(qt, dim, rows), toks, ds, best, idx);
+}
+
+/// The products of `N` F32 rows (`dim` wide) with the packed query rows.
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn fma_rows<const QV: usize, const N: usize>(
+    qt: *const f32,
+    dim: usize,
+    rows: [*const f32; N],
+) -> [[__m512; QV]; N] {
     let mut acc = [[_mm512_setzero_ps(); QV]; N];
     for k in 0..dim {
         let q: [__m512; QV] = std::array::from_fn(|v| _mm512_loadu_ps(qt.add((k * QV + v) * 16)));
@@ -162,7 +195,84 @@ unsafe fn block<const QV: usize, const N: usize, const ARGMAX: bool>(
             }
         }
     }
-    fold::<QV, N, ARGMAX>(&acc, toks, ds, best, idx);
+    acc
+}
+
+/// The widest BF16 row the widening kernel takes (its buffer: `U` rows of F32 on the stack).
+pub(crate) const WIDEN_MAX_DIM: usize = 1024;
+
+/// Whether BF16 runs on VDPBF16PS ([`doc_max_bf16`]) rather than widened to
+/// F32 ([`doc_max_widened`]): by the two rates measured with
+/// `bench/micro/fma_peak.rs` (2 threads): AMD EPYC (Zen 4) VDPBF16PS 819
+/// GFLOP/s against FMA 490; Intel Xeon (family 6, model 207) 164 against
+/// 331. So AMD CPUs take VDPBF16PS and the others widen.
+/// `CANDLE_MAXSIM_CPU=bf16dot|bf16widen` pins either.
+pub(crate) fn bf16_by_dot() -> bool {
+    available_bf16()
+        && crate::knobs::knobs().cpu_bf16_dot.unwrap_or_else(|| {
+            let id = __cpuid(0); // the vendor string, in EBX, EDX, ECX
+            [id.ebx, id.edx, id.ecx] == [0x6874_7541, 0x6974_6e65, 0x444d_4163] // "AuthenticAMD"
+        })
+}
+
+/// [`doc_max`] for BF16 document rows against [`pack_queries_widened`]'s rows.
+pub(crate) fn doc_max_widened(
+    qt: &[f32],
+    qv: usize,
+    dim: usize,
+    d: &[half::bf16],
+    toks: (&[u32], u32),
+    out: &mut [f32; 32],
+    argmax: Option<&mut [i32; 32]>,
+) {
+    assert!(dim <= WIDEN_MAX_DIM);
+    debug_assert!(qt.len() >= dim * qv * 16 && toks.0.iter().all(|&t| (t as usize + 1) * dim <= d.len()));
+    let (toks, ds) = toks;
+    let mut unused = [0i32; 32];
+    // SAFETY: `available()` was checked by the caller; the asserted lengths cover every load
+    // (qt holds dim·qv·16 floats, each token row dim BF16 values of d), and dim fits the buffer.
+    unsafe {
+        let (qt, d) = (qt.as_ptr(), d.as_ptr() as *const u16);
+        match (qv, argmax) {
+            (1, None) => widen_qv::<1, false>(qt, dim, d, toks, ds, out, &mut unused),
+            (_, None) => widen_qv::<2, false>(qt, dim, d, toks, ds, out, &mut unused),
+            (1, Some(a)) => widen_qv::<1, true>(qt, dim, d, toks, ds, out, a),
+            (_, Some(a)) => widen_qv::<2, true>(qt, dim, d, toks, ds, out, a),
+        }
+    }
+}
+
+token_groups!(widen_qv, widen_block, f32, u16, "avx512f", U, [1, 2, 3, 4; 5]);
+
+/// `N` BF16 rows widened into an L1 buffer (16 features per VPMOVZXWD and
+/// shift: ~6 % of the FMAs' issue slots at 32 query rows), then [`fma_rows`].
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn widen_block<const QV: usize, const N: usize, const ARGMAX: bool>(
+    qt: *const f32,
+    dim: usize,
+    d: *const u16,
+    toks: &[u32],
+    ds: u32,
+    best: &mut [__m512; QV],
+    idx: &mut [__m512i; QV],
+) {
+    let mut buf = [const { std::mem::MaybeUninit::<f32>::uninit() }; U * WIDEN_MAX_DIM];
+    let wide = buf.as_mut_ptr() as *mut f32;
+    for (u, &t) in toks.iter().enumerate() {
+        let (src, dst) = (d.add(t as usize * dim), wide.add(u * dim));
+        let mut k = 0;
+        while k + 16 <= dim {
+            let x = _mm512_cvtepu16_epi32(_mm256_loadu_si256(src.add(k) as *const __m256i));
+            _mm512_storeu_si512(dst.add(k) as *mut _, _mm512_slli_epi32::<16>(x));
+            k += 16;
+        }
+        for k in k..dim {
+            *dst.add(k) = f32::from_bits((*src.add(k) as u32) << 16);
+        }
+    }
+    let rows: [*const f32; N] = std::array::from_fn(|u| wide.add(u * dim) as *const f32);
+    fold::<QV, N, ARGMAX>(&fma_rows::<QV, N>(qt, dim, rows), toks, ds, best, idx);
 }
 
 /// Whether this CPU runs the BF16 kernel (VDPBF16PS).

@@ -199,34 +199,32 @@ fn gemm_abt<T: Float>(m: usize, n: usize, k: usize, a: &[T], b: &[T], out: &mut 
 /// per (pair, query position); -1 where the query token is masked or the
 /// document is empty). Layout of the argmax: `[n_pairs, q.max_len()]`.
 pub(crate) fn forward<T: Float>(p: &HostProblem, q: &[T], d: &[T], want_argmax: bool) -> (Vec<f32>, Option<Vec<i32>>) {
+    #[cfg(target_arch = "x86_64")]
+    if let (Some(q), Some(d), true) = (T::as_f32(q), T::as_f32(d), avx512::available()) {
+        return forward_lanes::<F32Fma>(p, q, d, want_argmax);
+    }
     let n_out = p.pairs.len();
     let mlq = p.q.max_len();
     let mut scores = vec![0f32; n_out];
     let mut argmax = want_argmax.then(|| vec![-1i32; n_out * mlq]);
     let out = SharedMut(scores.as_mut_ptr());
     let am = SharedMut(argmax.as_mut().map_or(std::ptr::null_mut(), |a| a.as_mut_ptr()));
-    let work = items(p);
-    #[cfg(target_arch = "x86_64")]
-    if let (Some(q), Some(d), true) = (T::as_f32(q), T::as_f32(d), avx512::available()) {
-        work.par_iter().for_each_init(<(Vec<f32>, Vec<u32>)>::default, |(qt, toks), it| {
-            // SAFETY: items own disjoint pair indices (see `Item`).
-            unsafe { run_item_lanes(p, q, d, None, it, qt, toks, out, am, mlq) }
-        });
-        return (scores, argmax);
-    }
-    work.par_iter().for_each_init(Vec::new, |buf, it| {
+    items(p).par_iter().for_each_init(Vec::new, |buf, it| {
         // SAFETY: items own disjoint pair indices (see `Item`).
         unsafe { run_item(p, q, d, it, buf, out, am, mlq) }
     });
     (scores, argmax)
 }
 
-/// The element types of the lane kernels (cpu/avx512.rs): F32 by FMA, BF16 by VDPBF16PS.
+/// The lane kernels (cpu/avx512.rs), one per element type and method:
+/// F32 by FMA, BF16 by VDPBF16PS or widened to F32, I8 by VPDPBUSD.
 #[cfg(target_arch = "x86_64")]
-trait Lanes: Sized + Sync {
+trait Lanes {
+    /// The rows' element.
+    type Elem: Sync;
     /// The packed query rows' element.
     type Packed: Copy + Default + Send;
-    fn pack(q: &[Self], dim: usize, rows: std::ops::Range<usize>, qt: &mut Vec<Self::Packed>) -> usize;
+    fn pack(q: &[Self::Elem], dim: usize, rows: std::ops::Range<usize>, qt: &mut Vec<Self::Packed>) -> usize;
     /// The rows' maxima over `toks` (see avx512::doc_max); `d_scale`, the
     /// per-token scales of 8-bit documents, is applied before the max.
     #[allow(clippy::too_many_arguments)]
@@ -234,7 +232,7 @@ trait Lanes: Sized + Sync {
         qt: &[Self::Packed],
         qv: usize,
         dim: usize,
-        d: &[Self],
+        d: &[Self::Elem],
         d_scale: Option<&[f32]>,
         toks: (&[u32], u32),
         out: &mut [f32; 32],
@@ -243,7 +241,10 @@ trait Lanes: Sized + Sync {
 }
 
 #[cfg(target_arch = "x86_64")]
-impl Lanes for f32 {
+struct F32Fma;
+#[cfg(target_arch = "x86_64")]
+impl Lanes for F32Fma {
+    type Elem = f32;
     type Packed = f32;
     fn pack(q: &[f32], dim: usize, rows: std::ops::Range<usize>, qt: &mut Vec<f32>) -> usize {
         avx512::pack_queries(q, dim, rows, qt)
@@ -263,7 +264,10 @@ impl Lanes for f32 {
 }
 
 #[cfg(target_arch = "x86_64")]
-impl Lanes for half::bf16 {
+struct Bf16Dot;
+#[cfg(target_arch = "x86_64")]
+impl Lanes for Bf16Dot {
+    type Elem = half::bf16;
     type Packed = u32;
     fn pack(q: &[half::bf16], dim: usize, rows: std::ops::Range<usize>, qt: &mut Vec<u32>) -> usize {
         avx512::pack_queries_bf16(q, dim, rows, qt)
@@ -282,9 +286,34 @@ impl Lanes for half::bf16 {
     }
 }
 
-/// [`forward`] of a BF16 problem with its products on VDPBF16PS (F32
-/// accumulation), or `None` where the CPU lacks AVX512_BF16 or the dim is
-/// odd (then the inputs go through F32).
+#[cfg(target_arch = "x86_64")]
+struct Bf16Widen;
+#[cfg(target_arch = "x86_64")]
+impl Lanes for Bf16Widen {
+    type Elem = half::bf16;
+    type Packed = f32;
+    fn pack(q: &[half::bf16], dim: usize, rows: std::ops::Range<usize>, qt: &mut Vec<f32>) -> usize {
+        avx512::pack_queries_widened(q, dim, rows, qt)
+    }
+    fn doc_max(
+        qt: &[f32],
+        qv: usize,
+        dim: usize,
+        d: &[half::bf16],
+        _: Option<&[f32]>,
+        toks: (&[u32], u32),
+        out: &mut [f32; 32],
+        argmax: Option<&mut [i32; 32]>,
+    ) {
+        avx512::doc_max_widened(qt, qv, dim, d, toks, out, argmax)
+    }
+}
+
+/// [`forward`] of a BF16 problem on a BF16 lane kernel (F32 accumulation):
+/// VDPBF16PS or widened rows, as `avx512::bf16_by_dot` picks; `None` where
+/// neither applies (no AVX-512F; VDPBF16PS: no AVX512_BF16 or an odd dim;
+/// widening: a dim over `avx512::WIDEN_MAX_DIM`), and the inputs then go
+/// through F32.
 pub(crate) fn forward_bf16(
     p: &HostProblem,
     q: &[half::bf16],
@@ -292,24 +321,43 @@ pub(crate) fn forward_bf16(
     want_argmax: bool,
 ) -> Option<(Vec<f32>, Option<Vec<i32>>)> {
     #[cfg(target_arch = "x86_64")]
-    if p.dim.is_multiple_of(2) && avx512::available_bf16() {
-        let mlq = p.q.max_len();
-        let mut scores = vec![0f32; p.pairs.len()];
-        let mut argmax = want_argmax.then(|| vec![-1i32; p.pairs.len() * mlq]);
-        let out = SharedMut(scores.as_mut_ptr());
-        let am = SharedMut(argmax.as_mut().map_or(std::ptr::null_mut(), |a| a.as_mut_ptr()));
-        items(p).par_iter().for_each_init(<(Vec<u32>, Vec<u32>)>::default, |(qt, toks), it| {
-            // SAFETY: items own disjoint pair indices (see `Item`).
-            unsafe { run_item_lanes(p, q, d, None, it, qt, toks, out, am, mlq) }
-        });
-        return Some((scores, argmax));
+    {
+        if p.dim.is_multiple_of(2) && avx512::bf16_by_dot() {
+            return Some(forward_lanes::<Bf16Dot>(p, q, d, want_argmax));
+        }
+        if p.dim <= avx512::WIDEN_MAX_DIM && avx512::available() {
+            return Some(forward_lanes::<Bf16Widen>(p, q, d, want_argmax));
+        }
     }
     let _ = (p, q, d, want_argmax);
     None
 }
 
+/// Scores (and the argmax if wanted) on lane kernel `K`.
 #[cfg(target_arch = "x86_64")]
-impl Lanes for i8 {
+fn forward_lanes<K: Lanes>(
+    p: &HostProblem,
+    q: &[K::Elem],
+    d: &[K::Elem],
+    want_argmax: bool,
+) -> (Vec<f32>, Option<Vec<i32>>) {
+    let mlq = p.q.max_len();
+    let mut scores = vec![0f32; p.pairs.len()];
+    let mut argmax = want_argmax.then(|| vec![-1i32; p.pairs.len() * mlq]);
+    let out = SharedMut(scores.as_mut_ptr());
+    let am = SharedMut(argmax.as_mut().map_or(std::ptr::null_mut(), |a| a.as_mut_ptr()));
+    items(p).par_iter().for_each_init(<(Vec<K::Packed>, Vec<u32>)>::default, |(qt, toks), it| {
+        // SAFETY: items own disjoint pair indices (see `Item`).
+        unsafe { run_item_lanes::<K>(p, q, d, None, it, qt, toks, out, am, mlq) }
+    });
+    (scores, argmax)
+}
+
+#[cfg(target_arch = "x86_64")]
+struct I8Vnni;
+#[cfg(target_arch = "x86_64")]
+impl Lanes for I8Vnni {
+    type Elem = i8;
     type Packed = u32;
     fn pack(q: &[i8], dim: usize, rows: std::ops::Range<usize>, qt: &mut Vec<u32>) -> usize {
         avx512::pack_queries_i8(q, dim, rows, qt)
@@ -344,7 +392,7 @@ pub(crate) fn forward_i8(
         let none = SharedMut(std::ptr::null_mut());
         items(p).par_iter().for_each_init(<(Vec<u32>, Vec<u32>)>::default, |(qt, toks), it| {
             // SAFETY: items own disjoint pair indices (see `Item`).
-            unsafe { run_item_lanes(p, q, d, Some((q_scale, d_scale)), it, qt, toks, out, none, 0) }
+            unsafe { run_item_lanes::<I8Vnni>(p, q, d, Some((q_scale, d_scale)), it, qt, toks, out, none, 0) }
         });
         return Some(scores);
     }
@@ -358,8 +406,8 @@ pub(crate) fn forward_i8(
 #[allow(clippy::too_many_arguments)]
 unsafe fn run_item_lanes<E: Lanes>(
     p: &HostProblem,
-    q: &[E],
-    d: &[E],
+    q: &[E::Elem],
+    d: &[E::Elem],
     scales: Option<(&[f32], &[f32])>,
     it: &Item,
     qt: &mut Vec<E::Packed>,

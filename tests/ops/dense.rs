@@ -38,12 +38,14 @@ fn dense_case(
 }
 
 /// Every dtype (F64 too) and dims that are and are not multiples of the
-/// vector widths; on CUDA also dims up to 768 at 32 x 300 tokens.
+/// vector widths, and one past the CPU's BF16 widening kernel (1024); on
+/// CUDA also dims up to 768 at 32 x 300 tokens.
 fn dense_matches_reference(dev: &Device) -> Result<()> {
     for dt in DTYPES {
         for dim in [16, 33, 96, 128, 250] {
             dense_case(dev, 3, 5, 7, 19, dim, dt, true, false)?;
         }
+        dense_case(dev, 2, 3, 5, 9, 1040, dt, true, false)?;
     }
     dense_case(dev, 3, 4, 6, 11, 20, DType::F64, true, false)?;
     if gpu_cases(dev) {
