@@ -12,6 +12,7 @@
 //! the F32 FMA loop.
 
 use std::arch::x86_64::*;
+use std::ops::Range;
 
 /// Tokens per register block: 6 × 2 accumulators, 2 query vectors and a broadcast fit the 32 zmm registers with room.
 const U: usize = 6;
@@ -27,39 +28,50 @@ pub(crate) fn available() -> bool {
 /// Query rows `rows` (of `dim` features, row-major in `q`) transposed into
 /// `qt`: element `(k, v, l)` at `(k·QV + v)·16 + l` is row `16v + l`'s
 /// feature k, zero past the last row. Returns QV (1 for ≤ 16 rows, else 2).
-pub(crate) fn pack_queries(q: &[f32], dim: usize, rows: std::ops::Range<usize>, qt: &mut Vec<f32>) -> usize {
-    pack_rows(q, dim, rows, qt, |x| x)
+pub(crate) fn pack_queries(q: &[f32], dim: usize, rows: Range<usize>, qt: &mut Vec<f32>) -> usize {
+    pack_rows(q, dim, rows, qt, |&[x]: &[f32; 1]| x)
 }
 
 /// [`pack_queries`] of BF16 rows, widened to F32 (exactly).
-pub(crate) fn pack_queries_widened(
-    q: &[half::bf16],
-    dim: usize,
-    rows: std::ops::Range<usize>,
-    qt: &mut Vec<f32>,
-) -> usize {
-    pack_rows(q, dim, rows, qt, half::bf16::to_f32)
+pub(crate) fn pack_queries_widened(q: &[half::bf16], dim: usize, rows: Range<usize>, qt: &mut Vec<f32>) -> usize {
+    pack_rows(q, dim, rows, qt, |&[x]: &[half::bf16; 1]| x.to_f32())
 }
 
-fn pack_rows<E: Copy>(
+/// The packing of the lane kernels: each row's features in groups of `N`
+/// (`dim` a multiple of N), group k of row `16v + l` at `(k·QV + v)·16 + l`
+/// as `word(group)`, zero past the last row. Returns QV.
+fn pack_rows<E: Copy, P: Copy + Default, const N: usize>(
     q: &[E],
     dim: usize,
-    rows: std::ops::Range<usize>,
-    qt: &mut Vec<f32>,
-    f: impl Fn(E) -> f32,
+    rows: Range<usize>,
+    qt: &mut Vec<P>,
+    word: impl Fn(&[E; N]) -> P,
 ) -> usize {
     let n = rows.len();
-    debug_assert!(n <= 32);
+    debug_assert!(n <= 32 && dim.is_multiple_of(N));
     let qv = if n > 16 { 2 } else { 1 };
     qt.clear();
-    qt.resize(dim * qv * 16, 0.0);
+    qt.resize(dim / N * qv * 16, P::default());
     for (r, row) in rows.enumerate() {
         let (v, l) = (r / 16, r % 16);
-        for (k, &x) in q[row * dim..(row + 1) * dim].iter().enumerate() {
-            qt[(k * qv + v) * 16 + l] = f(x);
+        for (k, group) in q[row * dim..(row + 1) * dim].as_chunks::<N>().0.iter().enumerate() {
+            qt[(k * qv + v) * 16 + l] = word(group);
         }
     }
     qv
+}
+
+/// A lane kernel's instance for the run-time query vectors (1 or 2) and argmax.
+macro_rules! by_qv {
+    ($kernel:ident, $qv:expr, $argmax:expr, $out:expr, $($arg:expr),*) => {{
+        let mut unused = [0i32; 32];
+        match ($qv, $argmax) {
+            (1, None) => $kernel::<1, false>($($arg),*, $out, &mut unused),
+            (_, None) => $kernel::<2, false>($($arg),*, $out, &mut unused),
+            (1, Some(a)) => $kernel::<1, true>($($arg),*, $out, a),
+            (_, Some(a)) => $kernel::<2, true>($($arg),*, $out, a),
+        }
+    }};
 }
 
 /// `out[r] = max over toks of q_r · d[tok]` for the ≤ 32 packed query rows
@@ -76,17 +88,11 @@ pub(crate) fn doc_max(
     argmax: Option<&mut [i32; 32]>,
 ) {
     debug_assert!(qt.len() >= dim * qv * 16 && toks.iter().all(|&t| (t as usize + 1) * dim <= d.len()));
-    let mut unused = [0i32; 32];
     // SAFETY: `available()` was checked by the caller (the only one is gated on it); the asserted
     // lengths cover every load: qt holds dim·qv·16 floats, each token row dim floats of d.
     unsafe {
         let (qt, d) = (qt.as_ptr(), d.as_ptr());
-        match (qv, argmax) {
-            (1, None) => doc_max_qv::<1, false>(qt, dim, d, toks, ds, out, &mut unused),
-            (_, None) => doc_max_qv::<2, false>(qt, dim, d, toks, ds, out, &mut unused),
-            (1, Some(a)) => doc_max_qv::<1, true>(qt, dim, d, toks, ds, out, a),
-            (_, Some(a)) => doc_max_qv::<2, true>(qt, dim, d, toks, ds, out, a),
-        }
+        by_qv!(doc_max_qv, qv, argmax, out, qt, dim, d, toks, ds)
     }
 }
 
@@ -228,17 +234,11 @@ pub(crate) fn doc_max_widened(
     assert!(dim <= WIDEN_MAX_DIM);
     debug_assert!(qt.len() >= dim * qv * 16 && toks.0.iter().all(|&t| (t as usize + 1) * dim <= d.len()));
     let (toks, ds) = toks;
-    let mut unused = [0i32; 32];
     // SAFETY: `available()` was checked by the caller; the asserted lengths cover every load
     // (qt holds dim·qv·16 floats, each token row dim BF16 values of d), and dim fits the buffer.
     unsafe {
         let (qt, d) = (qt.as_ptr(), d.as_ptr() as *const u16);
-        match (qv, argmax) {
-            (1, None) => widen_qv::<1, false>(qt, dim, d, toks, ds, out, &mut unused),
-            (_, None) => widen_qv::<2, false>(qt, dim, d, toks, ds, out, &mut unused),
-            (1, Some(a)) => widen_qv::<1, true>(qt, dim, d, toks, ds, out, a),
-            (_, Some(a)) => widen_qv::<2, true>(qt, dim, d, toks, ds, out, a),
-        }
+        by_qv!(widen_qv, qv, argmax, out, qt, dim, d, toks, ds)
     }
 }
 
@@ -283,24 +283,8 @@ pub(crate) fn available_bf16() -> bool {
 /// [`pack_queries`] for BF16 rows (`dim` even): element `(k, v, l)` at
 /// `(k·QV + v)·16 + l` is row `16v + l`'s features `2k, 2k + 1` as one
 /// 32-bit pair, the operand layout of VDPBF16PS.
-pub(crate) fn pack_queries_bf16(
-    q: &[half::bf16],
-    dim: usize,
-    rows: std::ops::Range<usize>,
-    qt: &mut Vec<u32>,
-) -> usize {
-    let n = rows.len();
-    debug_assert!(n <= 32 && dim.is_multiple_of(2));
-    let qv = if n > 16 { 2 } else { 1 };
-    qt.clear();
-    qt.resize(dim / 2 * qv * 16, 0);
-    for (r, row) in rows.enumerate() {
-        let (v, l) = (r / 16, r % 16);
-        for (k, pair) in q[row * dim..(row + 1) * dim].chunks_exact(2).enumerate() {
-            qt[(k * qv + v) * 16 + l] = pair[0].to_bits() as u32 | (pair[1].to_bits() as u32) << 16;
-        }
-    }
-    qv
+pub(crate) fn pack_queries_bf16(q: &[half::bf16], dim: usize, rows: Range<usize>, qt: &mut Vec<u32>) -> usize {
+    pack_rows(q, dim, rows, qt, |p: &[half::bf16; 2]| p[0].to_bits() as u32 | (p[1].to_bits() as u32) << 16)
 }
 
 /// [`doc_max`] for BF16: each VDPBF16PS adds two features' products per lane.
@@ -315,17 +299,11 @@ pub(crate) fn doc_max_bf16(
 ) {
     debug_assert!(dim.is_multiple_of(2) && qt.len() >= dim / 2 * qv * 16);
     debug_assert!(toks.iter().all(|&t| (t as usize + 1) * dim <= d.len()));
-    let mut unused = [0i32; 32];
     // SAFETY: `available_bf16()` was checked by the caller; the asserted lengths cover every
     // load (qt holds dim/2·qv·16 pairs, each token row dim BF16 values of d).
     unsafe {
         let (qt, d) = (qt.as_ptr(), d.as_ptr() as *const u16);
-        match (qv, argmax) {
-            (1, None) => bf16_qv::<1, false>(qt, dim, d, toks, ds, out, &mut unused),
-            (_, None) => bf16_qv::<2, false>(qt, dim, d, toks, ds, out, &mut unused),
-            (1, Some(a)) => bf16_qv::<1, true>(qt, dim, d, toks, ds, out, a),
-            (_, Some(a)) => bf16_qv::<2, true>(qt, dim, d, toks, ds, out, a),
-        }
+        by_qv!(bf16_qv, qv, argmax, out, qt, dim, d, toks, ds)
     }
 }
 
@@ -366,21 +344,12 @@ pub(crate) fn available_i8() -> bool {
 /// 4k + 3` as one 32-bit word, the signed operand of VPDPBUSD. The 32 words
 /// after them hold `−128 · Σ row` (I32), which starts each accumulator:
 /// the document bytes enter as the unsigned operand offset by 128.
-pub(crate) fn pack_queries_i8(q: &[i8], dim: usize, rows: std::ops::Range<usize>, qt: &mut Vec<u32>) -> usize {
-    let n = rows.len();
-    debug_assert!(n <= 32 && dim.is_multiple_of(4));
-    let qv = if n > 16 { 2 } else { 1 };
-    let body = dim / 4 * qv * 16;
-    qt.clear();
+pub(crate) fn pack_queries_i8(q: &[i8], dim: usize, rows: Range<usize>, qt: &mut Vec<u32>) -> usize {
+    let qv = pack_rows(q, dim, rows.clone(), qt, |x: &[i8; 4]| u32::from_le_bytes(x.map(|b| b as u8)));
+    let body = qt.len();
     qt.resize(body + 32, 0);
     for (r, row) in rows.enumerate() {
-        let (v, l) = (r / 16, r % 16);
-        let x = &q[row * dim..(row + 1) * dim];
-        for (k, quad) in x.chunks_exact(4).enumerate() {
-            qt[(k * qv + v) * 16 + l] =
-                u32::from_le_bytes([quad[0] as u8, quad[1] as u8, quad[2] as u8, quad[3] as u8]);
-        }
-        qt[body + r] = (-128 * x.iter().map(|&b| b as i32).sum::<i32>()) as u32;
+        qt[body + r] = (-128 * q[row * dim..(row + 1) * dim].iter().map(|&b| b as i32).sum::<i32>()) as u32;
     }
     qv
 }

@@ -240,74 +240,36 @@ trait Lanes {
     );
 }
 
-#[cfg(target_arch = "x86_64")]
-struct F32Fma;
-#[cfg(target_arch = "x86_64")]
-impl Lanes for F32Fma {
-    type Elem = f32;
-    type Packed = f32;
-    fn pack(q: &[f32], dim: usize, rows: std::ops::Range<usize>, qt: &mut Vec<f32>) -> usize {
-        avx512::pack_queries(q, dim, rows, qt)
-    }
-    fn doc_max(
-        qt: &[f32],
-        qv: usize,
-        dim: usize,
-        d: &[f32],
-        _: Option<&[f32]>,
-        toks: (&[u32], u32),
-        out: &mut [f32; 32],
-        argmax: Option<&mut [i32; 32]>,
-    ) {
-        avx512::doc_max(qt, qv, dim, d, toks, out, argmax)
-    }
+/// A lane kernel without document scales: `pack`, then `doc_max`.
+macro_rules! lanes {
+    ($name:ident, $elem:ty, $packed:ty, $pack:path, $doc_max:path) => {
+        #[cfg(target_arch = "x86_64")]
+        struct $name;
+        #[cfg(target_arch = "x86_64")]
+        impl Lanes for $name {
+            type Elem = $elem;
+            type Packed = $packed;
+            fn pack(q: &[$elem], dim: usize, rows: std::ops::Range<usize>, qt: &mut Vec<$packed>) -> usize {
+                $pack(q, dim, rows, qt)
+            }
+            fn doc_max(
+                qt: &[$packed],
+                qv: usize,
+                dim: usize,
+                d: &[$elem],
+                _: Option<&[f32]>,
+                toks: (&[u32], u32),
+                out: &mut [f32; 32],
+                argmax: Option<&mut [i32; 32]>,
+            ) {
+                $doc_max(qt, qv, dim, d, toks, out, argmax)
+            }
+        }
+    };
 }
-
-#[cfg(target_arch = "x86_64")]
-struct Bf16Dot;
-#[cfg(target_arch = "x86_64")]
-impl Lanes for Bf16Dot {
-    type Elem = half::bf16;
-    type Packed = u32;
-    fn pack(q: &[half::bf16], dim: usize, rows: std::ops::Range<usize>, qt: &mut Vec<u32>) -> usize {
-        avx512::pack_queries_bf16(q, dim, rows, qt)
-    }
-    fn doc_max(
-        qt: &[u32],
-        qv: usize,
-        dim: usize,
-        d: &[half::bf16],
-        _: Option<&[f32]>,
-        toks: (&[u32], u32),
-        out: &mut [f32; 32],
-        argmax: Option<&mut [i32; 32]>,
-    ) {
-        avx512::doc_max_bf16(qt, qv, dim, d, toks, out, argmax)
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-struct Bf16Widen;
-#[cfg(target_arch = "x86_64")]
-impl Lanes for Bf16Widen {
-    type Elem = half::bf16;
-    type Packed = f32;
-    fn pack(q: &[half::bf16], dim: usize, rows: std::ops::Range<usize>, qt: &mut Vec<f32>) -> usize {
-        avx512::pack_queries_widened(q, dim, rows, qt)
-    }
-    fn doc_max(
-        qt: &[f32],
-        qv: usize,
-        dim: usize,
-        d: &[half::bf16],
-        _: Option<&[f32]>,
-        toks: (&[u32], u32),
-        out: &mut [f32; 32],
-        argmax: Option<&mut [i32; 32]>,
-    ) {
-        avx512::doc_max_widened(qt, qv, dim, d, toks, out, argmax)
-    }
-}
+lanes!(F32Fma, f32, f32, avx512::pack_queries, avx512::doc_max);
+lanes!(Bf16Dot, half::bf16, u32, avx512::pack_queries_bf16, avx512::doc_max_bf16);
+lanes!(Bf16Widen, half::bf16, f32, avx512::pack_queries_widened, avx512::doc_max_widened);
 
 /// [`forward`] of a BF16 problem on a BF16 lane kernel (F32 accumulation):
 /// VDPBF16PS or widened rows, as `avx512::bf16_by_dot` picks; `None` where
