@@ -201,18 +201,28 @@ fn gemm_abt<T: Float>(m: usize, n: usize, k: usize, a: &[T], b: &[T], out: &mut 
 pub(crate) fn forward<T: Float>(p: &HostProblem, q: &[T], d: &[T], want_argmax: bool) -> (Vec<f32>, Option<Vec<i32>>) {
     #[cfg(target_arch = "x86_64")]
     if let (Some(q), Some(d), true) = (T::as_f32(q), T::as_f32(d), avx512::available()) {
-        return forward_lanes::<F32Fma>(p, q, d, want_argmax);
+        return forward_lanes::<F32Fma>(p, q, d, None, want_argmax);
     }
-    let n_out = p.pairs.len();
+    with_outputs(p, want_argmax, |out, am, mlq| {
+        items(p).par_iter().for_each_init(Vec::new, |buf, it| {
+            // SAFETY: items own disjoint pair indices (see `Item`).
+            unsafe { run_item(p, q, d, it, buf, out, am, mlq) }
+        })
+    })
+}
+
+/// The scores `[n_pairs]` and, if wanted, the argmax `[n_pairs, max_lq]`
+/// (-1 where never written), filled by `fill(scores, argmax or null, max_lq)`.
+fn with_outputs(
+    p: &HostProblem,
+    want_argmax: bool,
+    fill: impl FnOnce(SharedMut<f32>, SharedMut<i32>, usize),
+) -> (Vec<f32>, Option<Vec<i32>>) {
     let mlq = p.q.max_len();
-    let mut scores = vec![0f32; n_out];
-    let mut argmax = want_argmax.then(|| vec![-1i32; n_out * mlq]);
-    let out = SharedMut(scores.as_mut_ptr());
+    let mut scores = vec![0f32; p.pairs.len()];
+    let mut argmax = want_argmax.then(|| vec![-1i32; p.pairs.len() * mlq]);
     let am = SharedMut(argmax.as_mut().map_or(std::ptr::null_mut(), |a| a.as_mut_ptr()));
-    items(p).par_iter().for_each_init(Vec::new, |buf, it| {
-        // SAFETY: items own disjoint pair indices (see `Item`).
-        unsafe { run_item(p, q, d, it, buf, out, am, mlq) }
-    });
+    fill(SharedMut(scores.as_mut_ptr()), am, mlq);
     (scores, argmax)
 }
 
@@ -285,34 +295,32 @@ pub(crate) fn forward_bf16(
     #[cfg(target_arch = "x86_64")]
     {
         if p.dim.is_multiple_of(2) && avx512::bf16_by_dot() {
-            return Some(forward_lanes::<Bf16Dot>(p, q, d, want_argmax));
+            return Some(forward_lanes::<Bf16Dot>(p, q, d, None, want_argmax));
         }
         if p.dim <= avx512::WIDEN_MAX_DIM && avx512::available() {
-            return Some(forward_lanes::<Bf16Widen>(p, q, d, want_argmax));
+            return Some(forward_lanes::<Bf16Widen>(p, q, d, None, want_argmax));
         }
     }
     let _ = (p, q, d, want_argmax);
     None
 }
 
-/// Scores (and the argmax if wanted) on lane kernel `K`.
+/// Scores (and the argmax if wanted) on lane kernel `K`; `scales`, the
+/// query and document tokens' scales of 8-bit rows.
 #[cfg(target_arch = "x86_64")]
 fn forward_lanes<K: Lanes>(
     p: &HostProblem,
     q: &[K::Elem],
     d: &[K::Elem],
+    scales: Option<(&[f32], &[f32])>,
     want_argmax: bool,
 ) -> (Vec<f32>, Option<Vec<i32>>) {
-    let mlq = p.q.max_len();
-    let mut scores = vec![0f32; p.pairs.len()];
-    let mut argmax = want_argmax.then(|| vec![-1i32; p.pairs.len() * mlq]);
-    let out = SharedMut(scores.as_mut_ptr());
-    let am = SharedMut(argmax.as_mut().map_or(std::ptr::null_mut(), |a| a.as_mut_ptr()));
-    items(p).par_iter().for_each_init(<(Vec<K::Packed>, Vec<u32>)>::default, |(qt, toks), it| {
-        // SAFETY: items own disjoint pair indices (see `Item`).
-        unsafe { run_item_lanes::<K>(p, q, d, None, it, qt, toks, out, am, mlq) }
-    });
-    (scores, argmax)
+    with_outputs(p, want_argmax, |out, am, mlq| {
+        items(p).par_iter().for_each_init(<(Vec<K::Packed>, Vec<u32>)>::default, |(qt, toks), it| {
+            // SAFETY: items own disjoint pair indices (see `Item`).
+            unsafe { run_item_lanes::<K>(p, q, d, scales, it, qt, toks, out, am, mlq) }
+        })
+    })
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -349,14 +357,7 @@ pub(crate) fn forward_i8(
 ) -> Option<Vec<f32>> {
     #[cfg(target_arch = "x86_64")]
     if p.dim.is_multiple_of(4) && avx512::available_i8() {
-        let mut scores = vec![0f32; p.pairs.len()];
-        let out = SharedMut(scores.as_mut_ptr());
-        let none = SharedMut(std::ptr::null_mut());
-        items(p).par_iter().for_each_init(<(Vec<u32>, Vec<u32>)>::default, |(qt, toks), it| {
-            // SAFETY: items own disjoint pair indices (see `Item`).
-            unsafe { run_item_lanes::<I8Vnni>(p, q, d, Some((q_scale, d_scale)), it, qt, toks, out, none, 0) }
-        });
-        return Some(scores);
+        return Some(forward_lanes::<I8Vnni>(p, q, d, Some((q_scale, d_scale)), false).0);
     }
     let _ = (p, q, q_scale, d, d_scale);
     None
