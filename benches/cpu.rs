@@ -80,8 +80,8 @@ fn main() -> candle_core::Result<()> {
                 // The same unit vectors quantized (symmetric, per token; not timed), scored by
                 // `maxsim_quantized`; against the F32 scores: the largest score error and, per
                 // query, the overlap of the two top-10 lists.
-                let (q8, d8) = (candle_maxsim::quantize(&q)?, candle_maxsim::quantize(&d)?);
-                let int8 = || candle_maxsim::maxsim_quantized(&q8, &d8, None, None).unwrap();
+                let (q8, d8) = (candle_maxsim::quantized::quantize(&q)?, candle_maxsim::quantized::quantize(&d)?);
+                let int8 = || candle_maxsim::quantized::maxsim_quantized(&q8, &d8, None, None).unwrap();
                 let (ms, peak) = measure(15, &int8);
                 let (exact, approx) = (fused().to_vec2::<f32>()?, int8().to_vec2::<f32>()?);
                 let top = |r: &[f32]| {

@@ -261,11 +261,11 @@ fn plaid_approx_bench(dev: &Device, args: &Args) -> Result<()> {
     let codes = Tensor::rand(0f32, n_c as f32, (b, ld), dev)?.to_dtype(DType::U32)?.clamp(0u32, n_c as u32 - 1)?;
     for codes in [codes.clone(), codes.to_dtype(DType::I64)?] {
         let mut impls: Vec<(&str, Box<Op>)> =
-            vec![("fused", Box::new(|| Ok(candle_maxsim::plaid_approx_score(&qcs, &codes, &lens)?)))];
+            vec![("fused", Box::new(|| Ok(candle_maxsim::plaid::plaid_approx_score(&qcs, &codes, &lens)?)))];
         if !args.no_reference {
             impls.push((
                 "reference",
-                Box::new(|| Ok(candle_maxsim::reference::plaid_approx_score(&qcs, &codes, &lens)?)),
+                Box::new(|| Ok(candle_maxsim::reference::plaid::plaid_approx_score(&qcs, &codes, &lens)?)),
             ));
         }
         for (imp, f) in &args.select(impls) {
@@ -307,16 +307,18 @@ fn residual_bench(dev: &Device, args: &Args) -> Result<()> {
         let w = dim * nbits / 8;
         let residuals = Tensor::rand(0f32, 256., (t, w), dev)?.floor()?.clamp(0f32, 255f32)?.to_dtype(DType::U8)?;
         let bw: Vec<f32> = (0..1 << nbits).map(|k| (k as f32 - ((1 << nbits) - 1) as f32 / 2.0) * 0.02).collect();
-        let codec = candle_maxsim::ResidualCodec {
+        let codec = candle_maxsim::residual::ResidualCodec {
             centroids: centroids.clone(),
             bucket_weights: Tensor::new(bw, dev)?,
             nbits,
-            bit_order: candle_maxsim::BitOrder::ColBert,
+            bit_order: candle_maxsim::residual::BitOrder::ColBert,
         };
         let impls: Vec<(&str, Box<Op>)> = vec![
             (
                 "fused",
-                Box::new(|| Ok(candle_maxsim::maxsim_residual_varlen(&q, &codes, &residuals, &cu, 300, &codec, true)?)),
+                Box::new(|| {
+                    Ok(candle_maxsim::residual::maxsim_residual_varlen(&q, &codes, &residuals, &cu, 300, &codec, true)?)
+                }),
             ),
             (
                 "decompress_then_maxsim",
@@ -459,10 +461,13 @@ fn main() -> Result<()> {
                 }))
                 .collect::<Result<_>>()?
         } else if int8 {
-            let quantize =
-                if matches!(args.dtype, Dtype::E4m3) { candle_maxsim::quantize_e4m3 } else { candle_maxsim::quantize };
+            let quantize = if matches!(args.dtype, Dtype::E4m3) {
+                candle_maxsim::quantized::quantize_e4m3
+            } else {
+                candle_maxsim::quantized::quantize
+            };
             let (q8, d8) = (quantize(&q)?, quantize(&d)?);
-            vec![("fused", Box::new(move || Ok(candle_maxsim::maxsim_quantized(&q8, &d8, None, None)?)))]
+            vec![("fused", Box::new(move || Ok(candle_maxsim::quantized::maxsim_quantized(&q8, &d8, None, None)?)))]
         } else {
             let opts = MaxSimOptions { normalize: args.normalize, ..Default::default() };
             let (q, d) = (q.clone(), d.clone());

@@ -124,10 +124,10 @@ fn main() -> Result<()> {
     let rows = |t: Tensor| -> Result<Vec<Vec<f32>>> { Ok(t.to_dtype(DType::F32)?.to_vec2::<f32>()?) };
     let f32s = rows(candle_maxsim::maxsim(&q, &d, None, Some(&dm))?)?;
     let bf16 = rows(candle_maxsim::maxsim(&q.to_dtype(DType::BF16)?, &d.to_dtype(DType::BF16)?, None, Some(&dm))?)?;
-    let (q8, d8) = (candle_maxsim::quantize(&q)?, candle_maxsim::quantize(&d)?);
-    let int8 = rows(candle_maxsim::maxsim_quantized(&q8, &d8, None, Some(&dm))?)?;
-    let (qf8, df8) = (candle_maxsim::quantize_e4m3(&q)?, candle_maxsim::quantize_e4m3(&d)?);
-    let fp8 = rows(candle_maxsim::maxsim_quantized(&qf8, &df8, None, Some(&dm))?)?;
+    let (q8, d8) = (candle_maxsim::quantized::quantize(&q)?, candle_maxsim::quantized::quantize(&d)?);
+    let int8 = rows(candle_maxsim::quantized::maxsim_quantized(&q8, &d8, None, Some(&dm))?)?;
+    let (qf8, df8) = (candle_maxsim::quantized::quantize_e4m3(&q)?, candle_maxsim::quantized::quantize_e4m3(&d)?);
+    let fp8 = rows(candle_maxsim::quantized::maxsim_quantized(&qf8, &df8, None, Some(&dm))?)?;
 
     let recall = |s: &[Vec<f32>]| {
         s.iter().zip(&planted).filter(|(row, j)| top10(row).contains(j)).count() as f64 / s.len().max(1) as f64

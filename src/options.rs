@@ -71,7 +71,8 @@ pub fn set_tile_selection(s: TileSelection) {
 }
 
 /// The tile selection in force.
-pub fn tile_selection() -> TileSelection {
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) fn tile_selection() -> TileSelection {
     if AUTOTUNE.load(std::sync::atomic::Ordering::Relaxed) {
         TileSelection::Autotune
     } else {

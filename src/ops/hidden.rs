@@ -69,27 +69,6 @@ pub fn maxsim_from_hidden(
     q.detach().contiguous()?.apply_op1_no_bwd(&op)?.reshape((nq, nd))
 }
 
-/// Whether [`maxsim_from_hidden`] runs its fused kernel for these operands
-/// on their device (inference): compute capability 9.0, F16/BF16,
-/// `dout ≤ 128`, `dout` and `dmodel` multiples of 8, `Nd·Ld ≥ Nq·Lq`.
-/// Elsewhere it composes a matmul, a bias kernel, [`l2_normalize`] and
-/// MaxSim; both compute the same function. Arguments are validated as
-/// [`maxsim_from_hidden`] does.
-pub fn maxsim_from_hidden_is_fused(
-    q: &Tensor,
-    h_d: &Tensor,
-    w: &Tensor,
-    b: Option<&Tensor>,
-    d_mask: Option<&Tensor>,
-) -> Result<bool> {
-    check(q, h_d, w, b, d_mask)?;
-    #[cfg(feature = "cuda")]
-    if let candle_core::Device::Cuda(dev) = q.device() {
-        return Ok(crate::cuda::FusedHeadPlan::new(dev, q.dtype(), q.dims3()?, h_d.dims3()?)?.is_some());
-    }
-    Ok(false)
-}
-
 /// The inference forward of [`maxsim_from_hidden`], over `q [Nq, Lq, dout]`
 /// (no gradient): the head's operands are held by the op. On CUDA the fused
 /// kernel where [`crate::cuda::FusedHeadPlan`] applies; elsewhere the
@@ -472,4 +451,35 @@ fn check(
         check_mask("d_mask", m, &[nd, ld], q.device())?;
     }
     Ok((nd, ld, dmodel, dout))
+}
+
+#[cfg(all(test, feature = "cuda"))]
+mod tests {
+    use candle_core::{DType, Device, Result};
+
+    /// The fused kernel's plan exists exactly on compute capability 9.0 for
+    /// the shapes of the CUDA cases in tests/ops/hidden.rs (partial chunks,
+    /// dout 48 / 96 / 128, two query chunks per document), and nowhere for
+    /// F32, a dout over 128 or fewer document rows than query rows.
+    #[test]
+    fn fused_head_runs_exactly_on_hopper() -> Result<()> {
+        let Device::Cuda(dev) = Device::new_cuda(0)? else { unreachable!() };
+        let hopper = crate::cuda::device_info(&dev)?.cc == 90;
+        let plan = |dt, q, h| crate::cuda::FusedHeadPlan::new(&dev, dt, q, h).map(|p| p.is_some());
+        for (q, h) in [
+            ((3, 7, 128), (5, 300, 136)),
+            ((2, 32, 96), (4, 128, 768)),
+            ((5, 9, 48), (3, 70, 64)),
+            ((300, 32, 128), (2, 4800, 64)),
+            ((1, 32, 64), (9, 257, 256)),
+        ] {
+            for dt in [DType::BF16, DType::F16] {
+                assert_eq!(plan(dt, q, h)?, hopper, "{dt:?} q {q:?} h {h:?}");
+            }
+            assert!(!plan(DType::F32, q, h)?, "F32 q {q:?} h {h:?}");
+        }
+        assert!(!plan(DType::BF16, (2, 32, 256), (9, 257, 256))?, "dout 256");
+        assert!(!plan(DType::BF16, (64, 32, 128), (2, 64, 256))?, "Nd·Ld < Nq·Lq");
+        Ok(())
+    }
 }

@@ -10,7 +10,7 @@ pub(crate) mod maxsim;
 pub(crate) mod normalize;
 pub(crate) mod optim;
 pub(crate) mod plaid_approx;
-pub(crate) mod quantize;
+pub(crate) mod quantized;
 pub(crate) mod residual;
 pub(crate) mod retrieve;
 pub(crate) mod rows;

@@ -37,12 +37,12 @@ fn softmax_case(
     let w = randn(&[b, h, lq, lk], dt, &cpu)?.to_dtype(DType::F64)?;
     let scale = 0.125;
     let sv = Var::from_tensor(&s.to_device(dev)?)?;
-    let p = ms::attention_softmax(sv.as_tensor(), &bias.to_device(dev)?, scale)?;
+    let p = ms::nn::attention_softmax(sv.as_tensor(), &bias.to_device(dev)?, scale)?;
     assert_eq!(p.dtype(), dt);
     let g = p.to_dtype(DType::F64)?.mul(&w.to_device(dev)?)?.sum_all()?.backward()?;
     let gs = g.get(sv.as_tensor()).expect("grad of scores").to_device(&cpu)?;
     let sn = Var::from_tensor(&s.to_dtype(DType::F64)?)?;
-    let pn = reference::attention_softmax(sn.as_tensor(), &bias, scale)?;
+    let pn = reference::nn::attention_softmax(sn.as_tensor(), &bias, scale)?;
     let gn = pn.mul(&w)?.sum_all()?.backward()?.get(sn.as_tensor()).expect("grad").clone();
     assert_close(&format!("{what} forward"), &p, &pn, tol)?;
     assert_close(&format!("{what} grad"), &gs, &gn, tol)?;
@@ -71,11 +71,10 @@ test_device!(
 fn attention_softmax_rejects_bad_input(dev: &Device) -> Result<()> {
     let s = randn(&[2, 3, 4, 5], DType::F32, dev)?;
     let err = |r: Result<Tensor>| r.err().map(|e| e.to_string()).unwrap_or_default();
-    assert!(err(ms::attention_softmax(&s, &Tensor::zeros((2, 1, 1, 4), DType::F32, dev)?, 1.0)).starts_with("bias"));
-    assert!(err(ms::attention_softmax(&s, &Tensor::zeros((2, 1, 1, 5), DType::F16, dev)?, 1.0)).starts_with("bias"));
-    assert!(
-        err(ms::attention_softmax(&s.get(0)?, &Tensor::zeros((1, 1, 5), DType::F32, dev)?, 1.0)).starts_with("scores")
-    );
+    assert!(err(ms::nn::attention_softmax(&s, &Tensor::zeros((2, 1, 1, 4), DType::F32, dev)?, 1.0)).starts_with("bias"));
+    assert!(err(ms::nn::attention_softmax(&s, &Tensor::zeros((2, 1, 1, 5), DType::F16, dev)?, 1.0)).starts_with("bias"));
+    assert!(err(ms::nn::attention_softmax(&s.get(0)?, &Tensor::zeros((1, 1, 5), DType::F32, dev)?, 1.0))
+        .starts_with("scores"));
     Ok(())
 }
 
@@ -98,7 +97,7 @@ fn layer_norm_case(dev: &Device, rows: usize, c: usize, bias: bool, dt: DType, t
         Var::from_tensor(&w.to_device(dev)?)?,
         Var::from_tensor(&b.to_device(dev)?)?,
     );
-    let y = ms::layer_norm(xv.as_tensor(), wv.as_tensor(), bias.then_some(bv.as_tensor()), eps)?;
+    let y = ms::nn::layer_norm(xv.as_tensor(), wv.as_tensor(), bias.then_some(bv.as_tensor()), eps)?;
     assert_eq!(y.dtype(), dt);
     let g = y.to_dtype(DType::F64)?.mul(&up.to_device(dev)?)?.sum_all()?.backward()?;
     let (xn, wn, bn) = (
@@ -106,7 +105,7 @@ fn layer_norm_case(dev: &Device, rows: usize, c: usize, bias: bool, dt: DType, t
         Var::from_tensor(&w.to_dtype(DType::F64)?)?,
         Var::from_tensor(&b.to_dtype(DType::F64)?)?,
     );
-    let yn = reference::layer_norm(xn.as_tensor(), wn.as_tensor(), bias.then_some(bn.as_tensor()), eps)?;
+    let yn = reference::nn::layer_norm(xn.as_tensor(), wn.as_tensor(), bias.then_some(bn.as_tensor()), eps)?;
     let gn = yn.mul(&up)?.sum_all()?.backward()?;
     assert_close(&format!("{what} forward"), &y, &yn, tol)?;
     let grad = |g: &candle_core::backprop::GradStore, v: &Var| g.get(v.as_tensor()).expect("grad").to_device(&cpu);
@@ -144,11 +143,11 @@ fn embedding_matches_index_select(dev: &Device) -> Result<()> {
         let ids = Tensor::from_vec(ids, (3, 70), &cpu)?;
         let up = randn(&[3, 70, 24], DType::F32, &cpu)?;
         let tv = Var::from_tensor(&table.to_device(dev)?)?;
-        let e = ms::embedding(tv.as_tensor(), &ids.to_device(dev)?)?;
+        let e = ms::nn::embedding(tv.as_tensor(), &ids.to_device(dev)?)?;
         assert_eq!(e.dims(), [3, 70, 24]);
         let g = e.to_dtype(DType::F32)?.mul(&up.to_device(dev)?)?.sum_all()?.backward()?;
         let tn = Var::from_tensor(&table.to_dtype(DType::F32)?)?;
-        let en = reference::embedding(tn.as_tensor(), &ids)?;
+        let en = reference::nn::embedding(tn.as_tensor(), &ids)?;
         let gn = en.mul(&up)?.sum_all()?.backward()?;
         assert_close(&format!("embedding {dt:?} on {dev:?}"), &e.to_dtype(DType::F32)?, &en, 1e-7)?;
         let tol = if dt == DType::F32 { 1e-5 } else { 1e-2 };

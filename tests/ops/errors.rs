@@ -5,7 +5,10 @@
 use crate::common::*;
 use crate::residual::{codec_on, residual_docs};
 use candle_core::{DType, Device, Result, Tensor};
-use candle_maxsim::{self as ms, BitOrder, ResidualCodec};
+use candle_maxsim::{
+    self as ms,
+    residual::{BitOrder, ResidualCodec},
+};
 
 /// `maxsim`, `maxsim_pairs`, `maxsim_with_argmax`, `retrieve`: ranks,
 /// dims, dtypes, mask dtypes and shapes, KD and pair counts, top-k and chunk sizes.
@@ -86,36 +89,39 @@ fn residual_errors_name_the_argument(dev: &Device) -> Result<()> {
     let res = Tensor::zeros((2, 3, 4), DType::U8, dev)?;
     let lens = Tensor::new(&[3u32, 2], dev)?;
     let c2 = codec(2)?;
-    expect_err(ms::maxsim_residual(&q, &codes, &res, &lens, &codec(3)?, false), "nbits");
+    expect_err(ms::residual::maxsim_residual(&q, &codes, &res, &lens, &codec(3)?, false), "nbits");
     let wide = ResidualCodec { centroids: randn(&[10, dim + 1], DType::F32, dev)?, ..c2.clone() };
-    expect_err(ms::maxsim_residual(&q, &codes, &res, &lens, &wide, false), "centroids");
+    expect_err(ms::residual::maxsim_residual(&q, &codes, &res, &lens, &wide, false), "centroids");
     let few = ResidualCodec { bucket_weights: randn(&[3], DType::F32, dev)?, ..c2.clone() };
-    expect_err(ms::maxsim_residual(&q, &codes, &res, &lens, &few, false), "bucket_weights");
+    expect_err(ms::residual::maxsim_residual(&q, &codes, &res, &lens, &few, false), "bucket_weights");
     let res5 = Tensor::zeros((2, 3, 5), DType::U8, dev)?;
-    expect_err(ms::maxsim_residual(&q, &codes, &res5, &lens, &c2, false), "residuals");
+    expect_err(ms::residual::maxsim_residual(&q, &codes, &res5, &lens, &c2, false), "residuals");
     expect_err(
-        ms::maxsim_residual(&q, &codes, &Tensor::zeros((2, 2, 4), DType::U8, dev)?, &lens, &c2, false),
+        ms::residual::maxsim_residual(&q, &codes, &Tensor::zeros((2, 2, 4), DType::U8, dev)?, &lens, &c2, false),
         "residuals",
     );
     let bad = Tensor::new(&[[1u32, 2, 10], [4, 5, 6]], dev)?;
-    expect_err(ms::maxsim_residual(&q, &bad, &res, &lens, &c2, false), "codes");
-    expect_err(ms::maxsim_residual(&q, &codes, &res, &Tensor::new(&[4u32, 2], dev)?, &c2, false), "doc_lens");
-    expect_err(ms::maxsim_residual(&q, &codes, &res, &Tensor::new(&[3i64, 2], dev)?, &c2, false), "doc_lens");
-    expect_err(ms::plaid_approx_score(&randn(&[10, 3], DType::F32, dev)?, &bad, &lens), "codes");
+    expect_err(ms::residual::maxsim_residual(&q, &bad, &res, &lens, &c2, false), "codes");
+    expect_err(ms::residual::maxsim_residual(&q, &codes, &res, &Tensor::new(&[4u32, 2], dev)?, &c2, false), "doc_lens");
+    expect_err(ms::residual::maxsim_residual(&q, &codes, &res, &Tensor::new(&[3i64, 2], dev)?, &c2, false), "doc_lens");
+    expect_err(ms::plaid::plaid_approx_score(&randn(&[10, 3], DType::F32, dev)?, &bad, &lens), "codes");
     let cu = Tensor::new(&[0u32, 3, 5], dev)?;
     let flat = Tensor::new(&[1u32, 2, 3, 4, 11], dev)?;
     let fres = Tensor::zeros((5, 4), DType::U8, dev)?;
-    expect_err(ms::maxsim_residual_varlen(&q, &flat, &fres, &cu, 3, &c2, false), "codes");
+    expect_err(ms::residual::maxsim_residual_varlen(&q, &flat, &fres, &cu, 3, &c2, false), "codes");
     let ok_flat = Tensor::new(&[1u32, 2, 3, 4, 5], dev)?;
-    expect_err(ms::maxsim_residual_varlen(&q, &ok_flat, &fres.narrow(0, 0, 4)?, &cu, 3, &c2, false), "residuals");
     expect_err(
-        ms::maxsim_residual_varlen(&q, &ok_flat, &fres, &Tensor::new(&[0u32, 3, 4], dev)?, 3, &c2, false),
+        ms::residual::maxsim_residual_varlen(&q, &ok_flat, &fres.narrow(0, 0, 4)?, &cu, 3, &c2, false),
+        "residuals",
+    );
+    expect_err(
+        ms::residual::maxsim_residual_varlen(&q, &ok_flat, &fres, &Tensor::new(&[0u32, 3, 4], dev)?, 3, &c2, false),
         "cu_d",
     );
-    expect_err(ms::maxsim_residual_varlen(&q, &ok_flat, &fres, &cu, 2, &c2, false), "max_ld");
-    expect_err(ms::pack_bucket_indices(&[1, 2, 3], 2, BitOrder::Lsb), "indices");
-    expect_err(ms::pack_bucket_indices(&[1, 2, 3, 4], 2, BitOrder::Lsb), "indices");
-    expect_err(ms::unpack_bucket_indices(&[1, 2], 3, BitOrder::ColBert), "nbits");
+    expect_err(ms::residual::maxsim_residual_varlen(&q, &ok_flat, &fres, &cu, 2, &c2, false), "max_ld");
+    expect_err(ms::residual::pack_bucket_indices(&[1, 2, 3], 2, BitOrder::Lsb), "indices");
+    expect_err(ms::residual::pack_bucket_indices(&[1, 2, 3, 4], 2, BitOrder::Lsb), "indices");
+    expect_err(ms::residual::unpack_bucket_indices(&[1, 2], 3, BitOrder::ColBert), "nbits");
 
     // Codes past the 97 centroids inside documents of up to 80 tokens at dim
     // 128: found on the device by each path (the decompression kernel, the
@@ -126,18 +132,18 @@ fn residual_errors_name_the_argument(dev: &Device) -> Result<()> {
     let q = g(&randn(&[3, 16, 128], DType::F16, &Device::Cpu)?)?;
     let ones = Tensor::ones(12, DType::U32, dev)?;
     let neg = codes.to_dtype(DType::I64)?.slice_assign(&[0..1, 0..1], &Tensor::new(&[[-5i64]], &Device::Cpu)?)?;
-    expect_err(ms::maxsim_residual(&q, &g(&neg)?, &g(&res)?, &ones, &cg, false), "codes");
+    expect_err(ms::residual::maxsim_residual(&q, &g(&neg)?, &g(&res)?, &ones, &cg, false), "codes");
     let pcodes = Tensor::new(&[3u32, 97, 5], dev)?;
     let pres = g(&res.reshape((12 * 80, 64))?.narrow(0, 0, 3)?)?;
     let pcu = Tensor::new(&[0u32, 1, 3], dev)?;
-    expect_err(ms::maxsim_residual_varlen(&q, &pcodes, &pres, &pcu, 2, &cg, false), "codes");
+    expect_err(ms::residual::maxsim_residual_varlen(&q, &pcodes, &pres, &pcu, 2, &cg, false), "codes");
     let big = codes.slice_assign(&[3..4, 0..1], &Tensor::new(&[[200u32]], &Device::Cpu)?)?;
     // Only document 3's first token is scored.
     let only3 = Tensor::new(&[0u32, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0], dev)?;
-    expect_err(ms::maxsim_residual(&q, &g(&big)?, &g(&res)?, &only3, &cg, false), "codes");
+    expect_err(ms::residual::maxsim_residual(&q, &g(&big)?, &g(&res)?, &only3, &cg, false), "codes");
     // Past each length: padding, never read.
     let pad0 = Tensor::zeros(12, DType::U32, dev)?;
-    let out = ms::maxsim_residual(&q, &g(&big)?, &g(&res)?, &pad0, &cg, false)?;
+    let out = ms::residual::maxsim_residual(&q, &g(&big)?, &g(&res)?, &pad0, &cg, false)?;
     assert_eq!(out.to_vec2::<f32>()?, vec![vec![0f32; 12]; 3], "documents of no token score 0");
     Ok(())
 }
@@ -163,9 +169,12 @@ fn plaid_approx_errors_name_the_first_bad_entry(dev: &Device) -> Result<()> {
     let qcs = randn(&[10, 32], DType::F32, dev)?;
     let lens = Tensor::new(&[3u32, 2, 3], dev)?;
     let err_for = |qcs: &Tensor, codes: Tensor, lens: &Tensor| -> Result<String> {
-        let e = first_line(ms::plaid_approx_score(qcs, &codes, lens));
-        let e_cpu =
-            first_line(ms::plaid_approx_score(&qcs.to_device(&cpu)?, &codes.to_device(&cpu)?, &lens.to_device(&cpu)?));
+        let e = first_line(ms::plaid::plaid_approx_score(qcs, &codes, lens));
+        let e_cpu = first_line(ms::plaid::plaid_approx_score(
+            &qcs.to_device(&cpu)?,
+            &codes.to_device(&cpu)?,
+            &lens.to_device(&cpu)?,
+        ));
         assert_eq!(e, e_cpu, "the device reports the error as the CPU op does");
         Ok(e)
     };
@@ -174,7 +183,7 @@ fn plaid_approx_errors_name_the_first_bad_entry(dev: &Device) -> Result<()> {
     expect(err(Tensor::new(&[[1u32, 2, 3], [4, 5, 6], [7, 10, 99]], dev)?, &lens)?, "codes: codes[2, 1] = 10");
     expect(err(Tensor::new(&[[1i64, 2, 3], [4, -5, 6], [7, 10, 99]], dev)?, &lens)?, "codes: codes[1, 1] = -5");
     // Past doc_lens[1] = 2: codes[1, 2] is padding and never read.
-    let ok = ms::plaid_approx_score(&qcs, &Tensor::new(&[[1i64, 2, 3], [4, 5, -1], [7, 8, 9]], dev)?, &lens)?;
+    let ok = ms::plaid::plaid_approx_score(&qcs, &Tensor::new(&[[1i64, 2, 3], [4, 5, -1], [7, 8, 9]], dev)?, &lens)?;
     assert_eq!(ok.dims(), &[3]);
     let long = Tensor::new(&[3u32, 4, 3], dev)?;
     expect(err(Tensor::new(&[[1u32, 2, 3], [4, 5, 6], [7, 10, 99]], dev)?, &long)?, "doc_lens: doc_lens[1] = 4");
@@ -196,13 +205,20 @@ fn plaid_approx_errors_name_the_first_bad_entry(dev: &Device) -> Result<()> {
         }
     }
     expect_err(
-        ms::plaid_approx_score(&qcs.to_dtype(DType::F16)?, &Tensor::new(&[[1u32]], dev)?, &Tensor::new(&[1u32], dev)?),
+        ms::plaid::plaid_approx_score(
+            &qcs.to_dtype(DType::F16)?,
+            &Tensor::new(&[[1u32]], dev)?,
+            &Tensor::new(&[1u32], dev)?,
+        ),
         "query_centroid_scores",
     );
-    expect_err(ms::plaid_approx_score(&qcs, &Tensor::new(&[[1u32]], dev)?, &Tensor::new(&[1u32, 1], dev)?), "doc_lens");
-    expect_err(ms::plaid_approx_score(&qcs, &Tensor::new(&[1u32], dev)?, &Tensor::new(&[1u32], dev)?), "codes");
+    expect_err(
+        ms::plaid::plaid_approx_score(&qcs, &Tensor::new(&[[1u32]], dev)?, &Tensor::new(&[1u32, 1], dev)?),
+        "doc_lens",
+    );
+    expect_err(ms::plaid::plaid_approx_score(&qcs, &Tensor::new(&[1u32], dev)?, &Tensor::new(&[1u32], dev)?), "codes");
     // Still usable.
-    let ok = ms::plaid_approx_score(&qcs, &Tensor::new(&[[1u32, 2, 3], [4, 5, 6], [7, 8, 9]], dev)?, &lens)?;
+    let ok = ms::plaid::plaid_approx_score(&qcs, &Tensor::new(&[[1u32, 2, 3], [4, 5, 6], [7, 8, 9]], dev)?, &lens)?;
     assert_eq!(ok.dims(), &[3]);
     Ok(())
 }
@@ -213,7 +229,7 @@ test_device!(
     plaid_approx_errors_name_the_first_bad_entry_cuda
 );
 
-/// `maxsim_from_hidden` (and its fused kernel's entry point), its
+/// `maxsim_from_hidden` and its
 /// value-and-grads form: shapes and dtypes of h_d, w, b, q, the document
 /// mask, empty operands, the shape `dloss` returns.
 fn from_hidden_errors_name_the_argument(dev: &Device) -> Result<()> {
@@ -221,7 +237,6 @@ fn from_hidden_errors_name_the_argument(dev: &Device) -> Result<()> {
     let (q, h, w) = (bf16s(&[2, 4, 64])?, bf16s(&[3, 5, 64])?, bf16s(&[64, 64])?);
     let bad_mask = Tensor::ones((3, 6), DType::U8, dev)?;
     expect_err(ms::maxsim_from_hidden(&q, &h, &w, None, Some(&bad_mask), true), "d_mask");
-    expect_err(ms::maxsim_from_hidden_is_fused(&q, &h, &bf16s(&[64, 32])?, None, None), "w");
     expect_err(ms::maxsim_from_hidden(&q, &h, &bf16s(&[64, 32])?, None, None, true), "w");
     expect_err(ms::maxsim_from_hidden(&q, &h, &bf16s(&[64])?, None, None, true), "w");
     expect_err(ms::maxsim_from_hidden(&q, &h.to_dtype(DType::F32)?, &w, None, None, true), "h_d");

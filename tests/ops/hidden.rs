@@ -24,8 +24,8 @@ const CUDA_CASES: [HeadCase; 5] = [
 /// Every dtype with and without normalization, bias and a document mask;
 /// the training forward (w tracks a gradient) gives the same scores. On
 /// CUDA also [`CUDA_CASES`] in F16 / BF16 against the reference on the same
-/// rounded inputs in F32, an all-masked document scoring 0, and the fused
-/// kernel running exactly on compute capability 9.0.
+/// rounded inputs in F32 and an all-masked document scoring 0 (where the
+/// fused kernel runs: the unit test of src/ops/hidden.rs).
 fn from_hidden_matches_reference(dev: &Device) -> Result<()> {
     let cpu = Device::Cpu;
     let g = |t: &Tensor| t.to_device(dev);
@@ -58,14 +58,6 @@ test_device!(from_hidden_matches_reference, from_hidden_matches_reference_cpu, f
 
 fn cuda_cases_match_reference(dev: &Device) -> Result<()> {
     let cpu = Device::Cpu;
-    let cc90 = {
-        let (q, h, w) = (
-            randn(&[1, 2, 64], DType::BF16, dev)?,
-            randn(&[1, 2, 64], DType::BF16, dev)?,
-            randn(&[64, 64], DType::BF16, dev)?,
-        );
-        ms::maxsim_from_hidden_is_fused(&q, &h, &w, None, None)?
-    };
     for dt in [DType::BF16, DType::F16] {
         for &(nq, nd, lq, ld, dmodel, dout, normalize, mask, bias) in &CUDA_CASES {
             let q = randn(&[nq, lq, dout], dt, &cpu)?;
@@ -99,8 +91,6 @@ fn cuda_cases_match_reference(dev: &Device) -> Result<()> {
                 let empty = out.i((.., 1))?.abs()?.sum_all()?.to_scalar::<f32>()?;
                 assert_eq!(empty, 0.0, "{what}: an all-masked document scores 0");
             }
-            let fused = ms::maxsim_from_hidden_is_fused(&qg, &hg, &wg, bg.as_ref(), dmg.as_ref())?;
-            assert_eq!(fused, cc90, "{what}: the fused kernel runs exactly on compute capability 9.0");
             // Training takes the argmax forward; its scores agree.
             let wv = Var::from_tensor(&wg)?;
             let tr = ms::maxsim_from_hidden(&qg, &hg, wv.as_tensor(), bg.as_ref(), dmg.as_ref(), normalize)?;

@@ -1,10 +1,10 @@
 //! `adamw_sum_sq` and `adamw_update` (src/ops/optim.rs, in place) against
-//! `reference::adamw_update` (torch's formulas in F64) over several steps,
+//! `reference::optim::adamw_update` (torch's formulas in F64) over several steps,
 //! with and without clipping and weight decay.
 
 use crate::common::*;
 use candle_core::{DType, Device, Result, Tensor};
-use candle_maxsim::{self as ms, reference, AdamWStep};
+use candle_maxsim::{self as ms, optim::AdamWStep, reference};
 
 fn adamw_matches_reference(dev: &Device) -> Result<()> {
     let cpu = Device::Cpu;
@@ -31,15 +31,15 @@ fn adamw_matches_reference(dev: &Device) -> Result<()> {
             let sum_sq = Tensor::zeros(1, DType::F32, dev)?;
             let gd: Vec<Tensor> = g.iter().map(|t| t.to_device(dev)).collect::<Result<_>>()?;
             for x in &gd {
-                ms::adamw_sum_sq(&sum_sq, x)?;
+                ms::optim::adamw_sum_sq(&sum_sq, x)?;
             }
             let want: f64 =
                 g.iter().map(|x| x.sqr()?.sum_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()).sum::<Result<f64>>()?;
             let got = sum_sq.to_vec1::<f32>()?[0] as f64;
             assert!((got - want).abs() <= 1e-5 * want, "sum_sq {got} vs {want} on {dev:?}");
             for i in 0..sizes.len() {
-                ms::adamw_update(&pd[i], &mv[i], &gd[i], &sum_sq, &s)?;
-                let (np, nm, nv) = reference::adamw_update(&p[i], &m[i], &v[i], &g[i], want, &s)?;
+                ms::optim::adamw_update(&pd[i], &mv[i], &gd[i], &sum_sq, &s)?;
+                let (np, nm, nv) = reference::optim::adamw_update(&p[i], &m[i], &v[i], &g[i], want, &s)?;
                 let what = format!("adamw step {t} param {i} (clip {max_norm}, decay {wd}) on {dev:?}");
                 assert_close(&format!("{what} p"), &pd[i], &np, 1e-5)?;
                 assert_close(&format!("{what} m"), &mv[i].get(0)?, &nm, 1e-5)?;
@@ -60,11 +60,11 @@ fn adamw_rejects_bad_input(dev: &Device) -> Result<()> {
     let sum_sq = Tensor::zeros(1, DType::F32, dev)?;
     let s = AdamWStep { lr: 1e-3, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0, max_grad_norm: 1.0, t: 1 };
     let err = |r: Result<()>| r.err().map(|e| e.to_string()).unwrap_or_default();
-    assert!(err(ms::adamw_update(&p, &mv, &Tensor::zeros(7, DType::F32, dev)?, &sum_sq, &s)).starts_with("g:"));
-    assert!(err(ms::adamw_update(&p, &Tensor::zeros(8, DType::F32, dev)?, &p, &sum_sq, &s)).starts_with("mv:"));
-    assert!(err(ms::adamw_update(&p.to_dtype(DType::F16)?, &mv, &p, &sum_sq, &s)).starts_with("p:"));
-    assert!(err(ms::adamw_update(&p, &mv, &p, &sum_sq, &AdamWStep { t: 0, ..s })).starts_with("step:"));
-    assert!(err(ms::adamw_sum_sq(&p, &p)).starts_with("sum_sq:"));
+    assert!(err(ms::optim::adamw_update(&p, &mv, &Tensor::zeros(7, DType::F32, dev)?, &sum_sq, &s)).starts_with("g:"));
+    assert!(err(ms::optim::adamw_update(&p, &Tensor::zeros(8, DType::F32, dev)?, &p, &sum_sq, &s)).starts_with("mv:"));
+    assert!(err(ms::optim::adamw_update(&p.to_dtype(DType::F16)?, &mv, &p, &sum_sq, &s)).starts_with("p:"));
+    assert!(err(ms::optim::adamw_update(&p, &mv, &p, &sum_sq, &AdamWStep { t: 0, ..s })).starts_with("step:"));
+    assert!(err(ms::optim::adamw_sum_sq(&p, &p)).starts_with("sum_sq:"));
     Ok(())
 }
 

@@ -7,7 +7,8 @@ use candle_maxsim::{self as ms, reference as r};
 
 /// The op on `dev` (inputs on the CPU), returned on the CPU.
 fn approx_on(dev: &Device, qcs: &Tensor, codes: &Tensor, lens: &Tensor) -> Result<Tensor> {
-    ms::plaid_approx_score(&qcs.to_device(dev)?, &codes.to_device(dev)?, &lens.to_device(dev)?)?.to_device(&Device::Cpu)
+    ms::plaid::plaid_approx_score(&qcs.to_device(dev)?, &codes.to_device(dev)?, &lens.to_device(dev)?)?
+        .to_device(&Device::Cpu)
 }
 
 /// Empty and full documents, U32 and I64 codes, a narrowed (offset)
@@ -22,7 +23,7 @@ fn plaid_approx_matches_reference(dev: &Device) -> Result<()> {
     let qcs = randn(&[40, 8], DType::F32, &cpu)?;
     let codes = Tensor::rand(0f32, 40., (9, 16), &cpu)?.to_dtype(DType::U32)?;
     let lens = Tensor::new(&[16u32, 3, 0, 1, 16, 9, 12, 2, 5], &cpu)?;
-    let want = r::plaid_approx_score(&qcs, &codes, &lens)?;
+    let want = r::plaid::plaid_approx_score(&qcs, &codes, &lens)?;
     let out = approx_on(dev, &qcs, &codes, &lens)?;
     assert_close("plaid approx", &out, &want, 1e-6)?;
     assert_eq!(out.to_vec1::<f32>()?[2], 0.0, "an empty document scores exactly 0");
@@ -32,11 +33,19 @@ fn plaid_approx_matches_reference(dev: &Device) -> Result<()> {
     let qcs = randn(&[10, 3], DType::F32, &cpu)?;
     let codes = Tensor::new(&[[1u32, 2, 3], [4, 5, 6]], &cpu)?;
     let lens = Tensor::new(&[9u32, 3, 1], &cpu)?;
-    let out =
-        ms::plaid_approx_score(&qcs.to_device(dev)?, &codes.to_device(dev)?, &lens.to_device(dev)?.narrow(0, 1, 2)?)?;
-    assert_close("narrowed doc_lens", &out, &r::plaid_approx_score(&qcs, &codes, &lens.narrow(0, 1, 2)?)?, 1e-6)?;
+    let out = ms::plaid::plaid_approx_score(
+        &qcs.to_device(dev)?,
+        &codes.to_device(dev)?,
+        &lens.to_device(dev)?.narrow(0, 1, 2)?,
+    )?;
+    assert_close(
+        "narrowed doc_lens",
+        &out,
+        &r::plaid::plaid_approx_score(&qcs, &codes, &lens.narrow(0, 1, 2)?)?,
+        1e-6,
+    )?;
     // An empty batch.
-    let e = ms::plaid_approx_score(
+    let e = ms::plaid::plaid_approx_score(
         &qcs.to_device(dev)?,
         &codes.to_device(dev)?.narrow(0, 0, 0)?,
         &lens.to_device(dev)?.narrow(0, 0, 0)?,
@@ -88,7 +97,7 @@ fn kernel_variants_match_reference(dev: &Device) -> Result<()> {
             let codes64 = Tensor::from_vec(padded, (b, ld), &cpu)?;
             let lens = Tensor::new(lens, &cpu)?;
             let what = format!("plaid approx C{n_c} lq{lq} b{b} ld{ld} misaligned={misaligned}");
-            let want = r::plaid_approx_score(&qcs, &codes, &lens)?;
+            let want = r::plaid::plaid_approx_score(&qcs, &codes, &lens)?;
             for c in [&codes, &codes64] {
                 let out = approx_on(dev, &qcs, c, &lens)?;
                 assert_close(&format!("{what} {:?}", c.dtype()), &out, &want, 1e-4)?;
@@ -114,7 +123,7 @@ fn bench_shape_matches_reference(dev: &Device) -> Result<()> {
     let out = approx_on(dev, &qcs, &codes, &lens)?;
     let pick: Vec<u32> = (0..b as u32).step_by(5).chain([b as u32 - 1]).collect();
     let pick = Tensor::new(pick, &cpu)?;
-    let want = r::plaid_approx_score(&qcs, &codes.index_select(&pick, 0)?, &lens.index_select(&pick, 0)?)?;
+    let want = r::plaid::plaid_approx_score(&qcs, &codes.index_select(&pick, 0)?, &lens.index_select(&pick, 0)?)?;
     assert_close("plaid approx bench shape", &out.index_select(&pick, 0)?, &want, 1e-4)
 }
 
@@ -146,7 +155,7 @@ fn plaid_approx_near_ties_match_reference(dev: &Device) -> Result<()> {
         // Few centroids for many tokens: repeated codes. Code 0 is never used.
         let codes = Tensor::rand(1f32, n_c as f32, (b, ld), &cpu)?.to_dtype(DType::U32)?.clamp(1u32, n_c as u32 - 1)?;
         for (what, qcs) in &tables {
-            let want = r::plaid_approx_score(qcs, &codes, &lens)?;
+            let want = r::plaid::plaid_approx_score(qcs, &codes, &lens)?;
             for c in [codes.clone(), codes.to_dtype(DType::I64)?] {
                 let out = approx_on(dev, qcs, &c, &lens)?;
                 assert_close(&format!("{what} C{n_c} lq{lq} b{b} ld{ld} {:?}", c.dtype()), &out, &want, 1e-4)?;
@@ -221,9 +230,9 @@ fn candidates_match_reference(dev: &Device) -> Result<()> {
         let (codes, cu, ivf, off) = packed_index(n_c, nd, 40, (n_c + nd) as u64)?;
         let probes = Tensor::rand(0f32, n_c as f32, (nq, n_probe), &cpu)?.to_dtype(DType::U32)?;
         // A padding token's probe: nothing.
-        let probes = probes.slice_assign(&[0..1, 0..1], &Tensor::new(&[[ms::NO_CENTROID]], &cpu)?)?;
-        let bits = ms::plaid_candidates(&g(&probes)?, &g(&ivf)?, &g(&off)?, nd)?;
-        let want_bits = r::plaid_candidates(&probes, &ivf, &off, nd)?;
+        let probes = probes.slice_assign(&[0..1, 0..1], &Tensor::new(&[[ms::plaid::NO_CENTROID]], &cpu)?)?;
+        let bits = ms::plaid::plaid_candidates(&g(&probes)?, &g(&ivf)?, &g(&off)?, nd)?;
+        let want_bits = r::plaid::plaid_candidates(&probes, &ivf, &off, nd)?;
         assert_eq!(bits.to_vec2::<u32>()?, want_bits.to_vec2::<u32>()?, "{what}: bitmap");
         let mut qcs = randn(&[n_c, nq * lq], DType::F32, &cpu)?;
         // Prune centroid 1 for query 0 (its rows -inf).
@@ -235,9 +244,9 @@ fn candidates_match_reference(dev: &Device) -> Result<()> {
         let per_query = Tensor::rand(0f32, u32::MAX as f32, (nq, words), &cpu)?.to_dtype(DType::U32)?;
         for mask in [None, Some(&shared), Some(&per_query)] {
             for codes in [codes.clone(), codes.to_dtype(DType::I64)?] {
-                let want = r::plaid_approx_candidates(&qcs, lq, &codes, &cu, &want_bits, mask)?;
+                let want = r::plaid::plaid_approx_candidates(&qcs, lq, &codes, &cu, &want_bits, mask)?;
                 let mg = mask.map(g).transpose()?;
-                let out = ms::plaid_approx_candidates(&g(&qcs)?, lq, &g(&codes)?, &g(&cu)?, &bits, mg.as_ref())?;
+                let out = ms::plaid::plaid_approx_candidates(&g(&qcs)?, lq, &g(&codes)?, &g(&cu)?, &bits, mg.as_ref())?;
                 let (ov, wv): (Vec<f32>, Vec<f32>) = (out.flatten_all()?.to_vec1()?, want.flatten_all()?.to_vec1()?);
                 let mut n_cand = 0;
                 for (o, w) in ov.iter().zip(&wv) {

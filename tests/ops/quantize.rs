@@ -3,7 +3,7 @@
 
 use crate::common::*;
 use candle_core::{DType, Device, Result, Tensor};
-use candle_maxsim::{self as ms, reference as r, Quantized};
+use candle_maxsim::{self as ms, quantized::Quantized, reference as r};
 
 type Quantizer = fn(&Tensor) -> Result<Quantized>;
 
@@ -15,12 +15,12 @@ type Quantizer = fn(&Tensor) -> Result<Quantized>;
 /// bits of the sum (DeepSeek-V3 technical report, section 3.3.2), so a
 /// similarity may be off by ~2^-14 of its k32 step's largest product per
 /// step: 1e-3 of the largest score. e4m3 elsewhere scores dequantized rows
-/// in F32 (1e-5). e4m3 is skipped where [`ms::e4m3_supported`] says no
+/// in F32 (1e-5). e4m3 is skipped where [`ms::quantized::e4m3_supported`] says no
 /// (that `Err` is checked by `e4m3_errs_where_unsupported`).
 fn formats(dev: &Device, dim: usize) -> Result<Vec<(&'static str, Quantizer, f64)>> {
-    let mut v: Vec<(&'static str, Quantizer, f64)> = vec![("i8", ms::quantize, 1e-5)];
-    if ms::e4m3_supported(dev, dim)? {
-        v.push(("e4m3", ms::quantize_e4m3, if dev.is_cuda() { 1e-3 } else { 1e-5 }));
+    let mut v: Vec<(&'static str, Quantizer, f64)> = vec![("i8", ms::quantized::quantize, 1e-5)];
+    if ms::quantized::e4m3_supported(dev, dim)? {
+        v.push(("e4m3", ms::quantized::quantize_e4m3, if dev.is_cuda() { 1e-3 } else { 1e-5 }));
     }
     Ok(v)
 }
@@ -36,13 +36,13 @@ fn quantize_round_trips_within_half_a_step(dev: &Device) -> Result<()> {
         let tiny = if dt == DType::F32 { 1e-37 } else { 1e-4 };
         let size = Tensor::from_vec((0..120).map(|i| if i == 1 { tiny } else { 1f32 }).collect(), (3, 40, 1), dev)?;
         let x = x.to_dtype(DType::F32)?.broadcast_mul(&keep)?.broadcast_mul(&size)?.to_dtype(dt)?;
-        let q = ms::quantize(&x)?;
+        let q = ms::quantized::quantize(&x)?;
         assert_eq!((q.values().dtype(), q.values().dims()), (DType::U8, x.dims()));
         assert_eq!(q.scales().dims(), &[3, 40]);
         let xf = x.to_dtype(DType::F32)?.to_device(&Device::Cpu)?;
         let want = (xf.abs()?.max(2)? / 127.0)?;
         assert_close(&format!("scales {dt:?}"), q.scales(), &want, 1e-6)?;
-        let back = ms::dequantize(&q)?.to_device(&Device::Cpu)?;
+        let back = ms::quantized::dequantize(&q)?.to_device(&Device::Cpu)?;
         // Each element within half a step of its row's scale (relative to the step: rows of 1e-37
         // too), plus the F32 roundings of the stored scale and of the product (each ≤ 127·2^-24 steps).
         let step = want.unsqueeze(2)?.broadcast_as(xf.shape())?.to_dtype(DType::F64)?;
@@ -71,14 +71,17 @@ fn quantize_e4m3_round_trips_within_half_a_step(dev: &Device) -> Result<()> {
         let x = randn(&[3, 40, 96], dt, dev)?;
         let keep = Tensor::from_vec((0..120u32).map(|i| (i % 5 != 0) as u32 as f32).collect(), (3, 40, 1), dev)?;
         let x = x.to_dtype(DType::F32)?.broadcast_mul(&keep)?.to_dtype(dt)?;
-        let q = ms::quantize_e4m3(&x)?;
-        assert_eq!((q.values().dtype(), q.values().dims(), q.format()), (DType::U8, x.dims(), ms::QuantFormat::E4m3));
+        let q = ms::quantized::quantize_e4m3(&x)?;
+        assert_eq!(
+            (q.values().dtype(), q.values().dims(), q.format()),
+            (DType::U8, x.dims(), ms::quantized::QuantFormat::E4m3)
+        );
         let xf = x.to_dtype(DType::F64)?.to_device(&Device::Cpu)?;
         let amax = xf.abs()?.max_keepdim(2)?;
         assert_close(&format!("e4m3 scales {dt:?}"), q.scales(), &(amax.squeeze(2)? / 448.0)?, 1e-6)?;
         // The e4m3 values themselves: the bytes with unit scales, decoded by the reference.
         let unit = Quantized::new_e4m3(q.values().clone(), q.scales().ones_like()?)?;
-        let v = r::dequantize_exact(&unit)?.to_device(&Device::Cpu)?;
+        let v = r::quantized::dequantize_exact(&unit)?.to_device(&Device::Cpu)?;
         let scaled = xf.broadcast_div(&amax.maximum(1e-300)?.affine(1.0 / 448.0, 0.0)?)?;
         let bound = scaled.abs()?.affine(1.0 / 16.0, 0.0)?.maximum(1.0 / 1024.0)?;
         let excess = ((&v - &scaled)?.abs()? - bound)?.flatten_all()?.max(0)?.to_scalar::<f64>()?;
@@ -88,8 +91,8 @@ fn quantize_e4m3_round_trips_within_half_a_step(dev: &Device) -> Result<()> {
         for (m, a) in vmax.iter().zip(&amax) {
             assert_eq!(*m, if *a > 0.0 { 448.0 } else { 0.0 }, "{dt:?}: a row's largest value");
         }
-        let back = ms::dequantize(&q)?;
-        assert_close(&format!("e4m3 dequantize {dt:?}"), &back, &r::dequantize_exact(&q)?, 1e-6)?;
+        let back = ms::quantized::dequantize(&q)?;
+        assert_close(&format!("e4m3 dequantize {dt:?}"), &back, &r::quantized::dequantize_exact(&q)?, 1e-6)?;
     }
     Ok(())
 }
@@ -118,9 +121,9 @@ fn maxsim_quantized_matches_reference(dev: &Device) -> Result<()> {
             let dm = Tensor::new(dm, dev)?.to_dtype(DType::U8)?;
             let what = format!("maxsim_quantized {fmt} {nq}x{nd}x{lq}x{ld}x{dim} on {dev:?}");
             for (qm, dm) in [(None, None), (Some(&qm), Some(&dm))] {
-                let out = ms::maxsim_quantized(&q, &d, qm, dm)?;
+                let out = ms::quantized::maxsim_quantized(&q, &d, qm, dm)?;
                 assert_eq!((out.dtype(), out.dims()), (DType::F32, &[nq, nd][..]));
-                let want = r::maxsim_quantized(&q, &d, qm, dm)?;
+                let want = r::quantized::maxsim_quantized(&q, &d, qm, dm)?;
                 assert_close(&format!("{what} masks {}", qm.is_some()), &out, &want, tol)?;
                 if dm.is_some() {
                     let first = out.narrow(1, 0, 1)?.abs()?.max_all()?.to_scalar::<f32>()?;
@@ -155,15 +158,15 @@ fn maxsim_quantized_tiles_match_reference(dev: &Device) -> Result<()> {
             let sign = Tensor::from_vec((0..nd).map(|j| if j % 2 == 1 { -1f32 } else { 1. }).collect(), (nd, 1), dev)?;
             let signed = d.scales().broadcast_mul(&sign)?;
             let d = match d.format() {
-                ms::QuantFormat::I8 => Quantized::new(d.values().clone(), signed)?,
-                ms::QuantFormat::E4m3 => Quantized::new_e4m3(d.values().clone(), signed)?,
+                ms::quantized::QuantFormat::I8 => Quantized::new(d.values().clone(), signed)?,
+                ms::quantized::QuantFormat::E4m3 => Quantized::new_e4m3(d.values().clone(), signed)?,
             };
             let qm = rand_mask(&[nq, lq], 0.2, dev)?;
             let dm = rand_mask(&[nd, ld], 0.2, dev)?;
             let what = format!("maxsim_quantized {fmt} {nq}x{nd}x{lq}x{ld}x{dim} on {dev:?}");
             for (qm, dm) in [(None, None), (Some(&qm), Some(&dm))] {
-                let out = ms::maxsim_quantized(&q, &d, qm, dm)?;
-                let want = r::maxsim_quantized(&q, &d, qm, dm)?;
+                let out = ms::quantized::maxsim_quantized(&q, &d, qm, dm)?;
+                let want = r::quantized::maxsim_quantized(&q, &d, qm, dm)?;
                 assert_close(&format!("{what} masks {}", qm.is_some()), &out, &want, tol)?;
             }
         }
@@ -189,14 +192,21 @@ fn packed_pairs_and_retrieve_quantized_match_reference(dev: &Device) -> Result<(
             let q = quantize(&randn(&[*cq.last().unwrap() as usize, dim], DType::F32, dev)?)?;
             let d = quantize(&randn(&[*cd.last().unwrap() as usize, dim], DType::F32, dev)?)?;
             let (cu_q, cu_d) = (Tensor::new(cq.as_slice(), dev)?, Tensor::new(cd.as_slice(), dev)?);
-            let out = ms::maxsim_quantized_varlen(&q, &cu_q, mq, &d, &cu_d, md)?;
-            let want = r::maxsim_varlen(&r::dequantize_exact(&q)?, &cu_q, mq, &r::dequantize_exact(&d)?, &cu_d, md)?;
+            let out = ms::quantized::maxsim_quantized_varlen(&q, &cu_q, mq, &d, &cu_d, md)?;
+            let want = r::maxsim_varlen(
+                &r::quantized::dequantize_exact(&q)?,
+                &cu_q,
+                mq,
+                &r::quantized::dequantize_exact(&d)?,
+                &cu_d,
+                md,
+            )?;
             assert_close(&format!("maxsim_quantized_varlen {fmt} {nq}x{nd}x{dim} on {dev:?}"), &out, &want, tol)?;
             let pq: Vec<u32> = (0..2 * nd as u32).map(|p| p % nq as u32).collect();
             let pd: Vec<u32> = (0..2 * nd as u32).map(|p| (p * 7 + 3) % nd as u32).collect();
             let (pq, pd) = (Tensor::new(pq.as_slice(), dev)?, Tensor::new(pd.as_slice(), dev)?);
-            let out = ms::score_pairs_quantized(&q, &cu_q, mq, &d, &cu_d, md, &pq, &pd)?;
-            let (qe, de) = (r::dequantize_exact(&q)?, r::dequantize_exact(&d)?);
+            let out = ms::quantized::score_pairs_quantized(&q, &cu_q, mq, &d, &cu_d, md, &pq, &pd)?;
+            let (qe, de) = (r::quantized::dequantize_exact(&q)?, r::quantized::dequantize_exact(&d)?);
             let want = r::score_pairs_packed(&qe, &cu_q, mq, &de, &cu_d, md, &pq, &pd)?;
             assert_close(&format!("score_pairs_quantized {fmt} {nq}x{nd}x{dim} on {dev:?}"), &out, &want, tol)?;
         }
@@ -205,8 +215,8 @@ fn packed_pairs_and_retrieve_quantized_match_reference(dev: &Device) -> Result<(
         let q = quantize(&randn(&[4, 20, 64], DType::F32, dev)?)?;
         let d = quantize(&randn(&[37, 30, 64], DType::F32, dev)?)?;
         let dm = rand_mask(&[37, 30], 0.3, dev)?;
-        let (vals, ids) = ms::retrieve_quantized(&q, &d, None, Some(&dm), 5, 8)?;
-        let (qe, de) = (r::dequantize_exact(&q)?, r::dequantize_exact(&d)?);
+        let (vals, ids) = ms::quantized::retrieve_quantized(&q, &d, None, Some(&dm), 5, 8)?;
+        let (qe, de) = (r::quantized::dequantize_exact(&q)?, r::quantized::dequantize_exact(&d)?);
         let (want_vals, want_ids) = r::retrieve(&qe, &de, None, Some(&dm), 5)?;
         assert_close(&format!("retrieve_quantized {fmt} on {dev:?}"), &vals, &want_vals, tol)?;
         let (ids, want_ids, wv) = (ids.to_vec2::<u32>()?, want_ids.to_vec2::<u32>()?, want_vals.to_vec2::<f32>()?);
@@ -227,11 +237,11 @@ fn packed_pairs_and_retrieve_quantized_match_reference(dev: &Device) -> Result<(
             }
         }
     }
-    let q = ms::quantize(&randn(&[4, 20, 64], DType::F32, dev)?)?;
-    let d = ms::quantize(&randn(&[37, 30, 64], DType::F32, dev)?)?;
-    expect_err(ms::retrieve_quantized(&q, &d, None, None, 0, 8), "top_k");
+    let q = ms::quantized::quantize(&randn(&[4, 20, 64], DType::F32, dev)?)?;
+    let d = ms::quantized::quantize(&randn(&[37, 30, 64], DType::F32, dev)?)?;
+    expect_err(ms::quantized::retrieve_quantized(&q, &d, None, None, 0, 8), "top_k");
     expect_err(
-        ms::maxsim_quantized_varlen(
+        ms::quantized::maxsim_quantized_varlen(
             &q,
             &Tensor::new(&[0u32, 80], dev)?,
             80,
@@ -252,20 +262,20 @@ test_device!(
 
 /// Each malformed argument is an `Err` naming it.
 fn maxsim_quantized_rejects_bad_input(dev: &Device) -> Result<()> {
-    let q = ms::quantize(&randn(&[2, 4, 8], DType::F32, dev)?)?;
-    let d = ms::quantize(&randn(&[3, 5, 8], DType::F32, dev)?)?;
+    let q = ms::quantized::quantize(&randn(&[2, 4, 8], DType::F32, dev)?)?;
+    let d = ms::quantized::quantize(&randn(&[3, 5, 8], DType::F32, dev)?)?;
     expect_err(Quantized::new(q.values().to_dtype(DType::F32)?, q.scales().clone()), "values");
     expect_err(Quantized::new(q.values().clone(), q.scales().narrow(1, 0, 3)?), "scales");
     expect_err(q.narrow(2, 0, 4), "axis");
-    let other = ms::quantize(&randn(&[3, 5, 12], DType::F32, dev)?)?;
-    expect_err(ms::maxsim_quantized(&q, &other, None, None), "d.values");
-    expect_err(ms::maxsim_quantized(&q, &d, Some(&Tensor::ones((2, 5), DType::U8, dev)?), None), "q_mask");
-    expect_err(ms::quantize(&Tensor::new(&[1u32, 2], dev)?), "x");
+    let other = ms::quantized::quantize(&randn(&[3, 5, 12], DType::F32, dev)?)?;
+    expect_err(ms::quantized::maxsim_quantized(&q, &other, None, None), "d.values");
+    expect_err(ms::quantized::maxsim_quantized(&q, &d, Some(&Tensor::ones((2, 5), DType::U8, dev)?), None), "q_mask");
+    expect_err(ms::quantized::quantize(&Tensor::new(&[1u32, 2], dev)?), "x");
     let negative = Quantized::new(q.values().clone(), q.scales().neg()?)?;
-    expect_err(ms::maxsim_quantized(&negative, &d, None, None), "q.scales");
-    let d_e4m3 = ms::quantize_e4m3(&randn(&[3, 5, 8], DType::F32, dev)?)?;
-    expect_err(ms::maxsim_quantized(&q, &d_e4m3, None, None), "d.values");
-    expect_err(ms::quantize_e4m3(&Tensor::new(&[1u32, 2], dev)?), "x");
+    expect_err(ms::quantized::maxsim_quantized(&negative, &d, None, None), "q.scales");
+    let d_e4m3 = ms::quantized::quantize_e4m3(&randn(&[3, 5, 8], DType::F32, dev)?)?;
+    expect_err(ms::quantized::maxsim_quantized(&q, &d_e4m3, None, None), "d.values");
+    expect_err(ms::quantized::quantize_e4m3(&Tensor::new(&[1u32, 2], dev)?), "x");
     Ok(())
 }
 
@@ -280,11 +290,11 @@ test_device!(
 /// silent fallback; elsewhere it scores.
 fn e4m3_errs_where_unsupported(dev: &Device) -> Result<()> {
     for dim in [64, 160] {
-        let q = ms::quantize_e4m3(&randn(&[2, 4, dim], DType::F32, dev)?)?;
-        let d = ms::quantize_e4m3(&randn(&[3, 5, dim], DType::F32, dev)?)?;
-        let out = ms::maxsim_quantized(&q, &d, None, None);
-        if ms::e4m3_supported(dev, dim)? {
-            let want = r::maxsim_quantized(&q, &d, None, None)?;
+        let q = ms::quantized::quantize_e4m3(&randn(&[2, 4, dim], DType::F32, dev)?)?;
+        let d = ms::quantized::quantize_e4m3(&randn(&[3, 5, dim], DType::F32, dev)?)?;
+        let out = ms::quantized::maxsim_quantized(&q, &d, None, None);
+        if ms::quantized::e4m3_supported(dev, dim)? {
+            let want = r::quantized::maxsim_quantized(&q, &d, None, None)?;
             assert_close(&format!("e4m3 dim {dim} on {dev:?}"), &out?, &want, 1e-3)?;
         } else {
             expect_err(out, "q.values");

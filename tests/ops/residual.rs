@@ -4,16 +4,19 @@
 
 use crate::common::*;
 use candle_core::{DType, Device, Result, Tensor};
-use candle_maxsim::{self as ms, reference as r, BitOrder, ResidualCodec};
+use candle_maxsim::{
+    self as ms, reference as r,
+    residual::{BitOrder, ResidualCodec},
+};
 
 #[test]
 fn bucket_indices_pack_as_computed_by_hand() -> Result<()> {
-    assert_eq!(ms::pack_bucket_indices(&[1, 2, 3, 0], 2, BitOrder::ColBert)?, vec![156]);
-    assert_eq!(ms::pack_bucket_indices(&[1, 8], 4, BitOrder::ColBert)?, vec![0x81]);
-    assert_eq!(ms::pack_bucket_indices(&[1, 2, 3, 0], 2, BitOrder::Lsb)?, vec![0b00_11_10_01]);
-    assert_eq!(ms::pack_bucket_indices(&[1, 8], 4, BitOrder::Lsb)?, vec![0x81]);
-    assert_eq!(ms::pack_bucket_indices(&[0xA5], 8, BitOrder::ColBert)?, vec![0xA5]);
-    assert_eq!(ms::unpack_bucket_indices(&[156], 2, BitOrder::ColBert)?, vec![1, 2, 3, 0]);
+    assert_eq!(ms::residual::pack_bucket_indices(&[1, 2, 3, 0], 2, BitOrder::ColBert)?, vec![156]);
+    assert_eq!(ms::residual::pack_bucket_indices(&[1, 8], 4, BitOrder::ColBert)?, vec![0x81]);
+    assert_eq!(ms::residual::pack_bucket_indices(&[1, 2, 3, 0], 2, BitOrder::Lsb)?, vec![0b00_11_10_01]);
+    assert_eq!(ms::residual::pack_bucket_indices(&[1, 8], 4, BitOrder::Lsb)?, vec![0x81]);
+    assert_eq!(ms::residual::pack_bucket_indices(&[0xA5], 8, BitOrder::ColBert)?, vec![0xA5]);
+    assert_eq!(ms::residual::unpack_bucket_indices(&[156], 2, BitOrder::ColBert)?, vec![1, 2, 3, 0]);
     Ok(())
 }
 
@@ -22,9 +25,9 @@ fn bucket_indices_round_trip() -> Result<()> {
     for nbits in [2usize, 4, 8] {
         for order in [BitOrder::Lsb, BitOrder::ColBert] {
             let idx: Vec<u8> = (0..96u32).map(|k| ((k * 7 + 3) % (1 << nbits)) as u8).collect();
-            let packed = ms::pack_bucket_indices(&idx, nbits, order)?;
+            let packed = ms::residual::pack_bucket_indices(&idx, nbits, order)?;
             assert_eq!(packed.len(), 96 * nbits / 8);
-            assert_eq!(ms::unpack_bucket_indices(&packed, nbits, order)?, idx, "nbits {nbits} {order:?}");
+            assert_eq!(ms::residual::unpack_bucket_indices(&packed, nbits, order)?, idx, "nbits {nbits} {order:?}");
         }
     }
     Ok(())
@@ -116,10 +119,11 @@ fn residual_matches_reference(dev: &Device) -> Result<()> {
                 for normalize in [false, true] {
                     let what = format!("residual nb{nbits} {order:?} {dt:?} norm={normalize}");
                     let tol = tol(normalize);
-                    let want = r::maxsim_residual(&q, &codes, &res, &lens, &c, normalize)?;
+                    let want = r::residual::maxsim_residual(&q, &codes, &res, &lens, &c, normalize)?;
                     for codes in [codes.clone(), codes.to_dtype(DType::I64)?] {
                         let g = |t: &Tensor| t.to_device(dev);
-                        let out = ms::maxsim_residual(&g(&q)?, &g(&codes)?, &g(&res)?, &g(&lens)?, &cg, normalize)?;
+                        let out =
+                            ms::residual::maxsim_residual(&g(&q)?, &g(&codes)?, &g(&res)?, &g(&lens)?, &cg, normalize)?;
                         assert_close(&format!("{what} {:?} codes", codes.dtype()), &out, &want, tol)?;
                         assert_eq!(out.to_vec2::<f32>()?[0][1], 0.0, "{what}: an empty document scores 0");
                     }
@@ -131,8 +135,16 @@ fn residual_matches_reference(dev: &Device) -> Result<()> {
                 let res = Tensor::rand(0f32, 256., (t, dim * nbits / 8), &cpu)?.to_dtype(DType::U8)?;
                 let cu = Tensor::new(cu, &cpu)?;
                 let g = |t: &Tensor| t.to_device(dev);
-                let out = ms::maxsim_residual_varlen(&g(&q)?, &g(&codes)?, &g(&res)?, &g(&cu)?, longest, &cg, true)?;
-                let want = r::maxsim_residual_varlen(&q, &codes, &res, &cu, longest, &c, true)?;
+                let out = ms::residual::maxsim_residual_varlen(
+                    &g(&q)?,
+                    &g(&codes)?,
+                    &g(&res)?,
+                    &g(&cu)?,
+                    longest,
+                    &cg,
+                    true,
+                )?;
+                let want = r::residual::maxsim_residual_varlen(&q, &codes, &res, &cu, longest, &c, true)?;
                 assert_close(&format!("residual varlen nb{nbits} {order:?} {dt:?}"), &out, &want, tol(true))?;
             }
         }
@@ -162,11 +174,17 @@ fn residual_kernel_variants_match_reference(dev: &Device) -> Result<()> {
                     let q = randn(&[nq, lq, dim], dt, &cpu)?;
                     for normalize in [false, true] {
                         let what = format!("residual d{dim} nb{nbits} {order:?} {dt:?} norm={normalize}");
-                        let want = r::maxsim_residual(&q, &codes, &res, &lens, &c, normalize)?;
+                        let want = r::residual::maxsim_residual(&q, &codes, &res, &lens, &c, normalize)?;
                         let tol = if normalize { 3e-2 } else { score_tol(dev, dt) };
                         for codes_t in [codes.clone(), codes.to_dtype(DType::I64)?] {
-                            let out =
-                                ms::maxsim_residual(&g(&q)?, &g(&codes_t)?, &g(&res)?, &g(&lens)?, &cg, normalize)?;
+                            let out = ms::residual::maxsim_residual(
+                                &g(&q)?,
+                                &g(&codes_t)?,
+                                &g(&res)?,
+                                &g(&lens)?,
+                                &cg,
+                                normalize,
+                            )?;
                             assert_close(&format!("{what} {:?} codes", codes_t.dtype()), &out, &want, tol)?;
                         }
                     }
@@ -182,8 +200,16 @@ fn residual_kernel_variants_match_reference(dev: &Device) -> Result<()> {
                         cu.push(cu.last().unwrap() + l);
                     }
                     let cu = Tensor::new(cu, &cpu)?;
-                    let want = r::maxsim_residual_varlen(&q, &pcodes, &pres, &cu, ld, &c, true)?;
-                    let out = ms::maxsim_residual_varlen(&g(&q)?, &g(&pcodes)?, &g(&pres)?, &g(&cu)?, ld, &cg, true)?;
+                    let want = r::residual::maxsim_residual_varlen(&q, &pcodes, &pres, &cu, ld, &c, true)?;
+                    let out = ms::residual::maxsim_residual_varlen(
+                        &g(&q)?,
+                        &g(&pcodes)?,
+                        &g(&pres)?,
+                        &g(&cu)?,
+                        ld,
+                        &cg,
+                        true,
+                    )?;
                     assert_close(&format!("varlen d{dim} nb{nbits} {order:?} {dt:?}"), &out, &want, 3e-2)?;
                 }
             }
@@ -201,8 +227,8 @@ fn padding_codes_are_never_read(dev: &Device) -> Result<()> {
     let lens = Tensor::new(&[2u32, 1], &cpu)?;
     let q = randn(&[2, 4, 16], DType::F32, &cpu)?;
     let g = |t: &Tensor| t.to_device(dev);
-    let out = ms::maxsim_residual(&g(&q)?, &g(&codes)?, &g(&res)?, &g(&lens)?, &codec_on(&c, dev)?, false)?;
-    let want = r::maxsim_residual(&q, &codes.clamp(0i64, 9i64)?, &res, &lens, &c, false)?;
+    let out = ms::residual::maxsim_residual(&g(&q)?, &g(&codes)?, &g(&res)?, &g(&lens)?, &codec_on(&c, dev)?, false)?;
+    let want = r::residual::maxsim_residual(&q, &codes.clamp(0i64, 9i64)?, &res, &lens, &c, false)?;
     assert_close("padding codes", &out, &want, score_tol(dev, DType::F32).max(1e-5))
 }
 
@@ -259,11 +285,12 @@ fn check_q_grad(
     let w = Tensor::rand(0.5f32, 1.5, (q.dim(0)?, codes.dim(0)?), &cpu)?;
     let g = |t: &Tensor| t.to_device(dev);
     let qv = candle_core::Var::from_tensor(&g(q)?)?;
-    let s = ms::maxsim_residual(qv.as_tensor(), &g(codes)?, &g(res)?, &g(lens)?, &codec_on(c, dev)?, normalize)?;
+    let s =
+        ms::residual::maxsim_residual(qv.as_tensor(), &g(codes)?, &g(res)?, &g(lens)?, &codec_on(c, dev)?, normalize)?;
     let got = (s * g(&w)?)?.sum_all()?.backward()?.get(qv.as_tensor()).expect("grad of q").to_device(&cpu)?;
     assert_eq!(got.dtype(), q.dtype(), "{what}");
     let rv = candle_core::Var::from_tensor(&q.to_dtype(DType::F32)?)?;
-    let s = r::maxsim_residual(rv.as_tensor(), codes, res, lens, c, normalize)?;
+    let s = r::residual::maxsim_residual(rv.as_tensor(), codes, res, lens, c, normalize)?;
     let want = (s * &w)?.sum_all()?.backward()?.get(rv.as_tensor()).expect("reference grad of q").clone();
     assert_close(&format!("{what} grad q"), &got, &want, tol)
 }
@@ -306,8 +333,9 @@ fn residual_pairs_match_reference(dev: &Device) -> Result<()> {
         }
         let cu = Tensor::new(cu, &cpu)?;
         let pq: Vec<u32> = (0..5 * nd as u32).map(|p| (p * 7 + 1) % nq as u32).collect();
-        let pd: Vec<u32> =
-            (0..5 * nd as u32).map(|p| if p % 9 == 4 { ms::NO_DOCUMENT } else { (p * 11 + 3) % nd as u32 }).collect();
+        let pd: Vec<u32> = (0..5 * nd as u32)
+            .map(|p| if p % 9 == 4 { ms::residual::NO_DOCUMENT } else { (p * 11 + 3) % nd as u32 })
+            .collect();
         let (pq, pd) = (Tensor::new(pq, &cpu)?, Tensor::new(pd, &cpu)?);
         let q = randn(&[nq, lq, dim], dt, &cpu)?;
         let g = |t: &Tensor| t.to_device(dev);
@@ -315,8 +343,8 @@ fn residual_pairs_match_reference(dev: &Device) -> Result<()> {
         for normalize in [false, true] {
             for codes_t in [pcodes.clone(), pcodes.to_dtype(DType::I64)?] {
                 let what = format!("pairs d{dim} {dt:?} lq{lq} norm={normalize} {:?}", codes_t.dtype());
-                let want = r::maxsim_residual_pairs(&q, &codes_t, &pres, &cu, ld, &pq, &pd, &c, normalize)?;
-                let out = ms::maxsim_residual_pairs(
+                let want = r::residual::maxsim_residual_pairs(&q, &codes_t, &pres, &cu, ld, &pq, &pd, &c, normalize)?;
+                let out = ms::residual::maxsim_residual_pairs(
                     &g(&q)?,
                     &g(&codes_t)?,
                     &g(&pres)?,
@@ -374,7 +402,7 @@ fn compress_matches_definition(dev: &Device) -> Result<()> {
                         .zip(&cents[code as usize])
                         .map(|(&a, &b)| cut.iter().filter(|&&v| v < a - b).count() as u8)
                         .collect();
-                    want.extend(ms::pack_bucket_indices(&idx, nbits, order)?);
+                    want.extend(ms::residual::pack_bucket_indices(&idx, nbits, order)?);
                 }
                 let g = |t: &Tensor| t.to_device(dev);
                 let cg = codec_on(&c, dev)?;
@@ -382,7 +410,7 @@ fn compress_matches_definition(dev: &Device) -> Result<()> {
                 let what = format!("compress nb{nbits} {order:?} {xdt:?}/{cdt:?}");
                 assert_eq!(out.flatten_all()?.to_vec1::<u8>()?, want, "{what}");
                 let back = cg.decompress(&g(&codes)?, &out)?;
-                let want_back = r::decompress(&codes, &out.to_device(&cpu)?, &c)?;
+                let want_back = r::residual::decompress(&codes, &out.to_device(&cpu)?, &c)?;
                 assert_close(&format!("{what} decompressed"), &back, &want_back, 1e-6)?;
             }
         }
@@ -400,8 +428,9 @@ fn nearest_centroids_match_reference(dev: &Device) -> Result<()> {
         for dt in DTYPES {
             let x = randn(&[t, dim], dt, &cpu)?;
             let cents = randn(&[c, dim], dt, &cpu)?;
-            let want: Vec<u32> = r::nearest_centroids(&x, &cents)?.to_vec1()?;
-            let got: Vec<u32> = ms::nearest_centroids(&x.to_device(dev)?, &cents.to_device(dev)?)?.to_vec1()?;
+            let want: Vec<u32> = r::residual::nearest_centroids(&x, &cents)?.to_vec1()?;
+            let got: Vec<u32> =
+                ms::residual::nearest_centroids(&x.to_device(dev)?, &cents.to_device(dev)?)?.to_vec1()?;
             // Rounding may flip a near-tie: the chosen centroid's product is within rounding of the best.
             let s: Vec<Vec<f32>> = x.to_dtype(DType::F32)?.matmul(&cents.to_dtype(DType::F32)?.t()?)?.to_vec2()?;
             let tol = if dt == DType::F32 { 1e-4 } else { 5e-2 };
@@ -416,11 +445,13 @@ fn nearest_centroids_match_reference(dev: &Device) -> Result<()> {
             assert!(same * 100 >= t * 97, "{t}x{c} d{dim} {dt:?}: {same}/{t} identical");
         }
     }
-    let e =
-        ms::nearest_centroids(&randn(&[4, 8], DType::F32, dev)?.narrow(0, 0, 0)?, &randn(&[3, 8], DType::F32, dev)?)?;
+    let e = ms::residual::nearest_centroids(
+        &randn(&[4, 8], DType::F32, dev)?.narrow(0, 0, 0)?,
+        &randn(&[3, 8], DType::F32, dev)?,
+    )?;
     assert_eq!(e.dims(), &[0]);
     expect_err(
-        ms::nearest_centroids(&randn(&[4, 8], DType::F32, dev)?, &randn(&[3, 9], DType::F32, dev)?),
+        ms::residual::nearest_centroids(&randn(&[4, 8], DType::F32, dev)?, &randn(&[3, 9], DType::F32, dev)?),
         "centroids",
     );
     Ok(())

@@ -12,13 +12,13 @@ fn scatter_add_rows_match_reference(dev: &Device) -> Result<()> {
         for dt in DTYPES {
             let src = randn(&[rows, cols], dt, &cpu)?;
             let idx = (Tensor::rand(0f32, 1., rows, &cpu)? * (n_out as f64 - 0.01))?.floor()?.to_dtype(DType::U32)?;
-            let want = r::scatter_add_rows(&src, &idx, n_out)?;
-            let out = ms::scatter_add_rows(&src.to_device(dev)?, &idx.to_device(dev)?, n_out)?;
+            let want = r::nn::scatter_add_rows(&src, &idx, n_out)?;
+            let out = ms::nn::scatter_add_rows(&src.to_device(dev)?, &idx.to_device(dev)?, n_out)?;
             assert_close(&format!("scatter {rows}x{cols}->{n_out} {dt:?}"), &out, &want, 1e-5)?;
         }
     }
     let src = randn(&[4, 3], DType::F32, dev)?;
-    expect_err(ms::scatter_add_rows(&src, &Tensor::new(&[0u32, 1, 9, 2], dev)?, 5), "idx");
+    expect_err(ms::nn::scatter_add_rows(&src, &Tensor::new(&[0u32, 1, 9, 2], dev)?, 5), "idx");
     Ok(())
 }
 
@@ -41,9 +41,9 @@ fn add_bias_matches_broadcast_add(dev: &Device) -> Result<()> {
                 let up = randn(&[r, c], dt, &cpu)?.to_dtype(DType::F64)?;
                 let (xv, bv) = (Var::from_tensor(&x.to_device(dev)?)?, Var::from_tensor(&b.to_device(dev)?)?);
                 let y = if gelu {
-                    ms::add_bias_gelu(xv.as_tensor(), bv.as_tensor())?
+                    ms::nn::add_bias_gelu(xv.as_tensor(), bv.as_tensor())?
                 } else {
-                    ms::add_bias(xv.as_tensor(), bv.as_tensor())?
+                    ms::nn::add_bias(xv.as_tensor(), bv.as_tensor())?
                 };
                 assert_eq!(y.dtype(), dt);
                 let g = y.to_dtype(DType::F64)?.mul(&up.to_device(dev)?)?.sum_all()?.backward()?;
@@ -66,8 +66,8 @@ fn add_bias_matches_broadcast_add(dev: &Device) -> Result<()> {
         }
     }
     let x = randn(&[4, 3], DType::F32, dev)?;
-    expect_err(ms::add_bias_gelu(&x, &randn(&[4], DType::F32, dev)?), "b");
-    expect_err(ms::add_bias_gelu(&x.flatten_all()?, &randn(&[3], DType::F32, dev)?), "x");
+    expect_err(ms::nn::add_bias_gelu(&x, &randn(&[4], DType::F32, dev)?), "b");
+    expect_err(ms::nn::add_bias_gelu(&x.flatten_all()?, &randn(&[3], DType::F32, dev)?), "x");
     Ok(())
 }
 

@@ -26,8 +26,8 @@ fn topk_rows_match_reference(dev: &Device) -> Result<()> {
             .collect();
         let special = Tensor::from_vec(special, (rows, n), &cpu)?;
         let x = (x * &special)?;
-        let (wv, wi) = r::topk_rows(&x, k)?;
-        let (ov, oi) = ms::topk_rows(&x.to_device(dev)?, k)?;
+        let (wv, wi) = r::nn::topk_rows(&x, k)?;
+        let (ov, oi) = ms::nn::topk_rows(&x.to_device(dev)?, k)?;
         let what = format!("topk {rows}x{n} k{k}");
         assert_eq!(oi.to_vec2::<u32>()?, wi.to_vec2::<u32>()?, "{what}: indices");
         let (ov, wv): (Vec<Vec<f32>>, Vec<Vec<f32>>) = (ov.to_vec2()?, wv.to_vec2()?);
@@ -35,7 +35,7 @@ fn topk_rows_match_reference(dev: &Device) -> Result<()> {
             assert!(o.to_bits() == w.to_bits() || (o.is_nan() && w.is_nan()), "{what}: value {o} vs {w}");
         }
     }
-    let (v, i) = ms::topk_rows(&Tensor::zeros((0, 5), DType::F32, dev)?, 3)?;
+    let (v, i) = ms::nn::topk_rows(&Tensor::zeros((0, 5), DType::F32, dev)?, 3)?;
     assert_eq!((v.dims(), i.dims()), (&[0, 3][..], &[0, 3][..]));
     Ok(())
 }

@@ -1,4 +1,4 @@
-//! How much symmetric 8-bit embeddings (`candle_maxsim::quantize`,
+//! How much symmetric 8-bit embeddings (`candle_maxsim::quantized::quantize`,
 //! `maxsim_quantized`) change a ColBERT model's rankings: the first
 //! `--queries` queries of a BEIR split against a corpus subset (their
 //! relevant documents, then the corpus in order up to `--docs`), scored in
@@ -77,10 +77,10 @@ fn main() -> Result<()> {
     let (d, dm) = encode(&docs, |t| model.encode_documents(t))?;
     let f32s = candle_maxsim::maxsim(&q, &d, Some(&qm), Some(&dm))?;
     let bf16 = candle_maxsim::maxsim(&q.to_dtype(DType::BF16)?, &d.to_dtype(DType::BF16)?, Some(&qm), Some(&dm))?;
-    let (q8, d8) = (candle_maxsim::quantize(&q)?, candle_maxsim::quantize(&d)?);
-    let int8 = candle_maxsim::maxsim_quantized(&q8, &d8, Some(&qm), Some(&dm))?;
-    let (qf8, df8) = (candle_maxsim::quantize_e4m3(&q)?, candle_maxsim::quantize_e4m3(&d)?);
-    let fp8 = candle_maxsim::maxsim_quantized(&qf8, &df8, Some(&qm), Some(&dm))?.to_vec2::<f32>()?;
+    let (q8, d8) = (candle_maxsim::quantized::quantize(&q)?, candle_maxsim::quantized::quantize(&d)?);
+    let int8 = candle_maxsim::quantized::maxsim_quantized(&q8, &d8, Some(&qm), Some(&dm))?;
+    let (qf8, df8) = (candle_maxsim::quantized::quantize_e4m3(&q)?, candle_maxsim::quantized::quantize_e4m3(&d)?);
+    let fp8 = candle_maxsim::quantized::maxsim_quantized(&qf8, &df8, Some(&qm), Some(&dm))?.to_vec2::<f32>()?;
     let (f32s, bf16, int8) = (f32s.to_vec2::<f32>()?, bf16.to_vec2::<f32>()?, int8.to_vec2::<f32>()?);
     let mrr = |s: &[Vec<f32>]| -> f64 {
         let total: f64 = s

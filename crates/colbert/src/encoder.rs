@@ -6,7 +6,7 @@
 //!
 //! Attention masks are additive biases of `f32::MIN` (finite), added to
 //! the scores in F32 before an F32 softmax (one fused op,
-//! `candle_maxsim::attention_softmax`), as transformers' eager attention does: no `0 · -inf` (the NaN of a mask built by multiplying in
+//! `candle_maxsim::nn::attention_softmax`), as transformers' eager attention does: no `0 · -inf` (the NaN of a mask built by multiplying in
 //! F16) and no all-`-inf` row (a padding row attends uniformly, like
 //! transformers', instead of producing NaN that would reach the valid rows
 //! through the values).
@@ -28,11 +28,11 @@ fn linear_act(x: &Tensor, w: &Tensor, b: Option<&Tensor>, act: Option<Act>) -> R
     let rows = x.elem_count() / inner.max(1);
     let mut y = x.reshape((rows, inner))?.matmul(&w.t()?)?;
     match (b, act) {
-        (Some(b), Some(Act::Gelu)) => y = candle_maxsim::add_bias_gelu(&y, b)?,
+        (Some(b), Some(Act::Gelu)) => y = candle_maxsim::nn::add_bias_gelu(&y, b)?,
         (b, act) => {
             if let Some(b) = b {
                 // One fused op with a one-kernel backward (the column sums).
-                y = candle_maxsim::add_bias(&y, b)?;
+                y = candle_maxsim::nn::add_bias(&y, b)?;
             }
             if let Some(act) = act {
                 y = act.apply(&y)?;
@@ -63,7 +63,7 @@ impl Norm {
     }
     /// In F32, returned in `x`'s dtype (one fused op, and one backward).
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        candle_maxsim::layer_norm(x, &self.w, self.b.as_ref(), self.eps)
+        candle_maxsim::nn::layer_norm(x, &self.w, self.b.as_ref(), self.eps)
     }
 }
 
@@ -73,7 +73,7 @@ fn attention(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor) -> Result<Tensor
     let (b, h, l, dh) = q.dims4()?;
     let scores = q.contiguous()?.matmul(&k.t()?.contiguous()?)?;
     // Scaled, biased and normalized in F32 in one op, rounded once.
-    let p = candle_maxsim::attention_softmax(&scores, bias, (dh as f64).powf(-0.5))?;
+    let p = candle_maxsim::nn::attention_softmax(&scores, bias, (dh as f64).powf(-0.5))?;
     p.matmul(&v.contiguous()?)?.transpose(1, 2)?.reshape((b, l, h * dh))
 }
 
@@ -202,8 +202,8 @@ impl Bert {
         let h = self.word.dim(1)?;
         // Word + position + token type 0, each added as a bias of rows (`[B, L·H]`, then `[B·L, H]`).
         let x = self.word.embedding_rows(&ids.flatten_all()?)?.reshape((b, l * h))?;
-        let x = candle_maxsim::add_bias(&x, &self.position.embedding_rows(&pos)?.flatten_all()?)?;
-        let x = candle_maxsim::add_bias(&x.reshape((b * l, h))?, &self.token_type.get(0)?)?.reshape((b, l, h))?;
+        let x = candle_maxsim::nn::add_bias(&x, &self.position.embedding_rows(&pos)?.flatten_all()?)?;
+        let x = candle_maxsim::nn::add_bias(&x.reshape((b * l, h))?, &self.token_type.get(0)?)?.reshape((b, l, h))?;
         let mut x = self.emb_norm.forward(&x.to_dtype(dt)?)?;
         let bias = padding_bias(att)?;
         let dh = h / self.heads;
@@ -228,7 +228,7 @@ trait Rows {
 
 impl Rows for Tensor {
     fn embedding_rows(&self, ids: &Tensor) -> Result<Tensor> {
-        candle_maxsim::embedding(self, ids)
+        candle_maxsim::nn::embedding(self, ids)
     }
 }
 

@@ -20,7 +20,11 @@ use crate::index::{PlaidIndex, DELETED};
 use crate::npy;
 use crate::store::{read_json, write_json, Staging};
 use candle_core::{bail, DType, Device, Result, Tensor};
-use candle_maxsim::{l2_normalize, nearest_centroids, scatter_add_rows, BitOrder, ResidualCodec};
+use candle_maxsim::{
+    l2_normalize,
+    nn::scatter_add_rows,
+    residual::{nearest_centroids, BitOrder, ResidualCodec},
+};
 use indicatif::{ProgressBar, ProgressStyle};
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};

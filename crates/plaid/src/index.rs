@@ -6,7 +6,11 @@
 use crate::npy::{self, MappedNpy};
 use crate::store::{json_usize, read_json};
 use candle_core::{bail, DType, Device, Error, Result, Tensor};
-use candle_maxsim::{l2_normalize, maxsim_residual_varlen, BitOrder, ResidualCodec, TopK};
+use candle_maxsim::{
+    l2_normalize,
+    residual::{maxsim_residual_varlen, BitOrder, ResidualCodec},
+    TopK,
+};
 use std::path::{Path, PathBuf};
 
 /// Tokens decompressed per scoring call of the exhaustive search: bounds its memory.

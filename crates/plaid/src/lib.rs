@@ -14,7 +14,7 @@
 //! | `avg_residual.npy`, `cluster_threshold.npy` | calibration fast-plaid's update reads |
 //! | `ivf.npy`, `ivf_lengths.npy` | the inverted file: each centroid's documents (I64), back to back, and the list lengths (I32) |
 //! | `doclens.{i}.json`, `{i}.metadata.json` | token count of each document of chunk `i`; its offsets |
-//! | `{i}.codes.npy`, `{i}.residuals.npy` | `[T_i]` I64 centroid codes, `[T_i, dim·nbits/8]` U8 packed residuals ([`BitOrder::ColBert`](candle_maxsim::BitOrder)) |
+//! | `{i}.codes.npy`, `{i}.residuals.npy` | `[T_i]` I64 centroid codes, `[T_i, dim·nbits/8]` U8 packed residuals ([`BitOrder::ColBert`](candle_maxsim::residual::BitOrder)) |
 //! | `merged_codes.npy`, `merged_residuals.npy` | fast-plaid ≥ 1.7: all chunks back to back (plus padding rows), in place of the per-chunk files |
 //! | `deleted.json` | this crate's: deleted document ids (dropped from the inverted file too) |
 //!
@@ -25,14 +25,14 @@
 //!
 //! 1. query-centroid scores, `centroids · Qᵀ` (a `[C, Nq·Lq]` table for the
 //!    approximate scores, `Q · centroidsᵀ` rows for probing);
-//! 2. per query token, the `n_ivf_probe` best centroids ([`topk_rows`](candle_maxsim::topk_rows));
-//! 3. their inverted lists, the query's candidates ([`plaid_candidates`](candle_maxsim::plaid_candidates)),
+//! 2. per query token, the `n_ivf_probe` best centroids ([`topk_rows`](candle_maxsim::nn::topk_rows));
+//! 3. their inverted lists, the query's candidates ([`plaid_candidates`](candle_maxsim::plaid::plaid_candidates)),
 //!    less the deleted documents and those outside the subset;
 //! 4. the centroid-only approximate score of every candidate
-//!    ([`plaid_approx_candidates`](candle_maxsim::plaid_approx_candidates)), centroids below the optional
+//!    ([`plaid_approx_candidates`](candle_maxsim::plaid::plaid_approx_candidates)), centroids below the optional
 //!    `centroid_score_threshold` pruned; the best `n_full_scores / 4` kept;
 //! 5. exact scores of those from their compressed residuals
-//!    ([`maxsim_residual_pairs`](candle_maxsim::maxsim_residual_pairs)), and the `top_k` best.
+//!    ([`maxsim_residual_pairs`](candle_maxsim::residual::maxsim_residual_pairs)), and the `top_k` best.
 //!
 //! Parameter names, defaults and the candidate cut are fast-plaid 1.7's: it
 //! too decompresses only the best quarter of its `n_full_scores` candidates.

@@ -3,7 +3,9 @@
 use crate::index::PlaidIndex;
 use candle_core::{bail, DType, Device, Result, Tensor};
 use candle_maxsim::{
-    maxsim_residual_pairs, plaid_approx_candidates, plaid_candidates, topk_rows, NO_CENTROID, NO_DOCUMENT, TOPK_MAX_K,
+    nn::{topk_rows, TOPK_MAX_K},
+    plaid::{plaid_approx_candidates, plaid_candidates, NO_CENTROID},
+    residual::{maxsim_residual_pairs, NO_DOCUMENT},
 };
 
 /// Parameters of [`PlaidIndex::search`] (fast-plaid's names and defaults).

@@ -15,7 +15,7 @@ use support::*;
 
 /// Exact scores `[Nq, Nd]` from `reference`: decompress, normalize, pad, MaxSim.
 fn reference_scores(s: &Synth, q: &Tensor) -> Result<Tensor> {
-    let d = ms::l2_normalize(&r::decompress(&s.codes, &s.residuals, &s.codec)?)?;
+    let d = ms::l2_normalize(&r::residual::decompress(&s.codes, &s.residuals, &s.codec)?)?;
     let mut cu = vec![0u32];
     for &l in &s.lens {
         cu.push(cu.last().unwrap() + l as u32);
@@ -82,7 +82,7 @@ fn index_matches_reference(dev: &Device) -> Result<()> {
             assert_eq!(idx.residuals.to_vec2::<u8>()?, s.residuals.to_vec2::<u8>()?, "{layout:?} residuals");
             assert!(idx.bucket_cutoffs.is_some() && idx.avg_residual.is_some());
             // Decompression of every document vs the reference decoder.
-            let dense = ms::l2_normalize(&r::decompress(&s.codes, &s.residuals, &s.codec)?)?;
+            let dense = ms::l2_normalize(&r::residual::decompress(&s.codes, &s.residuals, &s.codec)?)?;
             let mut at = 0;
             for (doc, &len) in s.lens.iter().enumerate() {
                 let e = idx.embeddings(doc)?;

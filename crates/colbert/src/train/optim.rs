@@ -10,7 +10,7 @@ use candle_core::{bail, DType, Result, Tensor, Var};
 use std::collections::HashMap;
 
 /// AdamW over named `Var`s; the moments of each are one F32 `[2, n]`
-/// tensor, stepped in place by `candle_maxsim::adamw_update`.
+/// tensor, stepped in place by `candle_maxsim::optim::adamw_update`.
 pub struct AdamW {
     vars: Vec<(String, Var)>,
     /// First and second moments `[2, n]`, by name.
@@ -61,7 +61,7 @@ impl AdamW {
         for (name, var) in &self.vars {
             let Some(g) = grads.get(name) else { continue };
             let g = g.to_dtype(DType::F32)?.contiguous()?;
-            candle_maxsim::adamw_sum_sq(&sum_sq, &g)?;
+            candle_maxsim::optim::adamw_sum_sq(&sum_sq, &g)?;
             live.push((name, var, g));
         }
         self.step += 1;
@@ -69,7 +69,7 @@ impl AdamW {
             if !self.mv.contains_key(name) {
                 self.mv.insert(name.clone(), Tensor::zeros((2, var.elem_count()), DType::F32, var.device())?);
             }
-            let step = candle_maxsim::AdamWStep {
+            let step = candle_maxsim::optim::AdamWStep {
                 lr,
                 beta1: self.beta1,
                 beta2: self.beta2,
@@ -78,7 +78,7 @@ impl AdamW {
                 max_grad_norm,
                 t: self.step,
             };
-            candle_maxsim::adamw_update(var.as_tensor(), &self.mv[name], &g, &sum_sq, &step)?;
+            candle_maxsim::optim::adamw_update(var.as_tensor(), &self.mv[name], &g, &sum_sq, &step)?;
         }
         Ok(sum_sq)
     }

@@ -4,7 +4,10 @@
 #![allow(dead_code)]
 
 use candle_core::{DType, Device, Result, Tensor};
-use candle_maxsim::{self as ms, BitOrder, ResidualCodec};
+use candle_maxsim::{
+    self as ms,
+    residual::{BitOrder, ResidualCodec},
+};
 use candle_maxsim_testing::{rand_offsets, randn};
 use std::path::{Path, PathBuf};
 

@@ -1,0 +1,64 @@
+//! Naive [`crate::nn`]: the encoder ops as composed candle ops in F64.
+
+use candle_core::{DType, Result, Tensor, D};
+
+/// Naive [`crate::nn::topk_rows`]: a full sort of each row on the host (NaN
+/// lowest, then larger value first, then the lower column).
+pub fn topk_rows(x: &Tensor, k: usize) -> Result<(Tensor, Tensor)> {
+    let rows: Vec<Vec<f32>> = x.to_vec2()?;
+    let k = k.min(x.dim(1)?);
+    let (mut vs, mut is) = (Vec::new(), Vec::new());
+    for row in &rows {
+        let mut idx: Vec<usize> = (0..row.len()).collect();
+        idx.sort_by(|&a, &b| {
+            let (x, y) = (row[a], row[b]);
+            let by_value = match (x.is_nan(), y.is_nan()) {
+                (true, true) => std::cmp::Ordering::Equal,
+                (true, false) => std::cmp::Ordering::Greater,
+                (false, true) => std::cmp::Ordering::Less,
+                _ => y.total_cmp(&x),
+            };
+            by_value.then(a.cmp(&b))
+        });
+        for &j in &idx[..k] {
+            vs.push(row[j]);
+            is.push(j as u32);
+        }
+    }
+    let r = rows.len();
+    Ok((Tensor::from_vec(vs, (r, k), x.device())?, Tensor::from_vec(is, (r, k), x.device())?))
+}
+
+/// Naive [`crate::nn::scatter_add_rows`]: candle's `index_add` in F32.
+pub fn scatter_add_rows(src: &Tensor, idx: &Tensor, n_out: usize) -> Result<Tensor> {
+    let src = src.to_dtype(DType::F32)?;
+    Tensor::zeros((n_out, src.dim(1)?), DType::F32, src.device())?.index_add(idx, &src, 0)
+}
+
+/// Naive [`crate::nn::attention_softmax`]: scale, bias and softmax as candle ops
+/// in F64, rounded to `scores`' dtype (differentiable by candle's autograd).
+pub fn attention_softmax(scores: &Tensor, bias: &Tensor, scale: f64) -> Result<Tensor> {
+    let x = (scores.to_dtype(DType::F64)? * scale)?.broadcast_add(&bias.to_dtype(DType::F64)?)?;
+    let e = x.broadcast_sub(&x.max_keepdim(D::Minus1)?.detach())?.exp()?;
+    e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?.to_dtype(scores.dtype())
+}
+
+/// Naive [`crate::nn::layer_norm`]: mean, biased variance and the affine map as
+/// candle ops in F64, rounded to `x`'s dtype (differentiable).
+pub fn layer_norm(x: &Tensor, w: &Tensor, b: Option<&Tensor>, eps: f64) -> Result<Tensor> {
+    let x64 = x.to_dtype(DType::F64)?;
+    let xc = x64.broadcast_sub(&x64.mean_keepdim(D::Minus1)?)?;
+    let var = xc.sqr()?.mean_keepdim(D::Minus1)?;
+    let mut y = xc.broadcast_div(&(var + eps)?.sqrt()?)?.broadcast_mul(&w.to_dtype(DType::F64)?)?;
+    if let Some(b) = b {
+        y = y.broadcast_add(&b.to_dtype(DType::F64)?)?;
+    }
+    y.to_dtype(x.dtype())
+}
+
+/// Naive [`crate::nn::embedding`]: candle's `index_select` (differentiable).
+pub fn embedding(table: &Tensor, ids: &Tensor) -> Result<Tensor> {
+    let mut shape = ids.dims().to_vec();
+    shape.push(table.dim(1)?);
+    table.index_select(&ids.flatten_all()?, 0)?.reshape(shape)
+}
