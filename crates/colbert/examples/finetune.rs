@@ -13,6 +13,11 @@
 //! `--profile N` times N training steps by phase (encode, scores and loss,
 //! backward, optimizer) instead of a run. `--help` lists every flag.
 
+// Shared with the colbert example, which uses more of it.
+#[allow(dead_code)]
+#[path = "common/cli.rs"]
+mod cli;
+
 use anyhow::{bail, Result};
 use candle_core::{DType, Device};
 use candle_maxsim_colbert::train::{self, EvalSet, Loss, TrainConfig, TrainableColBert};
@@ -23,9 +28,13 @@ use std::time::Instant;
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
 enum LossKind {
+    /// In-batch and hard negatives, cross-entropy towards each query's positive (triples).
     Contrastive,
+    /// Contrastive by gradient cache: the same loss at bounded memory (--mini-batch).
     Cached,
+    /// KL divergence to a teacher's scores (distillation rows).
     Distill,
+    /// Mean squared error of the positive-negative score margins against the teacher's.
     MarginMse,
 }
 
@@ -37,21 +46,43 @@ enum Dtype {
 
 /// Fine-tune a ColBERT model (the whole encoder and its projection).
 #[derive(Parser)]
-#[command(name = "finetune")]
-struct Args {
-    /// Training data (JSONL).
-    #[arg(long)]
+#[command(
+    name = "finetune",
+    long_about = "Fine-tune a ColBERT model end to end (the whole encoder and its projection) \
+and save it in the PyLate layout, which PyLate and Sentence Transformers load.
+
+Training data (--train) is JSONL, one JSON object per line (blank lines skipped):
+
+  contrastive and cached losses, one query with its positive and hard negatives per row:
+    {\"query\": \"...\", \"positive\": \"...\", \"negative\": \"...\"}
+  `negative` may be a list of strings, or the negatives `negative_1`, `negative_2`, ...;
+  every row has the same number of them; `anchor` is read where `query` is absent.
+
+  distill and margin-mse losses, a teacher's scores of documents per query:
+    {\"query_id\": \"q1\", \"document_ids\": [\"d1\", \"d2\", ...], \"scores\": [12.5, 3.1, ...]}
+  with the texts in --queries ({\"query_id\": ..., \"text\": ...} per line) and
+  --documents ({\"document_id\": ..., \"text\": ...} per line); the first --n-ways
+  documents of each row are used (margin-mse: the first is the positive).
+
+Evaluation data (--eval) is a BEIR directory (corpus.jsonl, queries.jsonl,
+qrels/SPLIT.tsv) or a triples file as above (each query's positive is its
+relevant document, ranked among all the file's documents). Results are printed
+as JSON lines on stdout."
+)]
+pub(crate) struct Args {
+    /// Training data: JSONL triples, or distillation rows (the formats: see --help).
+    #[arg(long, value_name = "FILE")]
     train: Option<PathBuf>,
     /// Evaluation data: a BEIR directory (corpus.jsonl, queries.jsonl,
     /// qrels/SPLIT.tsv), or JSONL triples (each query's positive its relevant document).
-    #[arg(long)]
+    #[arg(long, value_name = "PATH")]
     eval: Option<PathBuf>,
     /// The qrels split of a BEIR --eval directory.
-    #[arg(long = "eval-split", default_value = "dev")]
+    #[arg(long = "eval-split", value_name = "SPLIT", default_value = "dev")]
     eval_split: String,
     /// With --eval-only: write the scores of the first 64 queries over the first
     /// 256 corpus documents to this .npy file (F32), to compare with another stack.
-    #[arg(long = "dump-scores")]
+    #[arg(long = "dump-scores", value_name = "FILE")]
     dump_scores: Option<PathBuf>,
     /// With --eval-only: write the --eval corpus's token embeddings to DIR
     /// (emb.npy `[T, dim]` F16 packed, scored tokens only; lens.npy) and its
@@ -60,37 +91,46 @@ struct Args {
     #[arg(long = "export", value_name = "DIR")]
     export: Option<PathBuf>,
     /// The starting checkpoint (PyLate / Sentence Transformers, colbert-ai, or a plain BERT / ModernBERT).
-    #[arg(long = "model-dir")]
+    #[arg(long = "model-dir", value_name = "DIR")]
     model_dir: PathBuf,
     /// Where the trained model (and checkpoint-N/) go.
-    #[arg(long)]
+    #[arg(long, value_name = "DIR")]
     out: Option<PathBuf>,
+    /// The training loss.
     #[arg(long, value_enum, default_value_t = LossKind::Contrastive)]
     loss: LossKind,
-    /// Queries file (distillation).
-    #[arg(long)]
+    /// Queries file of the distillation losses: JSONL `{query_id, text}`.
+    #[arg(long, value_name = "FILE")]
     queries: Option<PathBuf>,
-    /// Documents file (distillation).
-    #[arg(long)]
+    /// Documents file of the distillation losses: JSONL `{document_id, text}`.
+    #[arg(long, value_name = "FILE")]
     documents: Option<PathBuf>,
-    #[arg(long = "batch-size", default_value_t = 32)]
+    /// Queries per micro-batch, each with its documents.
+    #[arg(long = "batch-size", value_name = "N", default_value_t = 32)]
     batch_size: usize,
     /// Queries and documents embedded at a time by the cached loss.
-    #[arg(long = "mini-batch", default_value_t = 32)]
+    #[arg(long = "mini-batch", value_name = "N", default_value_t = 32)]
     mini_batch: usize,
-    #[arg(long, default_value_t = 3e-5)]
+    /// Peak learning rate of AdamW (linear warm-up, then linear decay to 0).
+    #[arg(long, value_name = "LR", default_value_t = 3e-5)]
     lr: f64,
-    #[arg(long, default_value_t = 1)]
+    /// Passes over the training data.
+    #[arg(long, value_name = "N", default_value_t = 1)]
     epochs: usize,
-    #[arg(long = "max-steps")]
+    /// Stop after this many optimizer steps (default: all steps of --epochs).
+    #[arg(long = "max-steps", value_name = "N")]
     max_steps: Option<usize>,
-    #[arg(long = "warmup-ratio", default_value_t = 0.0)]
+    /// Warm-up as a fraction of the optimizer steps (a value of 1 or more: a step count).
+    #[arg(long = "warmup-ratio", value_name = "R", default_value_t = 0.0)]
     warmup_ratio: f64,
-    #[arg(long = "weight-decay", default_value_t = 0.0)]
+    /// AdamW's decoupled weight decay (not applied to biases and normalization weights).
+    #[arg(long = "weight-decay", value_name = "W", default_value_t = 0.0)]
     weight_decay: f64,
-    #[arg(long = "max-grad-norm", default_value_t = 1.0)]
+    /// Clip the global gradient norm to this (0: no clipping).
+    #[arg(long = "max-grad-norm", value_name = "X", default_value_t = 1.0)]
     max_grad_norm: f64,
-    #[arg(long = "grad-accum", default_value_t = 1)]
+    /// Micro-batches whose gradients are averaged into one optimizer step.
+    #[arg(long = "grad-accum", value_name = "N", default_value_t = 1)]
     grad_accum: usize,
     /// Score scale of the contrastive losses (PyLate's temperature is 1 / scale).
     #[arg(long, default_value_t = 1.0)]
@@ -98,25 +138,29 @@ struct Args {
     /// Temperature of the distillation loss.
     #[arg(long, default_value_t = 1.0)]
     temperature: f64,
-    #[arg(long = "eval-steps")]
+    /// Evaluate on --eval every N optimizer steps and at the end (default: at the end only).
+    #[arg(long = "eval-steps", value_name = "N")]
     eval_steps: Option<usize>,
-    #[arg(long = "save-steps")]
+    /// Save a checkpoint (OUT/checkpoint-N, with the optimizer state, for --resume)
+    /// every N optimizer steps (default: only the final model).
+    #[arg(long = "save-steps", value_name = "N")]
     save_steps: Option<usize>,
+    /// Seed of the data order and of a new projection's initialization.
     #[arg(long, default_value_t = 42)]
     seed: u64,
     /// Resume from this checkpoint directory (an earlier run's OUT/checkpoint-N).
-    #[arg(long)]
+    #[arg(long, value_name = "DIR")]
     resume: Option<PathBuf>,
     /// Output dimension of a new projection (for a checkpoint without one).
-    #[arg(long, default_value_t = 128)]
+    #[arg(long, value_name = "N", default_value_t = 128)]
     dim: usize,
     /// Start the projection from the principal directions of the encoder's
     /// token states over the first 2 000 documents of --train (instead of
     /// PyTorch's random init).
     #[arg(long = "pca-init")]
     pca_init: bool,
-    /// Documents per distillation row.
-    #[arg(long = "n-ways", default_value_t = 32)]
+    /// Documents per distillation row (its first ones).
+    #[arg(long = "n-ways", value_name = "N", default_value_t = 32)]
     n_ways: usize,
     /// Compute dtype (default: bf16 on CUDA, f32 on the CPU); weights stay F32.
     #[arg(long, value_enum)]
@@ -125,19 +169,19 @@ struct Args {
     #[arg(long = "eval-only")]
     eval_only: bool,
     /// Save the starting model (projection and markers added) to this directory and stop.
-    #[arg(long = "save-init")]
+    #[arg(long = "save-init", value_name = "DIR")]
     save_init: Option<PathBuf>,
     /// Time this many training steps by phase instead of training.
-    #[arg(long)]
+    #[arg(long, value_name = "N")]
     profile: Option<usize>,
-    /// Run on CUDA device 0.
+    /// Run on CUDA device 0 (needs a build with `--features cuda`).
     #[arg(long)]
     cuda: bool,
 }
 
 fn main() -> Result<()> {
     let a = Args::parse();
-    let dev = if a.cuda { Device::new_cuda(0)? } else { Device::Cpu };
+    let dev = cli::device(a.cuda)?;
     let dtype = match a.dtype {
         Some(Dtype::F32) => DType::F32,
         Some(Dtype::Bf16) => DType::BF16,

@@ -8,6 +8,7 @@ use candle_core::{bail, Error, Result, Tensor};
 use candle_nn::VarBuilder;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use tokenizers::Tokenizer;
 
 /// How a checkpoint stores its projection.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -55,6 +56,21 @@ impl Checkpoint {
         let model_type = config.get("model_type").and_then(|v| v.as_str()).unwrap_or("bert").to_string();
         let prefix = crate::encoder::weight_prefix(&names, &model_type);
         Ok(Self { dir: dir.to_path_buf(), config, weights, layout, prefix })
+    }
+
+    /// `tokenizer.json`, padding and truncation off: lengths, padding and
+    /// masks are ours to decide (tokenizer.json files often pad to 128).
+    /// Errors name the file: the tokenizers crate's own say only what failed.
+    pub fn tokenizer(&self) -> Result<Tokenizer> {
+        let path = self.dir.join("tokenizer.json");
+        if !path.is_file() {
+            bail!("model_dir: {} has no tokenizer.json", self.dir.display())
+        }
+        let err = |e: tokenizers::Error| Error::Msg(format!("tokenizer: {}: {e}", path.display()));
+        let mut tokenizer = Tokenizer::from_file(&path).map_err(err)?;
+        tokenizer.with_padding(None);
+        tokenizer.with_truncation(None).map_err(err)?;
+        Ok(tokenizer)
     }
 
     /// `vb` at the encoder's prefix.

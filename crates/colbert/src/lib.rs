@@ -130,11 +130,7 @@ impl ColBert {
                 bail!("projection: weight {:?} does not take the encoder's hidden size {hidden}", p.weight.dims())
             }
         }
-        let mut tokenizer = Tokenizer::from_file(ck.dir.join("tokenizer.json")).map_err(tok_err)?;
-        // Lengths, padding and masks are ours to decide (tokenizer.json files often pad to 128).
-        tokenizer.with_padding(None);
-        tokenizer.with_truncation(None).map_err(tok_err)?;
-        Self::new(encoder, projection, tokenizer, ck.encode_config()?, device, dtype)
+        Self::new(encoder, projection, ck.tokenizer()?, ck.encode_config()?, device, dtype)
     }
 
     /// `1_Dense/` of a Sentence Transformers checkpoint.
@@ -305,6 +301,15 @@ impl ColBert {
             || self.tokenizer.id_to_token(id).is_some_and(|t| t == "[CLS]" || t == "<s>" || t == "</s>")
     }
 
+    /// The embeddings' dimension: the projection's output, or the
+    /// encoder's hidden size where there is no projection.
+    pub fn dim(&self) -> usize {
+        match &self.projection {
+            Some(p) => p.weight.dims()[0],
+            None => self.encoder.token_embeddings().dims()[1],
+        }
+    }
+
     /// The dtype the encoder computes in.
     pub fn compute_dtype(&self) -> DType {
         self.dtype
@@ -365,6 +370,20 @@ impl ColBert {
         let scores = self.score(query, docs, 32, &mut |_| {})?;
         Ok(top_k_of(&scores, top_k))
     }
+}
+
+/// The documents of a text file, one per line: lines trimmed, blank ones
+/// skipped. Errors name the file, also when it holds no document (empty or
+/// blank lines only), which nothing could be ranked or indexed from.
+pub fn read_documents(path: impl AsRef<Path>) -> Result<Vec<String>> {
+    let path = path.as_ref();
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| candle_core::Error::Msg(format!("{}: cannot read: {e}", path.display())))?;
+    let docs: Vec<String> = text.lines().map(str::trim).filter(|l| !l.is_empty()).map(str::to_string).collect();
+    if docs.is_empty() {
+        bail!("{}: no documents (the file is empty or holds only blank lines; one document per line)", path.display())
+    }
+    Ok(docs)
 }
 
 /// Indices and values of the `k` largest scores, best first, ties by index.

@@ -5,7 +5,7 @@
 mod support;
 
 use candle_core::{DType, Device, Result};
-use candle_maxsim_colbert::ColBert;
+use candle_maxsim_colbert::{read_documents, ColBert};
 use support::*;
 
 #[test]
@@ -80,6 +80,56 @@ fn bad_checkpoint_is_an_error() -> Result<()> {
     Ok(())
 }
 
+/// A checkpoint without tokenizer.json, or with a broken one: the error
+/// names the file (the tokenizers crate's own names none).
+#[test]
+fn tokenizer_errors_name_the_file() -> anyhow::Result<()> {
+    let dir = plain_checkpoint()?;
+    let path = dir.join("tokenizer.json");
+    std::fs::remove_file(&path)?;
+    let e = ColBert::load(&dir, &Device::Cpu, DType::F32).err().expect("no tokenizer.json").to_string();
+    assert!(e.contains(&dir.display().to_string()) && e.contains("tokenizer.json"), "{e}");
+    std::fs::write(&path, "{ not a tokenizer")?;
+    let e = ColBert::load(&dir, &Device::Cpu, DType::F32).err().expect("a broken tokenizer.json").to_string();
+    assert!(e.contains(&path.display().to_string()), "{e}");
+    let e = candle_maxsim_colbert::train::TrainableColBert::load(&dir, &Device::Cpu, DType::F32, DOUT, 0)
+        .err()
+        .expect("a broken tokenizer.json")
+        .to_string();
+    assert!(e.contains(&path.display().to_string()), "{e}");
+    Ok(())
+}
+
+/// `dim`: the projection's output, the hidden size without one.
+#[test]
+fn embedding_dim() -> anyhow::Result<()> {
+    for (dir, want) in [(pylate_checkpoint()?, DOUT), (colbert_ai_checkpoint()?, DOUT), (plain_checkpoint()?, HIDDEN)] {
+        let m = ColBert::load(&dir, &Device::Cpu, DType::F32)?;
+        let (d, _) = m.encode_documents(&["the cat"])?;
+        assert_eq!((m.dim(), d.dim(2)?), (want, want), "{}", dir.display());
+    }
+    Ok(())
+}
+
+/// One document per line, trimmed, blank lines skipped; a file with none
+/// (empty, or blank lines only) and an unreadable one are errors naming it.
+#[test]
+fn read_documents_of_a_file() -> anyhow::Result<()> {
+    let dir = tmpdir("docs");
+    let path = dir.join("docs.txt");
+    std::fs::write(&path, "  the cat sat \n\n\t\na dog runs\r\n")?;
+    assert_eq!(read_documents(&path)?, ["the cat sat", "a dog runs"]);
+    for text in ["", "\n", "  \n\t\n \r\n"] {
+        std::fs::write(&path, text)?;
+        let e = read_documents(&path).expect_err("no documents").to_string();
+        assert!(e.contains(&path.display().to_string()) && e.contains("no documents"), "{text:?}: {e}");
+    }
+    let missing = dir.join("missing.txt");
+    let e = read_documents(&missing).expect_err("no file").to_string();
+    assert!(e.contains(&missing.display().to_string()), "{e}");
+    Ok(())
+}
+
 #[test]
 fn half_precision_encoding() -> anyhow::Result<()> {
     let dir = pylate_checkpoint()?;
@@ -98,13 +148,12 @@ fn half_precision_encoding() -> anyhow::Result<()> {
 
 /// The same checkpoints encoded and ranked on CUDA agree with the CPU
 /// encoder: F32 and F16 (F32 encoder, cast) closely, BF16 (a BF16 encoder on
-/// CUDA) in direction. Skipped, with a message, without a GPU.
+/// CUDA) in direction. Only built with the `cuda` feature, where it fails
+/// without a GPU: a CPU run must not report it as passed.
+#[cfg(feature = "cuda")]
 #[test]
 fn cuda_matches_cpu() -> anyhow::Result<()> {
-    let Ok(gpu) = Device::new_cuda(0) else {
-        eprintln!("cuda_matches_cpu: skipped, no CUDA device (build with --features cuda on a GPU machine)");
-        return Ok(());
-    };
+    let gpu = candle_maxsim_testing::cuda_device();
     let docs = ["the cat sat on the mat.", "a dog runs fast!", "the mat is red", "cats and dogs"];
     for dir in [pylate_checkpoint()?, colbert_ai_checkpoint()?] {
         let cpu = ColBert::load(&dir, &Device::Cpu, DType::F32)?;

@@ -49,9 +49,7 @@ impl TrainableColBert {
                 *t = t.to_dtype(DType::F32)?;
             }
         }
-        let mut tokenizer = Tokenizer::from_file(ck.dir.join("tokenizer.json")).map_err(tok_err)?;
-        tokenizer.with_padding(None);
-        tokenizer.with_truncation(None).map_err(tok_err)?;
+        let mut tokenizer = ck.tokenizer()?;
         let mut encode = ck.encode_config()?;
         let hidden = config.get("hidden_size").and_then(|v| v.as_u64()).unwrap_or(0) as usize;
         match ck.layout {

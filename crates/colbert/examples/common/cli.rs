@@ -1,0 +1,49 @@
+//! Command-line helpers of the examples (each example uses a part).
+
+use anyhow::{bail, Context, Result};
+use candle_core::Device;
+use std::process::Command;
+
+/// CUDA device 0 for `--cuda`, else the CPU. A build without the `cuda`
+/// feature says how to get one: candle's own error names no feature.
+pub fn device(cuda: bool) -> Result<Device> {
+    if !cuda {
+        return Ok(Device::Cpu);
+    }
+    if !cfg!(feature = "cuda") {
+        bail!(
+            "--cuda: this build has no CUDA support; build with `--features cuda` \
+             (cargo run --release -p candle-maxsim-colbert --features cuda --example ...)"
+        )
+    }
+    Device::new_cuda(0).context("--cuda: CUDA device 0 is not usable")
+}
+
+/// A clap value parser for text that must hold more than whitespace.
+pub fn non_blank(s: &str) -> Result<String, String> {
+    if s.trim().is_empty() {
+        Err("must not be blank".into())
+    } else {
+        Ok(s.to_string())
+    }
+}
+
+/// Runs `cmd` with its stdout and stderr captured, so that a child's prints
+/// never mix into ours (the examples' results go to stdout); they are
+/// returned in the error when it cannot start or exits with a failure.
+pub fn run_captured(cmd: &mut Command) -> Result<(), String> {
+    let program = cmd.get_program().to_string_lossy().into_owned();
+    let out = cmd.output().map_err(|e| format!("cannot run {program}: {e}"))?;
+    if out.status.success() {
+        return Ok(());
+    }
+    let mut msg = format!("{program} failed ({})", out.status);
+    for stream in [&out.stdout, &out.stderr] {
+        let text = String::from_utf8_lossy(stream);
+        if !text.trim().is_empty() {
+            msg.push('\n');
+            msg.push_str(text.trim_end());
+        }
+    }
+    Err(msg)
+}
