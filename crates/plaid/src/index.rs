@@ -3,7 +3,7 @@
 //! device once), the document offsets, the inverted file, and the deleted
 //! documents.
 
-use crate::npy::{self, MappedNpy};
+use crate::npy::{self, empty, MappedNpy};
 use crate::store::{json_usize, read_json};
 use candle_core::{bail, DType, Device, Error, Result, Tensor};
 use candle_maxsim::{
@@ -411,6 +411,12 @@ impl PlaidIndex {
         Ok(())
     }
 
+    /// Every token's code on the host (for subset searches and rebuilding
+    /// the inverted file), read from the device.
+    pub(crate) fn host_codes(&self) -> Result<Vec<u32>> {
+        self.codes.to_device(&Device::Cpu)?.to_vec1()
+    }
+
     pub(crate) fn len(&self, doc: u32) -> usize {
         (self.offsets[doc as usize + 1] - self.offsets[doc as usize]) as usize
     }
@@ -447,11 +453,4 @@ impl PlaidIndex {
         let cu = Tensor::from_vec(cu, docs.len() + 1, self.device())?;
         maxsim_residual_varlen(q, &codes, &residuals, &cu, max_len, &self.codec, true)
     }
-}
-
-/// A `[0, ..]` tensor on `device` (a zero-size view: CUDA allocates no empty buffer).
-pub(crate) fn empty(dims: &[usize], dtype: DType, device: &Device) -> Result<Tensor> {
-    let mut one = dims.to_vec();
-    one[0] = 1;
-    Tensor::zeros(one, dtype, device)?.narrow(0, 0, 0)
 }

@@ -42,13 +42,18 @@
 //! buffer and outlier centroids it adds on `update`, and its renumbering on
 //! `delete` (ids stay stable here).
 
+// Each module uses only those below it in this order: shards, create,
+// search, writer, kmeans, codec, index, documents, npy, store.
+mod codec;
 mod create;
 mod documents;
 mod index;
+mod kmeans;
 mod npy;
 mod search;
 mod shards;
 mod store;
+mod writer;
 
 pub use create::{create, IndexConfig};
 pub use documents::{Documents, NpyDocuments, PackedDocuments};

@@ -2,6 +2,7 @@
 //! memory-mapped and handed to a device without a copy in RAM first, and
 //! writing through candle (numpy format 1.0, as numpy and fast-plaid read).
 
+use crate::store::io_err;
 use candle_core::{bail, DType, Device, Error, Result, Tensor};
 use memmap2::Mmap;
 use std::fs::File;
@@ -95,19 +96,14 @@ impl MappedNpy {
         if a > b || b > rows {
             return Err(err(&self.path, format!("rows {a}..{b} of {rows}")));
         }
-        let row_elems: usize = self.shape.iter().skip(1).product();
-        let es = self.dtype.size_in_bytes();
         let mut shape = self.shape.clone();
         if shape.is_empty() {
             shape.push(1);
         }
         shape[0] = b - a;
         if a == b {
-            // A zero-size view (CUDA allocates no empty buffer).
-            shape[0] = 1;
-            return Tensor::zeros(shape, self.dtype, device)?.narrow(0, 0, 0);
+            return empty(&shape, self.dtype, device);
         }
-        let _ = (row_elems, es);
         Tensor::from_raw_buffer(self.row_bytes(a, b)?, self.dtype, &shape, device)
     }
 
@@ -123,6 +119,13 @@ impl MappedNpy {
         }
         self.rows(0, self.shape[0], device)
     }
+}
+
+/// A `[0, ..]` tensor on `device` (a zero-size view: CUDA allocates no empty buffer).
+pub(crate) fn empty(dims: &[usize], dtype: DType, device: &Device) -> Result<Tensor> {
+    let mut one = dims.to_vec();
+    one[0] = 1;
+    Tensor::zeros(one, dtype, device)?.narrow(0, 0, 0)
 }
 
 /// Reads a small `.npy` file into a tensor on `device`.
@@ -183,7 +186,7 @@ pub(crate) fn write(path: &Path, t: &Tensor) -> Result<()> {
     out.extend_from_slice(&(header.len() as u16).to_le_bytes());
     out.extend_from_slice(header.as_bytes());
     let data = raw_bytes(&t.to_device(&Device::Cpu)?)?;
-    let io = |e: std::io::Error| Error::Msg(format!("dir: cannot write {}: {e}", path.display()));
+    let io = |e| io_err(path, "write", e);
     use std::io::Write;
     let mut f = File::create(path).map_err(io)?;
     f.write_all(&out).map_err(io)?;

@@ -1,7 +1,7 @@
 //! The PLAID search pipeline (the steps are in the crate docs).
 
 use crate::index::PlaidIndex;
-use candle_core::{bail, DType, Device, Result, Tensor};
+use candle_core::{bail, DType, Result, Tensor};
 use candle_maxsim::{
     nn::{topk_rows, TOPK_MAX_K},
     plaid::{plaid_approx_candidates, plaid_candidates, NO_CENTROID},
@@ -259,11 +259,6 @@ impl PlaidIndex {
         let mask = mask.contiguous()?.reshape((nq * lqp, n_c))?;
         let neg = Tensor::full(f32::NEG_INFINITY, scores.shape(), scores.device())?;
         mask.where_cond(scores, &neg)
-    }
-
-    /// Every token's code on the host (for subset searches), read from the device.
-    fn host_codes(&self) -> Result<Vec<u32>> {
-        self.codes.to_device(&Device::Cpu)?.to_vec1()
     }
 }
 

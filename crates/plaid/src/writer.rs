@@ -1,0 +1,154 @@
+//! Writing an index's files into a [`Staging`] directory, in fast-plaid's
+//! layout (the table in the crate docs): the documents in chunks coded
+//! against a codec, the inverted file, the codec and the metadata. Building
+//! an index and adding documents to one write their chunks the same way.
+
+use crate::codec::{work_dtype, Codec};
+use crate::documents::Documents;
+use crate::npy;
+use crate::store::{write_json, Staging};
+use candle_core::{bail, Device, Result, Tensor};
+use candle_maxsim::residual::{nearest_centroids, ResidualCodec};
+use indicatif::ProgressBar;
+
+/// The documents of an index being written: its chunks, documents and
+/// tokens so far, and its inverted file. New documents are appended after
+/// them (new chunks, the next ids), as fast-plaid's update appends them.
+pub(crate) struct Contents {
+    pub chunks: usize,
+    pub documents: usize,
+    pub embeddings: usize,
+    pub ivf: Ivf,
+}
+
+impl Contents {
+    /// Codes `docs` against `codec` and writes them as new chunks of
+    /// `chunk_documents` documents, their ids following the last one.
+    pub fn append(
+        &mut self,
+        st: &Staging,
+        docs: &dyn Documents,
+        codec: &ResidualCodec,
+        cutoffs: &Tensor,
+        chunk_documents: usize,
+        bar: &ProgressBar,
+    ) -> Result<()> {
+        let n = docs.len();
+        for ch in 0..n.div_ceil(chunk_documents) {
+            let ids: Vec<u32> = (ch * chunk_documents..((ch + 1) * chunk_documents).min(n)).map(|d| d as u32).collect();
+            let (t, codes) = write_chunk(st, self.chunks, docs, &ids, codec, cutoffs, self.embeddings)?;
+            let mut at = 0;
+            for &d in &ids {
+                let l = docs.doc_len(d as usize);
+                self.ivf.add((self.documents + d as usize) as u32, &codes[at..at + l]);
+                at += l;
+            }
+            self.chunks += 1;
+            self.embeddings += t;
+            bar.inc(ids.len() as u64);
+        }
+        self.documents += n;
+        Ok(())
+    }
+
+    /// Writes `metadata.json` (fast-plaid's) and `plan.json` (ColBERT's).
+    pub fn write_metadata(&self, st: &Staging, nbits: usize) -> Result<()> {
+        let avg = if self.documents > 0 { self.embeddings as f64 / self.documents as f64 } else { 0.0 };
+        write_json(
+            &st.file("metadata.json")?,
+            &serde_json::json!({
+                "avg_doclen": avg, "compress_only": false, "nbits": nbits, "num_chunks": self.chunks,
+                "num_documents": self.documents, "num_embeddings": self.embeddings,
+                "num_partitions": self.ivf.lists.len(),
+            }),
+        )?;
+        write_json(&st.file("plan.json")?, &serde_json::json!({"nbits": nbits, "num_chunks": self.chunks}))
+    }
+}
+
+/// Writes chunk `i` (documents `ids`, consecutive) of `docs` coded against
+/// `codec`: its codes, residuals, document lengths and metadata; returns
+/// (tokens, every token's code) for the inverted file.
+fn write_chunk(
+    st: &Staging,
+    i: usize,
+    docs: &dyn Documents,
+    ids: &[u32],
+    codec: &ResidualCodec,
+    cutoffs: &Tensor,
+    embedding_offset: usize,
+) -> Result<(usize, Vec<u32>)> {
+    let dev = codec.centroids.device();
+    let x = docs.embeddings(ids)?.to_device(dev)?.to_dtype(work_dtype(dev))?;
+    let lens: Vec<usize> = ids.iter().map(|&d| docs.doc_len(d as usize)).collect();
+    let t: usize = lens.iter().sum();
+    if x.dims() != [t, codec.centroids.dim(1)?] {
+        bail!(
+            "docs: embeddings of documents {:?}.. have shape {:?}, expected [{t}, {}]",
+            ids.first(),
+            x.dims(),
+            codec.centroids.dim(1)?
+        )
+    }
+    let codes = nearest_centroids(&x, &codec.centroids.to_dtype(x.dtype())?)?;
+    let residuals = codec.compress(&x, &codes, cutoffs)?;
+    let host_codes: Vec<u32> = codes.to_vec1()?;
+    let codes_i64 = Tensor::from_vec(host_codes.iter().map(|&c| c as i64).collect::<Vec<i64>>(), t, &Device::Cpu)?;
+    npy::write(&st.file(&format!("{i}.codes.npy"))?, &codes_i64)?;
+    npy::write(&st.file(&format!("{i}.residuals.npy"))?, &residuals)?;
+    write_json(&st.file(&format!("doclens.{i}.json"))?, &serde_json::json!(lens))?;
+    write_json(
+        &st.file(&format!("{i}.metadata.json"))?,
+        &serde_json::json!({"embedding_offset": embedding_offset, "num_documents": ids.len(), "num_embeddings": t}),
+    )?;
+    Ok((t, host_codes))
+}
+
+/// Writes the codec's files: centroids, bucket cutoffs and weights, and the
+/// calibration fast-plaid's update reads.
+pub(crate) fn write_codec(st: &Staging, c: &Codec) -> Result<()> {
+    npy::write(&st.file("centroids.npy")?, &c.codec.centroids)?;
+    npy::write(&st.file("bucket_cutoffs.npy")?, &c.cutoffs)?;
+    npy::write(&st.file("bucket_weights.npy")?, &c.codec.bucket_weights)?;
+    npy::write(&st.file("avg_residual.npy")?, &Tensor::new(c.cal.avg_residual.as_slice(), &Device::Cpu)?)?;
+    npy::write(&st.file("cluster_threshold.npy")?, &Tensor::new(&[c.cal.cluster_threshold], &Device::Cpu)?)
+}
+
+/// The inverted file: each centroid's documents, ascending (documents are
+/// added in id order, so a list is sorted and deduplicated by comparing
+/// with its last entry).
+pub(crate) struct Ivf {
+    lists: Vec<Vec<u32>>,
+}
+
+impl Ivf {
+    /// `k` empty lists.
+    pub fn new(k: usize) -> Self {
+        Self { lists: vec![Vec::new(); k] }
+    }
+
+    /// Adds document `doc` to the lists of its tokens' `codes`.
+    pub fn add(&mut self, doc: u32, codes: &[u32]) {
+        for &c in codes {
+            let l = &mut self.lists[c as usize];
+            if l.last() != Some(&doc) {
+                l.push(doc);
+            }
+        }
+    }
+
+    /// Writes `ivf.npy` and `ivf_lengths.npy`, less the documents `skip` (ascending).
+    pub fn write(&self, st: &Staging, skip: &[u32]) -> Result<()> {
+        let mut ids = Vec::new();
+        let mut lens = Vec::with_capacity(self.lists.len());
+        for l in &self.lists {
+            let before = ids.len();
+            ids.extend(l.iter().filter(|d| skip.binary_search(d).is_err()).map(|&d| d as i64));
+            lens.push((ids.len() - before) as i32);
+        }
+        let n = ids.len();
+        npy::write(&st.file("ivf.npy")?, &Tensor::from_vec(ids, n, &Device::Cpu)?)?;
+        let k = lens.len();
+        npy::write(&st.file("ivf_lengths.npy")?, &Tensor::from_vec(lens, k, &Device::Cpu)?)
+    }
+}
