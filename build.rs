@@ -128,7 +128,9 @@ mod cuda {
         std::fs::write(out.join("tiles.rs"), tiles_table()).unwrap();
     }
 
-    /// `pub const TILES: &[TileRow]` from the MAXSIM_TILE rows of kernels/tiles.def.
+    /// `pub const TILES: &[TileRow]` from the MAXSIM_TILE rows of
+    /// kernels/tiles.def, and `pub const HIDDEN: HiddenTile` from its
+    /// HIDDEN_TILE row.
     fn tiles_table() -> String {
         let def = std::fs::read_to_string("kernels/tiles.def").expect("kernels/tiles.def");
         let mut rs = String::from("pub const TILES: &[TileRow] = &[\n");
@@ -157,6 +159,20 @@ mod cuda {
             .unwrap();
         }
         rs.push_str("];\n");
+        let hidden: Vec<&str> = def.lines().filter(|l| l.trim().starts_with("HIDDEN_TILE(")).collect();
+        assert!(hidden.len() == 1, "kernels/tiles.def: expected one HIDDEN_TILE row");
+        let args = hidden[0].trim()["HIDDEN_TILE(".len()..].split(')').next().unwrap_or("");
+        let f: Vec<usize> = args
+            .split(',')
+            .map(|x| x.trim().parse().unwrap_or_else(|_| panic!("kernels/tiles.def: HIDDEN_TILE field {x:?}")))
+            .collect();
+        assert!(f.len() == 5, "kernels/tiles.def: HIDDEN_TILE takes 5 fields: {}", hidden[0]);
+        writeln!(
+            rs,
+            "pub const HIDDEN: HiddenTile = HiddenTile {{ bd: {}, bq: {}, ks: {}, stages: {}, threads: {} }};",
+            f[0], f[1], f[2], f[3], f[4]
+        )
+        .unwrap();
         rs
     }
 }

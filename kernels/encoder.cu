@@ -5,6 +5,32 @@
 // over rows; a row is read twice, the second time from cache.
 #include "common.cuh"
 
+// Mirrors SoftmaxParams in src/cuda/encoder.rs. Forward: scores x, bias,
+// probabilities out. Backward: probabilities x, their gradient g, out.
+struct SoftmaxParams {
+    const void* x;
+    const void* g;
+    const float* bias;
+    void* out;
+    long long rows;
+    long long bias_b;
+    int lk, lq, heads, bias_i;
+    float scale;
+};
+
+// Mirrors LayerNormParams in src/cuda/encoder.rs: rows [rows, c] of x (and
+// dy for the backward), f32 weight w and bias b (may be null), out.
+struct LayerNormParams {
+    const void* x;
+    const void* dy;
+    const float* w;
+    const float* b;
+    void* out;
+    long long rows;
+    int c;
+    float eps;
+};
+
 #define WARP_ROWS(r, rows)                                                        \
     const int lane = threadIdx.x % 32;                                            \
     const long long nw_ = (long long)gridDim.x * blockDim.x / 32;                 \
@@ -129,27 +155,25 @@ __device__ void layer_norm_bwd_wb(const T* x, const T* dy, float* dwb, long long
     for (int j = threadIdx.x; j < 2 * c; j += blockDim.x) atomicAdd(dwb + j, acc[j]);
 }
 
-#define ENCODER_KERNELS(NAME, T)                                                                               \
-    extern "C" __global__ void attn_softmax_fwd_##NAME(const T* s, const float* bias, T* p, long long rows,      \
-                                                       int lk, int lq, int heads, long long bias_b, int bias_i, \
-                                                       float scale) {                                          \
-        attn_softmax_fwd(s, bias, p, rows, lk, lq, heads, bias_b, bias_i, scale);                              \
-    }                                                                                                          \
-    extern "C" __global__ void attn_softmax_bwd_##NAME(const T* p, const T* dp, T* ds, long long rows, int lk,   \
-                                                       float scale) {                                          \
-        attn_softmax_bwd(p, dp, ds, rows, lk, scale);                                                          \
-    }                                                                                                          \
-    extern "C" __global__ void layer_norm_fwd_##NAME(const T* x, const float* w, const float* b, T* y,          \
-                                                     long long rows, int c, float eps) {                       \
-        layer_norm_fwd(x, w, b, y, rows, c, eps);                                                              \
-    }                                                                                                          \
-    extern "C" __global__ void layer_norm_bwd_x_##NAME(const T* x, const float* w, const T* dy, T* dx,          \
-                                                       long long rows, int c, float eps) {                     \
-        layer_norm_bwd_x(x, w, dy, dx, rows, c, eps);                                                          \
-    }                                                                                                          \
-    extern "C" __global__ void layer_norm_bwd_wb_##NAME(const T* x, const T* dy, float* dwb, long long rows,    \
-                                                        int c, float eps) {                                    \
-        layer_norm_bwd_wb(x, dy, dwb, rows, c, eps);                                                           \
+#define ENCODER_KERNELS(NAME, T)                                                                           \
+    extern "C" __global__ void attn_softmax_fwd_##NAME(const SoftmaxParams p) {                             \
+        attn_softmax_fwd(static_cast<const T*>(p.x), p.bias, static_cast<T*>(p.out), p.rows, p.lk, p.lq,   \
+                         p.heads, p.bias_b, p.bias_i, p.scale);                                             \
+    }                                                                                                      \
+    extern "C" __global__ void attn_softmax_bwd_##NAME(const SoftmaxParams p) {                             \
+        attn_softmax_bwd(static_cast<const T*>(p.x), static_cast<const T*>(p.g), static_cast<T*>(p.out),   \
+                         p.rows, p.lk, p.scale);                                                            \
+    }                                                                                                      \
+    extern "C" __global__ void layer_norm_fwd_##NAME(const LayerNormParams p) {                             \
+        layer_norm_fwd(static_cast<const T*>(p.x), p.w, p.b, static_cast<T*>(p.out), p.rows, p.c, p.eps);  \
+    }                                                                                                      \
+    extern "C" __global__ void layer_norm_bwd_x_##NAME(const LayerNormParams p) {                           \
+        layer_norm_bwd_x(static_cast<const T*>(p.x), p.w, static_cast<const T*>(p.dy), static_cast<T*>(p.out), \
+                         p.rows, p.c, p.eps);                                                               \
+    }                                                                                                      \
+    extern "C" __global__ void layer_norm_bwd_wb_##NAME(const LayerNormParams p) {                          \
+        layer_norm_bwd_wb(static_cast<const T*>(p.x), static_cast<const T*>(p.dy), static_cast<float*>(p.out), \
+                          p.rows, p.c, p.eps);                                                              \
     }
 ENCODER_KERNELS(f16, __half)
 ENCODER_KERNELS(bf16, __nv_bfloat16)

@@ -30,14 +30,22 @@ struct HiddenParams {
 
 #ifdef MAXSIM_HOPPER
 
+// The HIDDEN_TILE row of kernels/tiles.def.
+#define HIDDEN_TILE(BD_, BQ_, KS_, STAGES_, THREADS_)                                  \
+    struct HiddenTile {                                                                 \
+        static constexpr int BD = BD_, BQ = BQ_, KS = KS_, STAGES = STAGES_, NTHREADS = THREADS_; \
+    };
+#include "tiles.def"
+#undef HIDDEN_TILE
+
 template <typename T, int DPAD_> struct HiddenConfig {
-    static constexpr int DPAD = DPAD_; // dout padded: projection N, MaxSim K
-    static constexpr int BD = 128;     // document rows per chunk (64 per warpgroup in the projection)
-    static constexpr int BQ = 128;     // query rows per MaxSim step (64 per warpgroup)
-    static constexpr int KS = 64;      // dmodel columns per projection step: one 128-byte swizzled panel
-    static constexpr int STAGES = 5;
+    static constexpr int DPAD = DPAD_;           // dout padded: projection N, MaxSim K
+    static constexpr int BD = HiddenTile::BD;    // document rows per chunk (64 per warpgroup in the projection)
+    static constexpr int BQ = HiddenTile::BQ;    // query rows per MaxSim step (64 per warpgroup)
+    static constexpr int KS = HiddenTile::KS;    // dmodel columns per projection step: one 128-byte swizzled panel
+    static constexpr int STAGES = HiddenTile::STAGES;
     static constexpr int LOOK = STAGES - 2; // steps loaded ahead (MaxSim tiles are read one step late)
-    static constexpr int NTHREADS = 256;
+    static constexpr int NTHREADS = HiddenTile::NTHREADS;
     static constexpr int PROJ_ELEMS = (BD + DPAD) * KS; // H slice, then W slice
     static constexpr int STAGE_ELEMS = PROJ_ELEMS > BQ * DPAD ? PROJ_ELEMS : BQ * DPAD;
     static constexpr int DCHUNK_ELEMS = BD * DPAD;

@@ -4,6 +4,15 @@
 // elementwise / reduction ops forward and their autograd backward.
 #include "common.cuh"
 
+// Mirrors NormParams in src/cuda/normalize.rs: rows [rows, dim] of x (and
+// the gradient g for the backward), written to out.
+struct NormParams {
+    const void* x;
+    const void* g;
+    void* out;
+    long long rows;
+    int dim;
+};
 
 // Rows [0, rows) of [rows, dim]; a grid-stride loop over warps.
 template <typename T>
@@ -49,12 +58,13 @@ __device__ void l2norm_bwd(const T* x, const T* g, T* dx, long long rows, int di
     }
 }
 
-#define L2NORM(TNAME, T)                                                                                    \
-    extern "C" __global__ void l2norm_fwd_##TNAME(const T* x, T* y, long long rows, int dim) {            \
-        l2norm_fwd(x, y, rows, dim);                                                                        \
-    }                                                                                                       \
-    extern "C" __global__ void l2norm_bwd_##TNAME(const T* x, const T* g, T* dx, long long rows, int dim) { \
-        l2norm_bwd(x, g, dx, rows, dim);                                                                    \
+#define L2NORM(TNAME, T)                                                                          \
+    extern "C" __global__ void l2norm_fwd_##TNAME(const NormParams p) {                           \
+        l2norm_fwd(static_cast<const T*>(p.x), static_cast<T*>(p.out), p.rows, p.dim);            \
+    }                                                                                             \
+    extern "C" __global__ void l2norm_bwd_##TNAME(const NormParams p) {                           \
+        l2norm_bwd(static_cast<const T*>(p.x), static_cast<const T*>(p.g), static_cast<T*>(p.out), \
+                   p.rows, p.dim);                                                                \
     }
 L2NORM(f16, __half)
 L2NORM(bf16, __nv_bfloat16)

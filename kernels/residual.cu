@@ -312,15 +312,24 @@ MAXSIM_RES_SCORE_DIMS(bf16, __nv_bfloat16, bf16, __nv_bfloat16)
 // padding slot of the padded layout, whose code may hold anything) reads 0;
 // an out-of-range code of a valid token reads 0 and sets the host-mapped
 // flag `bad`, so that one launch replaces a cast, a select and a reduction.
-extern "C" __global__ void residual_codes_u32(const void* codes, int codes_i64, const uint8_t* valid, long long n,
-                                              long long n_centroids, uint32_t* out, unsigned int* bad) {
+// Mirrors CodesParams in src/cuda/residual.rs.
+struct CodesParams {
+    const void* codes;
+    const uint8_t* valid;
+    uint32_t* out;
+    unsigned int* bad;
+    long long n;
+    long long n_centroids;
+    int codes_i64;
+};
+extern "C" __global__ void residual_codes_u32(const CodesParams p) {
     const long long stride = (long long)gridDim.x * blockDim.x;
-    for (long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x; t < n; t += stride) {
-        const long long c = codes_i64 ? static_cast<const long long*>(codes)[t]
-                                      : (long long)static_cast<const uint32_t*>(codes)[t];
-        const bool ok = c >= 0 && c < n_centroids;
-        if (!ok && (valid == nullptr || valid[t])) *bad = 1u;
-        out[t] = ok && (valid == nullptr || valid[t]) ? (uint32_t)c : 0u;
+    for (long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x; t < p.n; t += stride) {
+        const long long c = p.codes_i64 ? static_cast<const long long*>(p.codes)[t]
+                                        : (long long)static_cast<const uint32_t*>(p.codes)[t];
+        const bool ok = c >= 0 && c < p.n_centroids;
+        if (!ok && (p.valid == nullptr || p.valid[t])) *p.bad = 1u;
+        p.out[t] = ok && (p.valid == nullptr || p.valid[t]) ? (uint32_t)c : 0u;
     }
 }
 
@@ -363,11 +372,20 @@ __device__ void residual_compress(const T* x, const uint32_t* codes, const CT* c
         out[e] = (uint8_t)packed;
     }
 }
-#define RESIDUAL_COMPRESS(XN, T, CN, CT)                                                                     \
-    extern "C" __global__ void residual_compress_##XN##_##CN(const T* x, const uint32_t* codes, const CT* cents, \
-                                                             const float* cutoffs, int n_cut, long long n, int dim,  \
-                                                             int nbits, int colbert, uint8_t* out) {             \
-        residual_compress(x, codes, cents, cutoffs, n_cut, n, dim, nbits, colbert, out);                         \
+// Mirrors CompressParams in src/cuda/residual.rs.
+struct CompressParams {
+    const void* x;        // [n, dim] tokens in T
+    const uint32_t* codes; // [n], each < the centroid count
+    const void* cents;    // [C, dim] in CT
+    const float* cutoffs; // [n_cut], ascending
+    uint8_t* out;         // [n, dim * nbits / 8]
+    long long n;
+    int n_cut, dim, nbits, colbert;
+};
+#define RESIDUAL_COMPRESS(XN, T, CN, CT)                                                                      \
+    extern "C" __global__ void residual_compress_##XN##_##CN(const CompressParams p) {                        \
+        residual_compress(static_cast<const T*>(p.x), p.codes, static_cast<const CT*>(p.cents), p.cutoffs, p.n_cut, \
+                          p.n, p.dim, p.nbits, p.colbert, p.out);                                              \
     }
 RESIDUAL_COMPRESS(f16, __half, f16, __half)
 RESIDUAL_COMPRESS(bf16, __nv_bfloat16, f16, __half)
@@ -375,3 +393,69 @@ RESIDUAL_COMPRESS(f32, float, f16, __half)
 RESIDUAL_COMPRESS(f16, __half, f32, float)
 RESIDUAL_COMPRESS(bf16, __nv_bfloat16, f32, float)
 RESIDUAL_COMPRESS(f32, float, f32, float)
+
+#if __CUDA_ARCH__ >= 800
+// Decompresses tokens [0, n) to dense [n, dim] rows in the query dtype
+// (dim % 8 == 0), L2-normalized if asked: for gradients, and for scoring with
+// the dense kernels. Each row is spread over `lanes` lanes (a power of two,
+// at most 32) that take its 8-feature chunks in turn.
+template <typename T>
+__device__ void residual_decompress(const MaxSimParams& p, T* out, int n) {
+    __shared__ float buckets[256];
+    stage_buckets(buckets, p.res_buckets, p.res_nbits);
+    __syncthreads();
+    const int chunks = p.dim / 8;
+    int lanes = 1;
+    while (lanes < chunks && lanes < 32) lanes *= 2;
+    const int lane = threadIdx.x % 32, rows_per_warp = 32 / lanes;
+    const int warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32, nwarps = gridDim.x * blockDim.x / 32;
+    for (int r0 = warp * rows_per_warp; r0 < n; r0 += nwarps * rows_per_warp) {
+        const int r = r0 + lane / lanes;
+        const bool ok = r < n;
+        const uint32_t code = ok ? p.res_codes[r] : 0u;
+        float v[8], inv = 1.f;
+        if (chunks <= lanes) { // one chunk per lane: decompress once, norm across the row's lanes
+            const int c = lane % lanes;
+            const bool has = ok && c < chunks;
+            float ss = 0.f;
+            if (has) decompress8<T>(p, buckets, code, r, c * 8, v);
+#pragma unroll
+            for (int f = 0; f < 8; ++f) ss += has ? v[f] * v[f] : 0.f;
+            ss = lane_sum_dyn(ss, lanes);
+            inv = p.res_normalize ? inv_l2norm(ss) : 1.f;
+#pragma unroll
+            for (int f = 0; f < 8; ++f) v[f] *= inv;
+            if (has) *reinterpret_cast<uint4*>(out + (size_t)r * p.dim + c * 8) = pack8<T>(v);
+            continue;
+        }
+        if (p.res_normalize) { // a first pass for the norm (rows longer than the lanes)
+            float ss = 0.f;
+            for (int c = lane % lanes; ok && c < chunks; c += lanes) {
+                decompress8<T>(p, buckets, code, r, c * 8, v);
+#pragma unroll
+                for (int f = 0; f < 8; ++f) ss += v[f] * v[f];
+            }
+            inv = inv_l2norm(lane_sum_dyn(ss, lanes));
+        }
+        for (int c = lane % lanes; ok && c < chunks; c += lanes) {
+            decompress8<T>(p, buckets, code, r, c * 8, v);
+#pragma unroll
+            for (int f = 0; f < 8; ++f) v[f] *= inv;
+            *reinterpret_cast<uint4*>(out + (size_t)r * p.dim + c * 8) = pack8<T>(v);
+        }
+    }
+}
+// Mirrors DecompressParams in src/cuda/residual.rs: the codec in `f`'s
+// res_* fields (codes validated), tokens [0, n) into out [n, dim].
+struct DecompressParams {
+    MaxSimParams f;
+    void* out;
+    int n;
+};
+extern "C" __global__ void residual_decompress_f16(const DecompressParams p) {
+    residual_decompress(p.f, static_cast<__half*>(p.out), p.n);
+}
+extern "C" __global__ void residual_decompress_bf16(const DecompressParams p) {
+    residual_decompress(p.f, static_cast<__nv_bfloat16*>(p.out), p.n);
+}
+#endif

@@ -6,6 +6,20 @@
 // loop over rows.
 #include "common.cuh"
 
+// Mirrors RowsParams in src/cuda/rows.rs; each kernel's comment says which
+// fields it reads: rows [rows, cols] of x (and of g), a per-row index or a
+// per-column bias `aux`, the output, a host-mapped error flag `bad`.
+struct RowsParams {
+    const void* x;
+    const void* aux;
+    const void* g;
+    void* out;
+    unsigned int* bad;
+    long long rows;
+    int cols;
+    uint32_t n;
+};
+
 template <typename U>
 __device__ void gather_rows(const U* src, const uint32_t* idx, U* out, long long rows, int units, uint32_t n_src) {
     const int lane = threadIdx.x % 32;
@@ -17,10 +31,11 @@ __device__ void gather_rows(const U* src, const uint32_t* idx, U* out, long long
         for (int v = lane; v < units; v += 32) o[v] = s < n_src ? __ldg(in + v) : U{};
     }
 }
-#define GATHER_ROWS(NAME, U)                                                                                 \
-    extern "C" __global__ void gather_rows_##NAME(const U* src, const uint32_t* idx, U* out, long long rows, \
-                                                  int units, uint32_t n_src) {                               \
-        gather_rows(src, idx, out, rows, units, n_src);                                                      \
+// x: src, aux: idx, cols: words of U per row, n: rows of src.
+#define GATHER_ROWS(NAME, U)                                                                           \
+    extern "C" __global__ void gather_rows_##NAME(const RowsParams p) {                                \
+        gather_rows(static_cast<const U*>(p.x), static_cast<const uint32_t*>(p.aux), static_cast<U*>(p.out), \
+                    p.rows, p.cols, p.n);                                                              \
     }
 GATHER_ROWS(v16, uint4)
 GATHER_ROWS(b2, unsigned short)
@@ -59,18 +74,19 @@ __device__ void gelu_bwd(const T* x, const typename Elem<T>::Acc* bias, const T*
             dz[i] = Elem<T>::from(Elem<T>::to_float(g[i]) * (gelu_cdf(z) + z * gelu_pdf(z)));
         }
 }
-#define ADD_BIAS(NAME, T)                                                                                   \
-    extern "C" __global__ void add_bias_##NAME(const T* x, const typename Elem<T>::Acc* bias, T* y,          \
-                                               long long rows, int cols) {                                  \
-        add_bias<T, false>(x, bias, y, rows, cols);                                                          \
+// x, aux: the bias (in Elem<T>::Acc), g (gelu_bwd only), out.
+#define ADD_BIAS(NAME, T)                                                                                    \
+    extern "C" __global__ void add_bias_##NAME(const RowsParams p) {                                         \
+        add_bias<T, false>(static_cast<const T*>(p.x), static_cast<const typename Elem<T>::Acc*>(p.aux),      \
+                           static_cast<T*>(p.out), p.rows, p.cols);                                          \
     }                                                                                                        \
-    extern "C" __global__ void add_bias_gelu_##NAME(const T* x, const typename Elem<T>::Acc* bias, T* y,     \
-                                                    long long rows, int cols) {                             \
-        add_bias<T, true>(x, bias, y, rows, cols);                                                           \
+    extern "C" __global__ void add_bias_gelu_##NAME(const RowsParams p) {                                    \
+        add_bias<T, true>(static_cast<const T*>(p.x), static_cast<const typename Elem<T>::Acc*>(p.aux),       \
+                          static_cast<T*>(p.out), p.rows, p.cols);                                           \
     }                                                                                                        \
-    extern "C" __global__ void gelu_bwd_##NAME(const T* x, const typename Elem<T>::Acc* bias, const T* g,    \
-                                               T* dz, long long rows, int cols) {                           \
-        gelu_bwd(x, bias, g, dz, rows, cols);                                                                \
+    extern "C" __global__ void gelu_bwd_##NAME(const RowsParams p) {                                         \
+        gelu_bwd(static_cast<const T*>(p.x), static_cast<const typename Elem<T>::Acc*>(p.aux),                \
+                 static_cast<const T*>(p.g), static_cast<T*>(p.out), p.rows, p.cols);                        \
     }
 ADD_BIAS(f16, __half)
 ADD_BIAS(bf16, __nv_bfloat16)
@@ -95,10 +111,11 @@ __device__ void scatter_add_rows(const T* src, const uint32_t* idx, float* out, 
         for (int c = lane; c < cols; c += 32) atomicAdd(out + (size_t)d * cols + c, (float)Elem<T>::to_float(src[r * cols + c]));
     }
 }
-#define SCATTER_ADD_ROWS(NAME, T)                                                                           \
-    extern "C" __global__ void scatter_add_rows_##NAME(const T* src, const uint32_t* idx, float* out,        \
-                                                       long long rows, int cols, uint32_t n_out, unsigned int* bad) { \
-        scatter_add_rows(src, idx, out, rows, cols, n_out, bad);                                            \
+// x: src, aux: idx, out: f32 sums, n: output rows, bad.
+#define SCATTER_ADD_ROWS(NAME, T)                                                                      \
+    extern "C" __global__ void scatter_add_rows_##NAME(const RowsParams p) {                           \
+        scatter_add_rows(static_cast<const T*>(p.x), static_cast<const uint32_t*>(p.aux),              \
+                         static_cast<float*>(p.out), p.rows, p.cols, p.n, p.bad);                      \
     }
 SCATTER_ADD_ROWS(f16, __half)
 SCATTER_ADD_ROWS(bf16, __nv_bfloat16)
@@ -117,9 +134,10 @@ __device__ void sum_rows(const T* g, float* out, long long rows, int cols) {
     for (long long r = blockIdx.y; r < rows; r += gridDim.y) acc += Elem<T>::to_float(g[r * cols + c]);
     atomicAdd(out + c, acc);
 }
-#define SUM_ROWS(NAME, T)                                                                                   \
-    extern "C" __global__ void sum_rows_##NAME(const T* g, float* out, long long rows, int cols) {          \
-        sum_rows(g, out, rows, cols);                                                                       \
+// x: g, out: f32 column sums.
+#define SUM_ROWS(NAME, T)                                                                              \
+    extern "C" __global__ void sum_rows_##NAME(const RowsParams p) {                                   \
+        sum_rows(static_cast<const T*>(p.x), static_cast<float*>(p.out), p.rows, p.cols);              \
     }
 SUM_ROWS(f16, __half)
 SUM_ROWS(bf16, __nv_bfloat16)

@@ -50,10 +50,21 @@ __device__ __forceinline__ uint32_t block_exclusive_scan(uint32_t v, uint32_t* w
     return before;
 }
 
-// x [rows, n] (row stride n), k <= min(n, TOPK_MAX_K): values [rows, k] F32
-// and indices [rows, k] U32, best first.
-extern "C" __global__ void __launch_bounds__(TOPK_THREADS) topk_rows(const float* x, long long n, int k, float* values,
-                                                                      uint32_t* indices) {
+// Mirrors TopkParams in src/cuda/topk.rs.
+struct TopkParams {
+    const float* x;    // [rows, n] (row stride n)
+    float* values;     // [rows, k], best first
+    uint32_t* indices; // [rows, k]
+    long long n;
+    int k;             // <= min(n, TOPK_MAX_K)
+};
+
+extern "C" __global__ void __launch_bounds__(TOPK_THREADS) topk_rows(const TopkParams p) {
+    const float* x = p.x;
+    float* values = p.values;
+    uint32_t* indices = p.indices;
+    const long long n = p.n;
+    const int k = p.k;
     __shared__ uint32_t hist[256];
     __shared__ uint32_t warp_tot[32];
     __shared__ unsigned long long pairs[TOPK_MAX_K];

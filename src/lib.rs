@@ -93,6 +93,28 @@ pub mod residual {
     //! compress, decompress), the centroid assignment ([`nearest_centroids`])
     //! and exact MaxSim over compressed documents, whose CUDA forward never
     //! writes the dense tokens to device memory.
+    //!
+    //! ```
+    //! use candle_core::{Device, Tensor};
+    //! use candle_maxsim::residual::{maxsim_residual_varlen, nearest_centroids, BitOrder, ResidualCodec};
+    //! let dev = Device::Cpu;
+    //! let centroids = Tensor::randn(0f32, 1., (16, 64), &dev)?;
+    //! let codec = ResidualCodec {
+    //!     centroids: centroids.clone(),
+    //!     bucket_weights: Tensor::new(&[-0.1f32, -0.03, 0.03, 0.1], &dev)?,
+    //!     nbits: 2,
+    //!     bit_order: BitOrder::ColBert,
+    //! };
+    //! // Three documents of 100 tokens, packed: codes and 2-bit residuals.
+    //! let tokens = Tensor::randn(0f32, 1., (300, 64), &dev)?;
+    //! let codes = nearest_centroids(&tokens, &centroids)?; // [300] U32
+    //! let residuals = codec.compress(&tokens, &codes, &Tensor::new(&[-0.06f32, 0., 0.06], &dev)?)?; // [300, 16] U8
+    //! let cu_d = Tensor::new(&[0u32, 100, 200, 300], &dev)?;
+    //! let q = Tensor::randn(0f32, 1., (2, 32, 64), &dev)?;
+    //! let scores = maxsim_residual_varlen(&q, &codes, &residuals, &cu_d, 100, &codec, true)?;
+    //! assert_eq!(scores.dims(), &[2, 3]);
+    //! # Ok::<(), candle_core::Error>(())
+    //! ```
     pub use crate::ops::residual::{
         maxsim_residual, maxsim_residual_pairs, maxsim_residual_varlen, nearest_centroids, pack_bucket_indices,
         unpack_bucket_indices, BitOrder, ResidualCodec, NO_DOCUMENT,
@@ -104,6 +126,20 @@ pub mod plaid {
     //! probed centroids ([`plaid_candidates`]) and the centroid-only
     //! approximate score that prunes them ([`plaid_approx_score`],
     //! [`plaid_approx_candidates`]).
+    //!
+    //! ```
+    //! use candle_core::{Device, Tensor};
+    //! use candle_maxsim::plaid::plaid_approx_score;
+    //! let dev = Device::Cpu;
+    //! // Each query token's score against each of 1000 centroids: [C, Lq].
+    //! let qcs = Tensor::randn(0f32, 1., (1000, 32), &dev)?;
+    //! // Four documents of at most 8 tokens, as centroid codes, and their lengths.
+    //! let codes = Tensor::arange(0u32, 32, &dev)?.reshape((4, 8))?;
+    //! let lens = Tensor::new(&[8u32, 5, 8, 1], &dev)?;
+    //! let approx = plaid_approx_score(&qcs, &codes, &lens)?; // [4]
+    //! assert_eq!(approx.dims(), &[4]);
+    //! # Ok::<(), candle_core::Error>(())
+    //! ```
     pub use crate::ops::plaid_approx::{plaid_approx_candidates, plaid_approx_score, plaid_candidates, NO_CENTROID};
 }
 
@@ -113,6 +149,19 @@ pub mod nn {
     //! softmax (scale, additive mask and softmax in one pass), layer norm
     //! with F32 statistics, bias + GELU, embedding lookup, row scatter-add,
     //! and the top-k of each row.
+    //!
+    //! ```
+    //! use candle_core::{DType, Device, Tensor};
+    //! use candle_maxsim::nn::{attention_softmax, layer_norm};
+    //! let dev = Device::Cpu;
+    //! let scores = Tensor::randn(0f32, 1., (2, 4, 16, 16), &dev)?; // [B, H, Lq, Lk]
+    //! let mask = Tensor::zeros((2, 1, 1, 16), DType::F32, &dev)?; // additive, F32
+    //! let p = attention_softmax(&scores, &mask, 0.125)?;
+    //! let x = Tensor::randn(0f32, 1., (32, 64), &dev)?;
+    //! let y = layer_norm(&x, &Tensor::ones(64, DType::F32, &dev)?, None, 1e-5)?;
+    //! assert_eq!((p.dims(), y.dims()), (scores.dims(), x.dims()));
+    //! # Ok::<(), candle_core::Error>(())
+    //! ```
     pub use crate::ops::encoder::{attention_softmax, layer_norm};
     pub use crate::ops::rows::{add_bias, add_bias_gelu, embedding, scatter_add_rows};
     pub use crate::ops::topk::{topk_rows, TOPK_MAX_K};
@@ -121,5 +170,19 @@ pub mod nn {
 pub mod optim {
     //! AdamW on F32 parameters, updated in place on their device (one fused
     //! kernel per parameter on CUDA), with global-norm gradient clipping.
+    //!
+    //! ```
+    //! use candle_core::{DType, Device, Tensor};
+    //! use candle_maxsim::optim::{adamw_sum_sq, adamw_update, AdamWStep};
+    //! let dev = Device::Cpu;
+    //! let p = Tensor::randn(0f32, 1., 10, &dev)?;
+    //! let g = Tensor::randn(0f32, 1., 10, &dev)?;
+    //! let mv = Tensor::zeros((2, 10), DType::F32, &dev)?; // the moments
+    //! let sum_sq = Tensor::zeros(1, DType::F32, &dev)?;
+    //! adamw_sum_sq(&sum_sq, &g)?; // once per gradient of the step
+    //! let step = AdamWStep { lr: 1e-3, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.01, max_grad_norm: 1.0, t: 1 };
+    //! adamw_update(&p, &mv, &g, &sum_sq, &step)?; // p, mv updated in place
+    //! # Ok::<(), candle_core::Error>(())
+    //! ```
     pub use crate::ops::optim::{adamw_sum_sq, adamw_update, AdamWStep};
 }

@@ -1,21 +1,62 @@
 //! Launches of kernels/encoder.cu: the attention softmax and the layer norm,
 //! forward and backward.
 
+use super::launch::{grid_stride, kernel, kernel_params, launch, Module};
+use super::memory::{alloc_out, storage_ptr};
 use super::params::dtype_tag;
-use super::{alloc_out, device_info, load_func, storage_ptr, ENCODER};
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
-use candle_core::cuda_backend::WrapErr;
 use candle_core::{bail, CudaDevice, CudaStorage, Layout, Result};
 
-/// 8 warps (rows) per block, at most `per_sm` blocks per SM (grid-stride beyond).
-fn grid(dev: &CudaDevice, rows: usize, per_sm: usize, smem: u32) -> Result<LaunchConfig> {
-    let blocks = rows.div_ceil(8).clamp(1, per_sm * device_info(dev)?.sm_count.max(1) as usize) as u32;
-    Ok(LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: smem })
+/// Mirror of `SoftmaxParams` in kernels/encoder.cu.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+struct SoftmaxParams {
+    x: u64,
+    g: u64,
+    bias: u64,
+    out: u64,
+    rows: i64,
+    bias_b: i64,
+    lk: i32,
+    lq: i32,
+    heads: i32,
+    bias_i: i32,
+    scale: f32,
 }
+
+/// Mirror of `LayerNormParams` in kernels/encoder.cu.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+struct LayerNormParams {
+    x: u64,
+    dy: u64,
+    w: u64,
+    b: u64,
+    out: u64,
+    rows: i64,
+    c: i32,
+    eps: f32,
+}
+kernel_params!(SoftmaxParams, LayerNormParams);
 
 fn int(what: &str, v: usize) -> Result<i32> {
     i32::try_from(v).or_else(|_| bail!("{what}: {v} exceeds the encoder kernels' 32-bit lengths"))
+}
+
+/// Launches `<name>_<dtype>` over `rows` rows, a warp per row and 8 per
+/// block, at most `per_sm` blocks per SM, with `smem` bytes of shared memory.
+fn run<P: super::launch::KernelArgs>(
+    dev: &CudaDevice,
+    name: &str,
+    x: &CudaStorage,
+    rows: usize,
+    (per_sm, smem): (usize, u32),
+    p: &P,
+) -> Result<()> {
+    let func = kernel(dev, Module::Encoder, &format!("{name}_{}", dtype_tag(x.dtype())), smem)?;
+    let mut cfg = grid_stride(dev, rows, 8, 256, per_sm)?;
+    cfg.shared_mem_bytes = smem;
+    launch(dev, &func, cfg, p)
 }
 
 /// The geometry of an attention softmax: `[B, H, Lq, Lk]` scores, the bias
@@ -42,26 +83,20 @@ pub(crate) fn attn_softmax_fwd(
     if rows == 0 {
         return Ok(out);
     }
-    let func = load_func(dev, &format!("attn_softmax_fwd_{}", dtype_tag(s.0.dtype())), 0, "encoder", &ENCODER)?;
-    let (sp, bp, op) =
-        (storage_ptr(s.0, s.1)?, storage_ptr(bias.0, bias.1)?, storage_ptr(&out, &Layout::contiguous(n))?);
-    let (rows_, lk, lq, heads) = (rows as i64, int("lk", g.lk)?, int("lq", g.lq)?, int("heads", g.heads)?);
-    let (bias_b, bias_i) = (g.bias_b as i64, int("bias", g.bias_i)?);
-    let stream = dev.cuda_stream();
-    let mut b = stream.launch_builder(&func);
-    b.arg(&sp);
-    b.arg(&bp);
-    b.arg(&op);
-    b.arg(&rows_);
-    b.arg(&lk);
-    b.arg(&lq);
-    b.arg(&heads);
-    b.arg(&bias_b);
-    b.arg(&bias_i);
-    b.arg(&scale);
-    // SAFETY: (const T*, const float*, T*, long long, int, int, int, long long, int, float) as in
-    // encoder.cu; s and out hold rows x lk of T, the bias covers every (b, i) row the strides reach.
-    unsafe { b.launch(grid(dev, rows, 16, 0)?) }.w()?;
+    let p = SoftmaxParams {
+        x: storage_ptr(s.0, s.1)?,
+        bias: storage_ptr(bias.0, bias.1)?,
+        out: storage_ptr(&out, &Layout::contiguous(n))?,
+        rows: rows as i64,
+        bias_b: g.bias_b as i64,
+        lk: int("lk", g.lk)?,
+        lq: int("lq", g.lq)?,
+        heads: int("heads", g.heads)?,
+        bias_i: int("bias", g.bias_i)?,
+        scale,
+        ..Default::default()
+    };
+    run(dev, "attn_softmax_fwd", s.0, rows, (16, 0), &p)?;
     Ok(out)
 }
 
@@ -79,21 +114,31 @@ pub(crate) fn attn_softmax_bwd(
     if rows == 0 {
         return Ok(out);
     }
-    let func = load_func(dev, &format!("attn_softmax_bwd_{}", dtype_tag(p.0.dtype())), 0, "encoder", &ENCODER)?;
-    let (pp, gp, op) = (storage_ptr(p.0, p.1)?, storage_ptr(dp.0, dp.1)?, storage_ptr(&out, &Layout::contiguous(n))?);
-    let (rows_, lk_) = (rows as i64, int("lk", lk)?);
-    let stream = dev.cuda_stream();
-    let mut b = stream.launch_builder(&func);
-    b.arg(&pp);
-    b.arg(&gp);
-    b.arg(&op);
-    b.arg(&rows_);
-    b.arg(&lk_);
-    b.arg(&scale);
-    // SAFETY: (const T*, const T*, T*, long long, int, float) as in encoder.cu; every operand
-    // holds rows x lk elements of T.
-    unsafe { b.launch(grid(dev, rows, 16, 0)?) }.w()?;
+    let params = SoftmaxParams {
+        x: storage_ptr(p.0, p.1)?,
+        g: storage_ptr(dp.0, dp.1)?,
+        out: storage_ptr(&out, &Layout::contiguous(n))?,
+        rows: rows as i64,
+        lk: int("lk", lk)?,
+        scale,
+        ..Default::default()
+    };
+    run(dev, "attn_softmax_bwd", p.0, rows, (16, 0), &params)?;
     Ok(out)
+}
+
+/// The layer-norm launch's parameters over the rows of `x` (`c` columns).
+fn norm_params(x: (&CudaStorage, &Layout), c: usize, out: &CudaStorage, eps: f32) -> Result<(LayerNormParams, usize)> {
+    let n = x.1.shape().elem_count();
+    let p = LayerNormParams {
+        x: storage_ptr(x.0, x.1)?,
+        out: storage_ptr(out, &Layout::contiguous(1))?,
+        rows: (n / c.max(1)) as i64,
+        c: int("x", c)?,
+        eps,
+        ..Default::default()
+    };
+    Ok((p, n / c.max(1)))
 }
 
 /// The layer norm of the rows of `x [R, C]` with F32 `w` (and `b`) `[C]`.
@@ -105,31 +150,14 @@ pub(crate) fn layer_norm_fwd(
 ) -> Result<CudaStorage> {
     let dev = &x.0.device;
     let c = w.1.shape().elem_count();
-    let n = x.1.shape().elem_count();
-    let out = alloc_out(dev, x.0.dtype(), n)?;
-    let rows = n / c.max(1);
+    let out = alloc_out(dev, x.0.dtype(), x.1.shape().elem_count())?;
+    let (mut p, rows) = norm_params(x, c, &out, eps)?;
     if rows == 0 {
         return Ok(out);
     }
-    let func = load_func(dev, &format!("layer_norm_fwd_{}", dtype_tag(x.0.dtype())), 0, "encoder", &ENCODER)?;
-    let (xp, wp, op) = (storage_ptr(x.0, x.1)?, storage_ptr(w.0, w.1)?, storage_ptr(&out, &Layout::contiguous(n))?);
-    let bp = match b {
-        Some((s, l)) => storage_ptr(s, l)?,
-        None => 0u64,
-    };
-    let (rows_, c_) = (rows as i64, int("x", c)?);
-    let stream = dev.cuda_stream();
-    let mut lb = stream.launch_builder(&func);
-    lb.arg(&xp);
-    lb.arg(&wp);
-    lb.arg(&bp);
-    lb.arg(&op);
-    lb.arg(&rows_);
-    lb.arg(&c_);
-    lb.arg(&eps);
-    // SAFETY: (const T*, const float*, const float* or null, T*, long long, int, float) as in
-    // encoder.cu; x and out hold rows x c of T, w and b c floats.
-    unsafe { lb.launch(grid(dev, rows, 16, 0)?) }.w()?;
+    p.w = storage_ptr(w.0, w.1)?;
+    p.b = b.map(|(s, l)| storage_ptr(s, l)).transpose()?.unwrap_or(0);
+    run(dev, "layer_norm_fwd", x.0, rows, (16, 0), &p)?;
     Ok(out)
 }
 
@@ -142,28 +170,14 @@ pub(crate) fn layer_norm_bwd_x(
 ) -> Result<CudaStorage> {
     let dev = &x.0.device;
     let c = w.1.shape().elem_count();
-    let n = x.1.shape().elem_count();
-    let out = alloc_out(dev, x.0.dtype(), n)?;
-    let rows = n / c.max(1);
+    let out = alloc_out(dev, x.0.dtype(), x.1.shape().elem_count())?;
+    let (mut p, rows) = norm_params(x, c, &out, eps)?;
     if rows == 0 {
         return Ok(out);
     }
-    let func = load_func(dev, &format!("layer_norm_bwd_x_{}", dtype_tag(x.0.dtype())), 0, "encoder", &ENCODER)?;
-    let (xp, wp, gp) = (storage_ptr(x.0, x.1)?, storage_ptr(w.0, w.1)?, storage_ptr(dy.0, dy.1)?);
-    let op = storage_ptr(&out, &Layout::contiguous(n))?;
-    let (rows_, c_) = (rows as i64, int("x", c)?);
-    let stream = dev.cuda_stream();
-    let mut lb = stream.launch_builder(&func);
-    lb.arg(&xp);
-    lb.arg(&wp);
-    lb.arg(&gp);
-    lb.arg(&op);
-    lb.arg(&rows_);
-    lb.arg(&c_);
-    lb.arg(&eps);
-    // SAFETY: (const T*, const float*, const T*, T*, long long, int, float) as in encoder.cu;
-    // x, dy and out hold rows x c of T, w c floats.
-    unsafe { lb.launch(grid(dev, rows, 16, 0)?) }.w()?;
+    p.w = storage_ptr(w.0, w.1)?;
+    p.dy = storage_ptr(dy.0, dy.1)?;
+    run(dev, "layer_norm_bwd_x", x.0, rows, (16, 0), &p)?;
     Ok(out)
 }
 
@@ -175,9 +189,8 @@ pub(crate) fn layer_norm_bwd_wb(
     eps: f32,
 ) -> Result<CudaStorage> {
     let dev = &x.0.device;
-    let n = x.1.shape().elem_count();
     let out = CudaStorage::wrap_cuda_slice(dev.alloc_zeros::<f32>((2 * c).max(1))?, dev.clone());
-    let rows = n / c.max(1);
+    let (mut p, rows) = norm_params(x, c, &out, eps)?;
     if rows == 0 {
         return Ok(out);
     }
@@ -185,20 +198,8 @@ pub(crate) fn layer_norm_bwd_wb(
     if smem > 48 * 1024 {
         bail!("x: layer norm rows of {c} exceed the 6144 columns of the weight-gradient kernel")
     }
-    let func = load_func(dev, &format!("layer_norm_bwd_wb_{}", dtype_tag(x.0.dtype())), 0, "encoder", &ENCODER)?;
-    let (xp, gp, op) = (storage_ptr(x.0, x.1)?, storage_ptr(dy.0, dy.1)?, storage_ptr(&out, &Layout::contiguous(1))?);
-    let (rows_, c_) = (rows as i64, int("x", c)?);
-    let stream = dev.cuda_stream();
-    let mut lb = stream.launch_builder(&func);
-    lb.arg(&xp);
-    lb.arg(&gp);
-    lb.arg(&op);
-    lb.arg(&rows_);
-    lb.arg(&c_);
-    lb.arg(&eps);
-    // SAFETY: (const T*, const T*, float*, long long, int, float) as in encoder.cu; x and dy
-    // hold rows x c of T, out 2c floats, the block's shared memory 2c floats.
+    p.dy = storage_ptr(dy.0, dy.1)?;
     // Two blocks per SM: each block adds 2c atomics at its end.
-    unsafe { lb.launch(grid(dev, rows, 2, smem as u32)?) }.w()?;
+    run(dev, "layer_norm_bwd_wb", x.0, rows, (2, smem as u32), &p)?;
     Ok(out)
 }

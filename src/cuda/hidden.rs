@@ -1,10 +1,12 @@
 //! Launch of kernels/hidden.cu: the fused projection head's forward
 //! (hidden states → linear → normalize → MaxSim), Hopper only.
 
+use super::device::device_info;
+use super::launch::{blocks, kernel, kernel_params, launch, Module};
+use super::memory::{aligned_ptr, alloc_out, storage_ptr, tensor_ptr};
 use super::params::dtype_tag;
-use super::{aligned_ptr, alloc_out, device_info, launch, load_func, storage_ptr, tensor_ptr, HIDDEN};
+use super::tile_size::HIDDEN;
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::DeviceRepr;
 use candle_core::{CudaDevice, CudaStorage, DType, Layout, Result, Tensor};
 
 /// Mirror of `HiddenParams` in kernels/hidden.cu.
@@ -26,22 +28,15 @@ struct HiddenParams {
     normalize: i32,
     q_chunk: i32,
 }
-// SAFETY: plain old data with the layout of the C struct.
-unsafe impl DeviceRepr for HiddenParams {}
-
-// HiddenConfig in kernels/hidden.cu.
-const BD: usize = 128;
-const BQ: usize = 128;
-const KS: usize = 64;
-const STAGES: usize = 5;
-const THREADS: u32 = 256;
+kernel_params!(HiddenParams);
 
 /// Dynamic shared memory of a block: stages, the projected chunk, bias,
 /// running maxima of `q_chunk` query rows, 1024 B of alignment slack (and
 /// BD spare bytes; the kernel traps if this does not cover its layout).
 fn smem_bytes(dpad: usize, q_chunk: usize) -> usize {
-    let stage = ((BD + dpad) * KS).max(BQ * dpad);
-    1024 + (STAGES * stage + BD * dpad) * 2 + dpad * 4 + q_chunk * 4 + BD
+    let (bd, bq, ks) = (HIDDEN.bd, HIDDEN.bq, HIDDEN.ks);
+    let stage = ((bd + dpad) * ks).max(bq * dpad);
+    1024 + (HIDDEN.stages * stage + bd * dpad) * 2 + dpad * 4 + q_chunk * 4 + bd
 }
 
 /// A contiguous copy of `t` whose data starts 16-byte aligned (cp.async).
@@ -147,8 +142,9 @@ pub(crate) fn from_hidden_fwd(
         q_chunk: plan.q_chunk as i32,
     };
     let name = format!("maxsim_hidden_{}_d{}", dtype_tag(q.0.dtype()), plan.dpad);
-    let func = load_func(dev, &name, plan.smem as u32, "hidden", &HIDDEN)?;
-    launch(dev, &func, (nd * plan.chunks) as u32, THREADS, plan.smem as u32, &params)?;
+    let func = kernel(dev, Module::Hidden, &name, plan.smem as u32)?;
+    let cfg = blocks((nd * plan.chunks) as u32, HIDDEN.threads, plan.smem as u32);
+    launch(dev, &func, cfg, &params)?;
     // The operands (and the temporary copies) are freed in stream order, after the launch.
     drop((h, w, bias, valid));
     Ok(out)

@@ -8,11 +8,13 @@
 //!   atomics into a zeroed f32 buffer `[Td, dim]` (the output itself for
 //!   F32 / F64), narrowed to F16 / BF16 at the end.
 
+use super::device::device_info;
+use super::launch::{blocks, grid_stride, kernel, kernel_params, launch, Module};
+use super::memory::{alloc_out, slice_ptr, storage_ptr, tensor_ptr};
 use super::params::{dtype_tag, layout_params, Params};
-use super::{alloc_out, bwd_func, device_info, launch, slice_ptr, storage_ptr, tensor_ptr};
 use crate::layout::{Pairing, Problem};
 use crate::options::Backward;
-use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DeviceRepr};
+use candle_core::cuda_backend::cudarc::driver::CudaSlice;
 use candle_core::{bail, CudaDevice, CudaStorage, DType, Layout, Result, Storage, Tensor};
 
 /// Mirror of `BwdParams` in kernels/maxsim_bwd.cu.
@@ -34,8 +36,7 @@ struct BwdParams {
     d_chunks: i32,
     list_off: i32,
 }
-// SAFETY: plain old data with the layout of the C struct.
-unsafe impl DeviceRepr for BwdParams {}
+kernel_params!(BwdParams);
 
 /// Warps per block of the query-row kernels (`BWD_WARPS`).
 const WARPS: usize = 8;
@@ -212,18 +213,18 @@ pub(crate) fn maxsim_bwd(
         }
         let gd = alloc_out(&dev, dtype, td * dim)?;
         p.gd = storage_ptr(&gd, &Layout::contiguous(1))?;
-        let f = bwd_func(&dev, &format!("maxsim_bwd_q_{tag}_{row_var}"), 0)?;
-        launch(&dev, &f, row_blocks, threads, 0, &p)?;
+        let f = kernel(&dev, Module::MaxsimBwd, &format!("maxsim_bwd_q_{tag}_{row_var}"), 0)?;
+        launch(&dev, &f, blocks(row_blocks, threads, 0), &p)?;
         let info = device_info(&dev)?;
         let (tc, chunks, smem) = chunk_plan(dtype, dim, pb.d.max_len(), info.smem_optin)?;
-        let blocks = pb.d.n() * chunks;
-        if blocks > i32::MAX as usize {
+        let n_blocks = pb.d.n() * chunks;
+        if n_blocks > i32::MAX as usize {
             return Err(too_big());
         }
         (p.tc, p.d_chunks, p.list_off) = (tc as i32, chunks as i32, (smem - DD_WARPS * DD_LIST * 8) as i32);
         let var = chunk_variant(dtype, dim, qp);
-        let f = bwd_func(&dev, &format!("maxsim_bwd_dd_{tag}_{var}"), smem as u32)?;
-        launch(&dev, &f, blocks as u32, (32 * DD_WARPS) as u32, smem as u32, &p)?;
+        let f = kernel(&dev, Module::MaxsimBwd, &format!("maxsim_bwd_dd_{tag}_{var}"), smem as u32)?;
+        launch(&dev, &f, blocks(n_blocks as u32, (32 * DD_WARPS) as u32, smem as u32), &p)?;
         gd
     } else {
         // Unified: one fused kernel; F16 / BF16 accumulate in F32, then narrow.
@@ -235,13 +236,12 @@ pub(crate) fn maxsim_bwd(
             p.gd_acc = slice_ptr(&dev, a);
             p.n_cast = (td * dim) as i64;
         }
-        let f = bwd_func(&dev, &format!("maxsim_bwd_u_{tag}_{row_var}"), 0)?;
-        launch(&dev, &f, row_blocks, threads, 0, &p)?;
+        let f = kernel(&dev, Module::MaxsimBwd, &format!("maxsim_bwd_u_{tag}_{row_var}"), 0)?;
+        launch(&dev, &f, blocks(row_blocks, threads, 0), &p)?;
         if acc.is_some() {
-            let sms = device_info(&dev)?.sm_count.max(1) as usize;
-            let blocks = (td * dim).div_ceil(4 * 256).clamp(1, 8 * sms) as u32;
-            let f = bwd_func(&dev, &format!("maxsim_bwd_cast_{tag}"), 0)?;
-            launch(&dev, &f, blocks, 256, 0, &p)?;
+            // 4 elements per thread.
+            let f = kernel(&dev, Module::MaxsimBwd, &format!("maxsim_bwd_cast_{tag}"), 0)?;
+            launch(&dev, &f, grid_stride(&dev, td * dim, 4 * 256, 256, 8)?, &p)?;
         }
         drop(acc); // stream-ordered free, after the launches
         gd

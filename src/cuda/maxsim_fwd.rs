@@ -1,186 +1,20 @@
-//! Forward launch of kernels/maxsim_fwd.cu: tile-config choice (a static rule,
-//! or autotuned once per problem class and cached), query grouping, and the grid.
+//! Forward launch of kernels/maxsim_fwd.cu: the tile configuration (the
+//! static rule of tile_size.rs, or autotuned once per problem class and
+//! cached), query grouping, and the grid. Dense, 8-bit and residual
+//! documents share this launch.
 
+use super::device::{device_info, DeviceInfo};
+use super::launch::{blocks, kernel, kernel_params, launch, KernelArgs, Module};
+use super::memory::{fill_words, slice_ptr, storage_ptr, tensor_ptr};
 use super::params::{dtype_tag, layout_params, Params};
-use super::{device_info, fill_words, fwd_func, launch, slice_ptr, storage_ptr, tensor_ptr, DeviceInfo};
+use super::tile_size::{candidates, eight_bit, path_for, pinned_config, simt_smem, static_config, Path, TileConfig};
 use crate::layout::{Pairing, Problem, Seqs};
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{sys, DeviceRepr, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{sys, LaunchArgs, PushKernelArg};
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{bail, CudaDevice, CudaStorage, DType, Layout, Result, Storage, Tensor};
 use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock};
-
-/// One row of kernels/tiles.def: a tile configuration of the tensor-core
-/// forward, as the kernels instantiate it.
-#[derive(Debug, PartialEq, Eq)]
-pub(crate) struct TileRow {
-    name: &'static str,
-    /// `mma16`, `wide16`, `xwide16`, `f32`, `turing`, `hopper` or `hopperws` (see kernels/tiles.def).
-    family: &'static str,
-    wm: usize,
-    wn: usize,
-    mt: usize,
-    nt: usize,
-    stages: usize,
-    /// Pipeline depth of the residual kernels; 0: none.
-    res_stages: usize,
-}
-
-/// kernels/tiles.def, parsed by build.rs.
-mod table {
-    use super::TileRow;
-    include!(concat!(env!("OUT_DIR"), "/tiles.rs"));
-}
-
-/// A tile configuration: a row of kernels/tiles.def.
-#[derive(Clone, Copy, PartialEq, Eq, Hash)]
-pub struct TileConfig(&'static TileRow);
-
-impl std::fmt::Debug for TileConfig {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.0.name)
-    }
-}
-
-impl std::hash::Hash for TileRow {
-    fn hash<H: std::hash::Hasher>(&self, h: &mut H) {
-        self.name.hash(h)
-    }
-}
-
-impl TileConfig {
-    fn all() -> impl Iterator<Item = TileConfig> {
-        table::TILES.iter().map(TileConfig)
-    }
-    fn name(self) -> &'static str {
-        self.0.name
-    }
-    fn parse(s: &str) -> Option<Self> {
-        Self::all().find(|c| c.name() == s)
-    }
-    /// wgmma tiles (swizzled document stages, sm_90a).
-    fn hopper(self) -> bool {
-        matches!(self.0.family, "hopper" | "hopperws")
-    }
-    /// Warp-specialized: a TMA producer warpgroup besides the consumers,
-    /// persistent blocks, the documents' tensor map as a second parameter.
-    fn ws(self) -> bool {
-        self.0.family == "hopperws"
-    }
-    /// (query rows per block, doc rows per stage, threads).
-    fn shape(self) -> (usize, usize, u32) {
-        let r = self.0;
-        let producer = if self.ws() { 128 } else { 0 };
-        (16 * r.wm * r.mt, 8 * r.wn * r.nt, (32 * r.wm * r.wn + producer) as u32)
-    }
-    /// Pipeline depth of the dense or the residual kernels.
-    fn stages(self, residual: bool) -> usize {
-        if residual {
-            self.0.res_stages
-        } else {
-            self.0.stages
-        }
-    }
-    /// The element types it is compiled for, and from which module (compute capability).
-    /// U8 stands for the I8 kernels, F8E4M3 for the e4m3 ones (wgmma only).
-    fn runs(self, dtype: DType, cc: i32) -> bool {
-        let half = matches!(dtype, DType::F16 | DType::BF16);
-        let int8 = dtype == DType::U8;
-        match self.0.family {
-            "f32" => dtype == DType::F32 && cc >= 80,
-            "turing" => dtype == DType::F16 && cc < 80,
-            "hopper" | "hopperws" => (half || int8 || dtype == DType::F8E4M3) && cc == 90,
-            "wide16" | "xwide16" => half && cc >= 80,
-            _ => (half || int8) && cc >= 80,
-        }
-    }
-    /// Dynamic shared memory of its kernels, as maxsim_fwd.cu lays it out
-    /// (the kernels trap when given less): mma.sync stages Q and the document
-    /// tiles in rows padded by 16 bytes; Hopper tiles hold only the swizzled
-    /// document stages, plus 1024 bytes of alignment slack; then the stages'
-    /// masks. After the masks rounded up to 16 bytes, 8-bit kernels
-    /// (`elem` 1) stage each tile's F32 token scales, and residual kernels
-    /// (`res_nbits` > 0) its packed residual bytes (`dpad * res_nbits / 8`
-    /// per row).
-    fn smem(self, dpad: usize, elem: usize, res_nbits: usize) -> u32 {
-        let residual = res_nbits > 0;
-        let (bq, bd, _) = self.shape();
-        let st = self.stages(residual);
-        let tiles = if self.hopper() { 1024 + st * bd * dpad * elem } else { (bq + st * bd) * (dpad * elem + 16) };
-        let pad = (st * bd).next_multiple_of(16) - st * bd;
-        let scales = if elem == 1 { pad + st * bd * 4 } else { 0 };
-        let res = if residual { pad + st * bd * dpad * res_nbits / 8 } else { 0 };
-        (tiles + st * bd + scales + res) as u32
-    }
-}
-
-/// The kernel family a problem runs on.
-#[derive(Clone, Copy, Debug)]
-enum Path {
-    /// `dpad`: stored tile width (64, 128, 256); `width`: columns multiplied
-    /// (48, 64, 96, 128, 256; 8-bit: 32, 64, 96, 128), the kernel's
-    /// `d<width>` suffix.
-    Mma {
-        dpad: usize,
-        width: usize,
-    },
-    Simt,
-}
-
-/// The 8-bit element types: U8 (the bytes of I8) and F8E4M3.
-fn eight_bit(dtype: DType) -> bool {
-    matches!(dtype, DType::U8 | DType::F8E4M3)
-}
-
-fn path_for(info: &DeviceInfo, dtype: DType, dim: usize) -> Path {
-    if eight_bit(dtype) {
-        // 8-bit rows: one 128-byte panel, K steps of 32 (no SIMT kernel: the caller dequantizes).
-        let width = dim.next_multiple_of(32).max(32);
-        return if dim <= 128 && !candidates(info, dtype, 128, 0).is_empty() {
-            Path::Mma { dpad: 128, width }
-        } else {
-            Path::Simt
-        };
-    }
-    let dpad = match dim {
-        0..=64 => 64,
-        65..=128 => 128,
-        129..=256 => 256,
-        _ => 512,
-    };
-    let width = match dim {
-        33..=48 => 48,
-        65..=96 => 96,
-        257..=384 => 384,
-        _ => dpad,
-    };
-    if dim <= 512 && !candidates(info, dtype, dpad, 0).is_empty() {
-        Path::Mma { dpad, width }
-    } else {
-        Path::Simt
-    }
-}
-
-/// The tile configurations for this dtype and width that the device's module
-/// has and whose shared memory fits the device (e.g. sm_86 / sm_89 allow
-/// less per block than sm_80 / sm_90); the Hopper tiles exist only in the
-/// sm_90a module, loaded on compute capability 9.0. Empty: the SIMT kernel.
-fn candidates(info: &DeviceInfo, dtype: DType, dpad: usize, res_nbits: usize) -> Vec<TileConfig> {
-    TileConfig::all()
-        .filter(|c| c.runs(dtype, info.cc))
-        .filter(|c| {
-            let width = match c.0.family {
-                "wide16" => 256,
-                "xwide16" => 512,
-                _ => 128,
-            };
-            width == dpad.max(128)
-        })
-        .filter(|c| res_nbits == 0 || c.stages(true) > 0)
-        .filter(|c| c.smem(dpad, dtype.size_in_bytes(), res_nbits) as usize <= info.smem_optin)
-        .collect()
-}
 
 /// What decides the best tile: layout, dtype, dim, query-length bucket, how
 /// many query rows meet each document (x4 buckets: a rerank of one query
@@ -207,11 +41,6 @@ fn log4(x: usize) -> u32 {
 fn tune_cache() -> &'static Mutex<HashMap<TuneKey, TileConfig>> {
     static CACHE: OnceLock<Mutex<HashMap<TuneKey, TileConfig>>> = OnceLock::new();
     CACHE.get_or_init(Default::default)
-}
-
-/// The tile configuration pinned by [`crate::knobs::Knobs::tile`], if any.
-fn pinned_config() -> Option<TileConfig> {
-    crate::knobs::knobs().tile.as_deref().and_then(TileConfig::parse)
 }
 
 /// Groups of consecutive queries whose rows fit one tile of `bq` rows (a
@@ -320,16 +149,23 @@ fn run(dev: &CudaDevice, name: &str, plan: &Plan, block: u32, smem: u32) -> Resu
     if plan.grid == 0 {
         return Ok(());
     }
-    let func = fwd_func(dev, name, smem)?;
-    launch(dev, &func, plan.grid, block, smem, &plan.params)
+    let func = kernel(dev, Module::MaxsimFwd, name, smem)?;
+    launch(dev, &func, blocks(plan.grid, block, smem), &plan.params)
 }
 
 /// A `CUtensorMap` (cuda.h), the kernels' `TmaMap`: passed by value after the parameters.
 #[repr(C, align(64))]
 #[derive(Clone, Copy)]
 struct TmaMap([u64; 16]);
-// SAFETY: 128 bytes of plain data, the layout of the kernels' `TmaMap`.
-unsafe impl DeviceRepr for TmaMap {}
+kernel_params!(TmaMap);
+
+/// The warp-specialized kernels' arguments: `(MaxSimParams, TmaMap)`.
+impl KernelArgs for (Params, TmaMap) {
+    fn push<'a>(&'a self, b: &mut LaunchArgs<'a>) {
+        b.arg(&self.0);
+        b.arg(&self.1);
+    }
+}
 
 /// The documents' `[rows, dim]` matrix as a 2-D TMA tensor map: boxes of
 /// `box_rows` rows by one 128-byte panel, 128-byte swizzled (the layout of
@@ -412,34 +248,9 @@ impl TileLaunch {
 
     fn run(&self, dev: &CudaDevice) -> Result<()> {
         let Some(dmap) = &self.dmap else { return run(dev, &self.name, &self.plan, self.threads, self.smem) };
-        if self.plan.grid == 0 {
-            return Ok(());
-        }
-        let func = fwd_func(dev, &self.name, self.smem)?;
-        let cfg = LaunchConfig {
-            grid_dim: (self.plan.grid, 1, 1),
-            block_dim: (self.threads, 1, 1),
-            shared_mem_bytes: self.smem,
-        };
-        let stream = dev.cuda_stream();
-        let mut b = stream.launch_builder(&func);
-        b.arg(&self.plan.params);
-        b.arg(dmap);
-        // SAFETY: (MaxSimParams, TmaMap), the warp-specialized kernels' signature.
-        unsafe { b.launch(cfg) }.w()?;
-        Ok(())
+        let func = kernel(dev, Module::MaxsimFwd, &self.name, self.smem)?;
+        launch(dev, &func, blocks(self.plan.grid, self.threads, self.smem), &(self.plan.params, *dmap))
     }
-}
-
-fn simt_smem(dtype: DType, dim: usize) -> Result<u32> {
-    let acc = if dtype == DType::F64 { 8 } else { 4 };
-    // `SIMT_SMEM` in maxsim_fwd.cu: 47 KB of tile, the static buffer on top.
-    const SIMT_SMEM: usize = 47 * 1024;
-    let rows = 16.min(SIMT_SMEM / (dim * acc).max(1));
-    if rows == 0 {
-        bail!("d: dim {dim} is too large for the CUDA fallback kernel (at most {})", SIMT_SMEM / acc)
-    }
-    Ok((rows * dim * acc) as u32)
 }
 
 /// Forward on CUDA: scores `[n_pairs]` F32 and, for the argmax variants,
@@ -459,54 +270,9 @@ pub(crate) fn maxsim_fwd(
     fwd_launch(&s1.device, pb, s1.dtype(), src, v)
 }
 
-/// Whether the 8-bit tensor-core kernels of `dtype` (U8: I8, sm_80+;
-/// F8E4M3: sm_90) cover this dim on this device (dims up to 128), and the
-/// device's compute capability.
-pub(crate) fn quantized_supported(dev: &CudaDevice, dtype: DType, dim: usize) -> Result<(bool, i32)> {
-    let info = device_info(dev)?;
-    Ok((matches!(path_for(&info, dtype, dim), Path::Mma { .. }), info.cc))
-}
-
-/// 8-bit scores `[n_pairs]` F32 of `pb` (its masks included): `q` and `d`
-/// as (`values` U8 bytes, `scales` F32), contiguous CUDA tensors of `pb`'s
-/// rows; `dtype` the bytes' format (U8: I8, F8E4M3: e4m3).
-pub(crate) fn maxsim_fwd_quantized(
-    dev: &CudaDevice,
-    pb: &Problem,
-    dtype: DType,
-    (qv, qs): (&Tensor, &Tensor),
-    (dv, ds): (&Tensor, &Tensor),
-) -> Result<Tensor> {
-    let (qp, dp) = (tensor_ptr(qv)?, tensor_ptr(dv)?);
-    let vec_ok = pb.dim.is_multiple_of(16) && qp.is_multiple_of(16) && dp.is_multiple_of(16);
-    let src = Params {
-        q: qp,
-        d: dp,
-        q_scales: tensor_ptr(qs)?,
-        d_scales: tensor_ptr(ds)?,
-        vec_ok: vec_ok as i32,
-        ..Default::default()
-    };
-    let (out, _) = fwd_launch(dev, pb, dtype, src, Variant::Nograd)?;
-    Ok(Tensor::from((Storage::Cuda(out), pb.n_out())))
-}
-
-/// Whether the residual kernels cover this query dtype, dim and nbits on this
-/// device: 16-byte centroid chunks (dim % 8 == 0) and, for the fused
-/// kernels' 4-byte copies, whole words of packed bits per token.
-pub(crate) fn residual_supported(dev: &CudaDevice, dtype: DType, dim: usize, nbits: usize) -> Result<bool> {
-    let info = device_info(dev)?;
-    let words = (dim * nbits).is_multiple_of(32);
-    let fused = matches!(dtype, DType::F16 | DType::BF16) && info.cc >= 80;
-    Ok(fused
-        && dim.is_multiple_of(8)
-        && words
-        && matches!(path_for(&info, dtype, dim), Path::Mma { dpad, .. } if dpad <= 128))
-}
-
 /// The launch shared by dense and residual documents: `src` carries the
 /// operand pointers (`q`, `d` or the `res_*` fields, `vec_ok`).
-pub(crate) fn fwd_launch(
+pub(super) fn fwd_launch(
     dev: &CudaDevice,
     pb: &Problem,
     dtype: DType,
@@ -609,70 +375,8 @@ fn per_sm(dev: &CudaDevice, name: &str, v: Variant, threads: u32, smem: u32) -> 
     if v != Variant::Residual {
         return Ok(2);
     }
-    let f = fwd_func(dev, name, smem)?;
+    let f = kernel(dev, Module::MaxsimFwd, name, smem)?;
     Ok((f.occupancy_max_active_blocks_per_multiprocessor(threads, smem as usize, None).w()? as usize).max(1))
-}
-
-/// The static tile choice, FlashAttention's tile_size.h style: one line per
-/// decision with the measurement behind it (an H200, bf16 and f16: every
-/// configuration timed on 336 problem classes by examples/tile_sweep.rs, dims
-/// 48 to 128, and pinned one by one on the benchmark shapes of
-/// examples/bench.rs). `fits`: the configurations of this dtype and width
-/// that the device runs, in kernels/tiles.def order (never empty).
-fn static_config(info: &DeviceInfo, pb: &Problem, dtype: DType, fits: &[TileConfig]) -> TileConfig {
-    let pick = |name: &str| fits.iter().copied().find(|c| c.name() == name);
-    let list = matches!(pb.pairs, Pairing::List { .. });
-    // Query rows that meet each document, documents, their longest length.
-    let rows = if list { pb.q.max_len() } else { pb.q.rows() };
-    let (nd, ld) = (pb.d.n(), pb.d.max_len().max(1));
-    // Padded rows per real row with document tiles of `bd` rows.
-    let waste = |bd: usize| ld.div_ceil(bd) * bd * 100 / ld;
-    // Blocks of a 128-row query tile: under a few waves, tile efficiency matters less than filling the SMs.
-    let blocks = rows.div_ceil(128) * nd;
-    let sms = info.sm_count as usize;
-    // `hws` is absent from `fits` where TMA cannot read the rows (see choose_config).
-    let ws = pick("hws").is_some();
-    let choice = if fits.iter().any(|c| c.hopper()) {
-        // Hopper, f16 / bf16 / 8-bit.
-        if list {
-            "narrow" // KD lists of 32-token queries: narrow best or within 8 % (K 8 and 32, Ld 180)
-        } else if ws && rows > 64 && ld > 128 && (dtype != DType::F8E4M3 || ld > 256) {
-            "hws" // scores 1.04-1.41x the rule below on every grid, scan and long document of Ld >= 256 (colpali 1.27x); argmax 1.05-1.37x, at Lq 32 / Ld 256 1.03-1.15x; Ld 128 leaves one tile per document to overlap (64 x 5000: argmax 0.86x); I8 1.00-1.17x (colpali 1.10x); e4m3 1.00-1.10x at Ld 300-8192, 0.95x at Ld 256
-        } else if ws && ld <= 64 && rows > 64 && blocks >= 4 * sms && dtype != DType::U8 {
-            "hws64" // grids and scans of short documents (32 x 10 000 and 256 x 256, Lq 32, Ld 64): bf16 1.18-1.19x `large`, e4m3 1.26-1.27x `hlarge`; I8's `large` 1.27x faster than hws64; 16 x 16 grids too small
-        } else if ld <= 64 && rows <= 64 {
-            "hsmall" // 64-row document tiles: a 128-row tile would be half padding
-        } else if ld <= 64 {
-            "large" // I8 and small grids of short documents: large best of the non-warp-specialized tiles from 16x16 to 256x256 and 32 x 10 000, Lq 32, Ld 64
-        } else if rows <= 64 && waste(128) > waste(64) * 11 / 10 {
-            "hsmall" // one query against documents 64-row tiles fit better (Ld 300: hsmall best, hmid 1.03-1.06x)
-        } else if rows <= 64 {
-            "hmid" // one or two 32-token queries (rerank, scan): hmid best at 1000 and 10 000 documents of 128
-        } else if blocks < 6 * sms && waste(128) > waste(64) * 115 / 100 {
-            "large" // small grids of documents that pad a 128-row tile (32x32 Ld 300, 48x48 Ld 180: large best; 1000x4 Ld 300: hlarge)
-        } else if blocks < 4 * sms {
-            "hmid" // too few hlarge blocks to fill the SMs twice (longdoc 16 x 32 x 8192: hmid 1.13x faster)
-        } else {
-            "hlarge" // in-batch grids, scans and long queries: hlarge best on every benchmark shape above
-        }
-    } else if list {
-        "narrow" // mma.sync set on KD lists: narrow best (small within 5 %)
-    } else if rows <= 32 {
-        "small" // one 32-token query: small best of the mma.sync set (large 1.3-1.6x)
-    } else {
-        "large" // 64 query rows and more: large best of the mma.sync set
-    };
-    // The residual kernels exist for large, narrow and hsmall only: the
-    // nearest of those by tile shape (not measured apart). F32 follows the
-    // same split between its two tiles (not measured apart either); a set
-    // of one (wide, compact) is its only member.
-    let nearest = match choice {
-        "hlarge" => "large",
-        "hmid" => "hsmall",
-        _ => "narrow",
-    };
-    let f32_choice = if rows <= 32 { "fsmall" } else { "flarge" };
-    pick(choice).or_else(|| pick(nearest)).or_else(|| pick(f32_choice)).unwrap_or(fits[0])
 }
 
 /// The tile configuration for this problem: pinned by a debug knob, the

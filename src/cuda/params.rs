@@ -2,9 +2,9 @@
 //! launches (mirrors of the kernels' C structs), and the dtype tags of
 //! kernel names.
 
-use super::tensor_ptr;
+use super::launch::kernel_params;
+use super::memory::tensor_ptr;
 use crate::layout::{Pairing, Problem, Seqs};
-use candle_core::cuda_backend::cudarc::driver::DeviceRepr;
 use candle_core::{DType, Result};
 
 /// Mirror of `MaxSimParams` in kernels/common.cuh (same field order, C layout).
@@ -44,8 +44,7 @@ pub(crate) struct Params {
     pub(crate) q_scales: u64,
     pub(crate) d_scales: u64,
 }
-// SAFETY: plain old data with the layout of the C struct.
-unsafe impl DeviceRepr for Params {}
+kernel_params!(Params);
 
 /// The dtype part of a kernel's name (`maxsim_mma_bf16_...`).
 pub(crate) fn dtype_tag(dt: DType) -> &'static str {

@@ -1,8 +1,8 @@
 //! Launch of kernels/plaid_approx.cu: PLAID's centroid-only approximate score.
 
-use super::{launch, plaid_approx_func, slice_ptr, storage_ptr, HostFlag};
+use super::launch::{blocks, grid_stride, kernel, kernel_params, launch, Module};
+use super::memory::{slice_ptr, storage_ptr, HostFlag};
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::DeviceRepr;
 use candle_core::{bail, CudaStorage, DType, Layout, Result};
 
 /// Mirror of `PlaidApproxParams` in kernels/plaid_approx.cu (same field order, C layout).
@@ -19,8 +19,7 @@ struct Params {
     ld: i32,
     lq: i32,
 }
-// SAFETY: plain old data with the layout of the C struct.
-unsafe impl DeviceRepr for Params {}
+kernel_params!(Params);
 
 /// Warps (documents) per block: `PLAID_WARPS` / `PLAID_ROWS_WARPS` in kernels/plaid_approx.cu.
 const WARPS: u32 = 8;
@@ -87,8 +86,8 @@ pub(crate) fn plaid_approx(
     if aligned && n_c > 0 && lq.is_multiple_of(4) && (4..=64).contains(&lq) {
         let g = (lq / 4).next_power_of_two().max(4);
         let part = if g * 4 == lq { "" } else { "_part" };
-        let func = plaid_approx_func(&dev, &format!("plaid_rows_{code}_g{g}{part}"))?;
-        launch(&dev, &func, b.div_ceil(ROWS_WARPS as usize) as u32, 32 * ROWS_WARPS, 0, &params)?;
+        let func = kernel(&dev, Module::PlaidApprox, &format!("plaid_rows_{code}_g{g}{part}"), 0)?;
+        launch(&dev, &func, blocks(b.div_ceil(ROWS_WARPS as usize) as u32, 32 * ROWS_WARPS, 0), &params)?;
     } else {
         let vec = if lq.is_multiple_of(4) && aligned { 4 } else { 1 };
         let g = match lq / vec {
@@ -96,8 +95,8 @@ pub(crate) fn plaid_approx(
             9..=16 => 16,
             _ => 32,
         };
-        let func = plaid_approx_func(&dev, &format!("plaid_approx_{code}_v{vec}_g{g}"))?;
-        launch(&dev, &func, b.div_ceil(WARPS as usize) as u32, 32 * WARPS, 0, &params)?;
+        let func = kernel(&dev, Module::PlaidApprox, &format!("plaid_approx_{code}_v{vec}_g{g}"), 0)?;
+        launch(&dev, &func, blocks(b.div_ceil(WARPS as usize) as u32, 32 * WARPS, 0), &params)?;
     }
     // The one host sync: the caller looks for the first bad input only when the kernel flagged one.
     let bad = bad.is_set(&dev)?;
@@ -146,8 +145,7 @@ struct CandParams {
     lq: i32,
     mask_rows: i32,
 }
-// SAFETY: plain old data with the layout of the C struct.
-unsafe impl DeviceRepr for CandParams {}
+kernel_params!(CandParams);
 
 /// The argument a candidate kernel's flag names (`PLAID_BAD_*` in kernels/plaid_approx.cu).
 fn bad_argument(flag: u32) -> &'static str {
@@ -159,11 +157,6 @@ fn bad_argument(flag: u32) -> &'static str {
         5 => "cu_d: the document offsets are not non-decreasing within the codes",
         _ => "candidates: a candidate bit past the last document is set",
     }
-}
-
-/// A grid-stride launch over `tasks` warps, 8 warps per block.
-fn warp_grid(dev: &candle_core::CudaDevice, tasks: usize) -> Result<u32> {
-    Ok(tasks.div_ceil(8).clamp(1, super::device_info(dev)?.sm_count as usize * 16) as u32)
 }
 
 /// `plaid_candidates` on CUDA: the candidate bitmap `[nq, words]` U32 of
@@ -197,8 +190,9 @@ pub(crate) fn candidates(
         words: words as i32,
         ..Default::default()
     };
-    let func = plaid_approx_func(&dev, "plaid_candidates")?;
-    launch(&dev, &func, warp_grid(&dev, nq * n_probe)?, 256, 0, &p)?;
+    // A warp per (query, probe), 8 per block.
+    let func = kernel(&dev, Module::PlaidApprox, "plaid_candidates", 0)?;
+    launch(&dev, &func, grid_stride(&dev, nq * n_probe, 8, 256, 16)?, &p)?;
     match bad.value(&dev)? {
         0 => Ok(bitmap),
         f => bail!("{}", bad_argument(f)),
@@ -251,8 +245,9 @@ pub(crate) fn approx_candidates(a: ApproxCandidates) -> Result<CudaStorage> {
         ..Default::default()
     };
     debug_assert_eq!(m, nq * a.lq);
-    let func = plaid_approx_func(&dev, &format!("plaid_approx_candidates_{code}_g{g}{part}"))?;
-    launch(&dev, &func, warp_grid(&dev, nq * words)?, 256, 0, &p)?;
+    // A warp per (query, bitmap word), 8 per block.
+    let func = kernel(&dev, Module::PlaidApprox, &format!("plaid_approx_candidates_{code}_g{g}{part}"), 0)?;
+    launch(&dev, &func, grid_stride(&dev, nq * words, 8, 256, 16)?, &p)?;
     match bad.value(&dev)? {
         0 => Ok(out),
         f => bail!("{}", bad_argument(f)),

@@ -1,18 +1,20 @@
-//! PLAID residual scoring on CUDA: the path decision, the fused forwards
-//! (tokens decompressed straight into tensor-core fragments by
-//! kernels/residual.cu for queries of up to 32 rows, inside the MaxSim tile
-//! loader otherwise; never written to device memory), the code check the
-//! tile and decompression kernels rely on, and the standalone decompression
-//! kernel (dense tokens for the gradient path).
+//! PLAID residual documents on CUDA (kernels/residual.cu and the residual
+//! tiles of kernels/maxsim_fwd.cu): the path decision and the fused scoring
+//! (tokens decompressed straight into tensor-core fragments for queries of
+//! up to 32 rows, inside the MaxSim tile loader otherwise; never written to
+//! device memory), the code check the tile and decompression kernels rely
+//! on, the standalone decompression (dense tokens for the gradient path) and
+//! compression. Each entry point returns `None` where no kernel covers the
+//! dtype / dim / nbits on this device: the caller then works on the host.
 
-use super::maxsim_fwd::{fwd_launch, residual_supported, Variant};
+use super::device::{device_info, DeviceInfo};
+use super::launch::{blocks, grid_stride, kernel, kernel_params, launch, Module};
+use super::maxsim_fwd::{fwd_launch, Variant};
+use super::memory::{aligned_ptr, alloc_out, storage_ptr, tensor_ptr, HostFlag};
 use super::params::{dtype_tag, Params};
-use super::{
-    aligned_ptr, alloc_out, device_info, fwd_func, launch, load_func, storage_ptr, tensor_ptr, HostFlag, RESIDUAL,
-};
+use super::tile_size::residual_supported;
 use crate::layout::{Pairing, Problem, Seqs};
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{bail, CudaDevice, CudaStorage, DType, Layout, Result, Tensor};
 
@@ -43,11 +45,48 @@ struct ResScoreParams {
     pair_d: u64,
     n_pairs: i32,
 }
-// SAFETY: plain old data with the layout of the C struct.
-unsafe impl DeviceRepr for ResScoreParams {}
+
+/// Mirror of `CodesParams` in kernels/residual.cu.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+struct CodesParams {
+    codes: u64,
+    valid: u64,
+    out: u64,
+    bad: u64,
+    n: i64,
+    n_centroids: i64,
+    codes_i64: i32,
+}
+
+/// Mirror of `CompressParams` in kernels/residual.cu.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+struct CompressParams {
+    x: u64,
+    codes: u64,
+    cents: u64,
+    cutoffs: u64,
+    out: u64,
+    n: i64,
+    n_cut: i32,
+    dim: i32,
+    nbits: i32,
+    colbert: i32,
+}
+
+/// Mirror of `DecompressParams` in kernels/residual.cu.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+struct DecompressParams {
+    f: Params,
+    out: u64,
+    n: i32,
+}
+kernel_params!(ResScoreParams, CodesParams, CompressParams, DecompressParams);
 
 /// How the compressed documents' tokens are laid out for the warp kernel.
-pub(crate) enum WarpDocs<'a> {
+enum WarpDocs<'a> {
     /// Packed: the problem's `cu_d` offsets.
     Packed,
     /// Padded `[Nd, Ld]`: document j is rows `j·Ld ..`, `lens[j]` of them (U32, validated).
@@ -56,29 +95,28 @@ pub(crate) enum WarpDocs<'a> {
 
 /// How residual scoring runs on a GPU.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum ResidualPath {
+enum ResidualPath {
     /// kernels/residual.cu: a warp per (query, document), tokens decoded
     /// straight into MMA fragments (short unmasked queries, dims 64 / 96 / 128).
     Warp,
     /// The MaxSim tile kernels with the residual loader.
     Tile,
-    /// No kernel covers this dtype / dim / nbits on this device: the host decompresses.
-    Host,
 }
 
 /// The path of a residual scoring problem (no gradient: training scores
-/// decompressed documents with the dense op): the one place where each
-/// condition is written. `q_dtype`: the queries' dtype; `codes_dtype`,
-/// `n_codes`, `n_centroids`: of the compressed documents.
-pub(crate) fn residual_path(
-    dev: &CudaDevice,
+/// decompressed documents with the dense op), `None` where no kernel covers
+/// it: the one place where each condition is written. `q_dtype`: the
+/// queries' dtype; `codes_dtype`, `n_codes`, `n_centroids`: of the
+/// compressed documents.
+fn residual_path(
+    info: &DeviceInfo,
     pb: &Problem,
     q_dtype: DType,
     nbits: usize,
     (codes_dtype, n_codes, n_centroids): (DType, usize, usize),
-) -> Result<ResidualPath> {
-    if !residual_supported(dev, q_dtype, pb.dim, nbits)? {
-        return Ok(ResidualPath::Host);
+) -> Option<ResidualPath> {
+    if !residual_supported(info, q_dtype, pb.dim, nbits) {
+        return None;
     }
     let warp = match (&pb.q, &pb.pairs) {
         (Seqs::Uniform { n: nq, len: lq }, Pairing::Cross { nd, .. }) => {
@@ -88,13 +126,13 @@ pub(crate) fn residual_path(
         }
         _ => false,
     };
-    Ok(if warp { ResidualPath::Warp } else { ResidualPath::Tile })
+    Some(if warp { ResidualPath::Warp } else { ResidualPath::Tile })
 }
 
 /// Whether kernels/residual.cu scores queries of `lq` rows (no mask) at `dim`
 /// against `n_codes` tokens of `codes_dtype` codes, where
 /// [`residual_supported`] holds (compute capability 8.0+, F16/BF16 queries).
-pub(crate) fn warp_applies(dim: usize, lq: usize, codes_dtype: DType, n_codes: usize, n_centroids: usize) -> bool {
+fn warp_applies(dim: usize, lq: usize, codes_dtype: DType, n_codes: usize, n_centroids: usize) -> bool {
     !crate::knobs::knobs().residual_tile
         && matches!(codes_dtype, DType::U32 | DType::I64)
         && matches!(dim, 64 | 96 | 128)
@@ -105,7 +143,7 @@ pub(crate) fn warp_applies(dim: usize, lq: usize, codes_dtype: DType, n_codes: u
 }
 
 /// Which (query, document) pairs the warp kernel scores.
-pub(crate) enum WarpTasks<'a> {
+enum WarpTasks<'a> {
     /// Every query against every document: `[Nq·Nd]` scores.
     Cross,
     /// `[P]` U32 query and document indices on the device (document
@@ -114,7 +152,7 @@ pub(crate) enum WarpTasks<'a> {
 }
 
 /// A contiguous operand: its storage and layout.
-pub(crate) type Operand<'a> = (&'a CudaStorage, &'a Layout);
+type Operand<'a> = (&'a CudaStorage, &'a Layout);
 
 /// The codec as the kernels take it: centroids `[C, dim]` (in `dtype`, 16-byte
 /// aligned), bucket weights `[2^nbits]` F32, and the decoding flags.
@@ -139,7 +177,7 @@ impl CodecDev<'_> {
 /// the centroids unchecked: one launch (kernels/residual.cu) reads U32 or I64
 /// codes, zeroes those of padding slots (`valid`), and flags out-of-range
 /// codes of valid tokens; the flag is read after the stream syncs.
-pub(crate) fn codes_u32(codes: Operand, valid: Option<&Tensor>, n_centroids: usize) -> Result<CudaStorage> {
+fn codes_u32(codes: Operand, valid: Option<&Tensor>, n_centroids: usize) -> Result<CudaStorage> {
     let (cs, cl) = codes;
     let dev = &cs.device;
     let n = cl.shape().elem_count();
@@ -149,27 +187,17 @@ pub(crate) fn codes_u32(codes: Operand, valid: Option<&Tensor>, n_centroids: usi
     }
     let valid = valid.map(|v| v.flatten_all()?.contiguous()).transpose()?;
     let bad = HostFlag::new(dev)?;
-    let func = load_func(dev, "residual_codes_u32", 0, "residual", &RESIDUAL)?;
-    let blocks = n.div_ceil(256).min(device_info(dev)?.sm_count as usize * 8).max(1) as u32;
-    let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-    let (cp, vp, op) = (
-        storage_ptr(cs, cl)?,
-        valid.as_ref().map(tensor_ptr).transpose()?.unwrap_or(0),
-        storage_ptr(&out, &Layout::contiguous(n))?,
-    );
-    let (is_i64, n64, nc, bp) = ((cs.dtype() == DType::I64) as i32, n as i64, n_centroids as i64, bad.dev_ptr());
-    let stream = dev.cuda_stream();
-    let mut b = stream.launch_builder(&func);
-    b.arg(&cp);
-    b.arg(&is_i64);
-    b.arg(&vp);
-    b.arg(&n64);
-    b.arg(&nc);
-    b.arg(&op);
-    b.arg(&bp);
-    // SAFETY: (const void*, int, const uint8_t*, long long, long long, uint32_t*, unsigned*) as in
-    // residual.cu; codes and out hold n elements, valid n bytes (or null).
-    unsafe { b.launch(cfg) }.w()?;
+    let p = CodesParams {
+        codes: storage_ptr(cs, cl)?,
+        valid: valid.as_ref().map(tensor_ptr).transpose()?.unwrap_or(0),
+        out: storage_ptr(&out, &Layout::contiguous(n))?,
+        bad: bad.dev_ptr(),
+        n: n as i64,
+        n_centroids: n_centroids as i64,
+        codes_i64: (cs.dtype() == DType::I64) as i32,
+    };
+    let func = kernel(dev, Module::Residual, "residual_codes_u32", 0)?;
+    launch(dev, &func, grid_stride(dev, n, 256, 256, 8)?, &p)?;
     if bad.is_set(dev)? {
         bail!("codes: a code of a scored token is out of range for {n_centroids} centroids")
     }
@@ -187,7 +215,7 @@ fn alloc_out_u32(dev: &CudaDevice, n: usize) -> Result<CudaStorage> {
 /// F16/BF16, normalized by the caller if asked; `codes` U32 or I64, one per
 /// token row, checked against the centroid count by the kernel itself (one
 /// 4-byte host-mapped flag, no separate pass over the codes).
-pub(crate) fn residual_scores_warp(
+fn residual_scores_warp(
     pb: &Problem,
     q: Operand,
     codes: Operand,
@@ -253,11 +281,11 @@ pub(crate) fn residual_scores_warp(
         return Ok(out);
     }
     let name = format!("maxsim_res_{}_{}_d{dim}", dtype_tag(q.0.dtype()), dtype_tag(cent_dtype));
-    let func = load_func(dev, &name, 0, "residual", &RESIDUAL)?;
+    let func = kernel(dev, Module::Residual, &name, 0)?;
     // A persistent grid: warps take (query, document) tasks from a counter.
     let per_sm = func.occupancy_max_active_blocks_per_multiprocessor(THREADS, 0, None).w()?.max(1) as usize;
-    let blocks = (device_info(dev)?.sm_count as usize * per_sm).min(n_out.div_ceil(THREADS as usize / 32));
-    launch(dev, &func, blocks.max(1) as u32, THREADS, 0, &params)?;
+    let n_blocks = (device_info(dev)?.sm_count as usize * per_sm).min(n_out.div_ceil(THREADS as usize / 32));
+    launch(dev, &func, blocks(n_blocks.max(1) as u32, THREADS, 0), &params)?;
     match bad.value(dev)? {
         0 => {}
         1 => bail!("codes: a code of a scored token is out of range for {n_c} centroids"),
@@ -265,6 +293,64 @@ pub(crate) fn residual_scores_warp(
     }
     drop((cents, buckets, cu, lens, work, pairs));
     Ok(out)
+}
+
+/// Fused residual scores `[n_pairs]` F32 of packed queries `q [Tq, dim]`
+/// (contiguous, normalized by the caller if asked) against the compressed
+/// documents laid out by `pb.d` (cross pairing): `codes [T]` U32 or I64,
+/// `residuals [T, dim·nbits/8]`, and for the padded layout the `[Nd]` U32
+/// document `lens` (validated; `pb.d_valid` marks the same slots). The warp
+/// kernel for short unmasked queries, the tile kernels otherwise; `None`
+/// where no kernel covers the dtype / dim / nbits on this device.
+pub(crate) fn residual_scores(
+    pb: &Problem,
+    q: Operand,
+    codes: Operand,
+    residuals: Operand,
+    codec: &CodecDev,
+    lens: Option<&Tensor>,
+) -> Result<Option<CudaStorage>> {
+    let info = device_info(&q.0.device)?;
+    let n_c = codec.centroids.dim(0)?;
+    let docs = (codes.0.dtype(), codes.1.shape().elem_count(), n_c);
+    Ok(match residual_path(&info, pb, q.0.dtype(), codec.nbits, docs) {
+        None => None,
+        Some(ResidualPath::Warp) => {
+            let docs = lens.map_or(WarpDocs::Packed, WarpDocs::Padded);
+            Some(residual_scores_warp(pb, q, codes, residuals, codec, docs, WarpTasks::Cross)?)
+        }
+        Some(ResidualPath::Tile) => {
+            let codes = codes_u32(codes, pb.d_valid.as_ref(), n_c)?;
+            Some(residual_scores_tile(pb, q, &codes, residuals, codec)?)
+        }
+    })
+}
+
+/// Fused residual scores `[P]` F32 of (query, document) pairs, `pair_q` /
+/// `pair_d` `[P]` U32 on the device (document `u32::MAX`: no document,
+/// -inf), read and checked by the warp kernel itself: `pb` as for
+/// [`residual_scores`] with uniform queries and packed documents. `None`
+/// where the warp kernel does not cover the queries.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn residual_pairs(
+    pb: &Problem,
+    q: Operand,
+    codes: Operand,
+    residuals: Operand,
+    codec: &CodecDev,
+    pair_q: &Tensor,
+    pair_d: &Tensor,
+) -> Result<Option<CudaStorage>> {
+    let info = device_info(&q.0.device)?;
+    let Seqs::Uniform { len: lq, .. } = pb.q else { return Ok(None) };
+    let (t, n_c) = (codes.1.shape().elem_count(), codec.centroids.dim(0)?);
+    if !residual_supported(&info, q.0.dtype(), pb.dim, codec.nbits)
+        || !warp_applies(pb.dim, lq, codes.0.dtype(), t, n_c)
+    {
+        return Ok(None);
+    }
+    let tasks = WarpTasks::Pairs(pair_q, pair_d);
+    Ok(Some(residual_scores_warp(pb, q, codes, residuals, codec, WarpDocs::Packed, tasks)?))
 }
 
 /// Threads per block of kernels/residual.cu (its launch bounds).
@@ -295,7 +381,7 @@ fn codec_params(
 /// Fused residual scores `[n_pairs]` F32 of packed queries `q` `[Tq, dim]`
 /// (contiguous) against the compressed documents laid out by `pb.d`, by the
 /// MaxSim tile kernels with the residual loader; `codes` from [`codes_u32`].
-pub(crate) fn residual_scores_tile(
+fn residual_scores_tile(
     pb: &Problem,
     q: Operand,
     codes: &CudaStorage,
@@ -312,52 +398,47 @@ pub(crate) fn residual_scores_tile(
     Ok(out)
 }
 
-/// Dense `[n, dim]` tokens in `dtype` (F16 or BF16, where
-/// [`residual_supported`] holds), normalized if `codec.normalize`; `codes`
-/// from [`codes_u32`].
-pub(crate) fn decompress(
-    codes: &CudaStorage,
+/// Dense `[n, dim]` tokens in `dtype` of `codes [n]` (U32 or I64; a token
+/// whose `valid` byte is 0 is a zero row) and their residuals, normalized if
+/// `codec.normalize`; `None` where no kernel covers this dtype / dim / nbits.
+pub(crate) fn decompress_residual(
+    codes: Operand,
+    valid: Option<&Tensor>,
     residuals: Operand,
     codec: &CodecDev,
     dtype: DType,
     (n, dim): (usize, usize),
-) -> Result<CudaStorage> {
-    let dev = &codes.device;
+) -> Result<Option<CudaStorage>> {
+    let dev = &codes.0.device;
+    if !residual_supported(&device_info(dev)?, dtype, dim, codec.nbits) {
+        return Ok(None);
+    }
+    let codes = codes_u32(codes, valid, codec.centroids.dim(0)?)?;
     let out = alloc_out(dev, dtype, n * dim)?;
     if n == 0 {
-        return Ok(out);
+        return Ok(Some(out));
     }
     let ops = codec.operands(dtype)?;
     let (rp, _r_copy) = aligned_ptr(residuals, 8)?;
-    let p = codec_params(dim, codes, rp, codec, &ops)?;
-    let ptr = storage_ptr(&out, &Layout::contiguous(n * dim))?;
-    let func = fwd_func(dev, &format!("maxsim_decompress_{}", dtype_tag(dtype)), 0)?;
+    let p = DecompressParams {
+        f: codec_params(dim, &codes, rp, codec, &ops)?,
+        out: storage_ptr(&out, &Layout::contiguous(n * dim))?,
+        n: n as i32,
+    };
+    let func = kernel(dev, Module::Residual, &format!("residual_decompress_{}", dtype_tag(dtype)), 0)?;
+    // Each row spread over the lanes of its 8-feature chunks; 8 warps per block.
     let rows_per_warp = 32 / (dim / 8).next_power_of_two().min(32);
-    let warps = n.div_ceil(rows_per_warp);
-    let blocks = warps.div_ceil(8).min(device_info(dev)?.sm_count as usize * 16).max(1);
-    let cfg = LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-    let stream = dev.cuda_stream();
-    let mut b = stream.launch_builder(&func);
-    let n32 = n as i32;
-    b.arg(&p);
-    b.arg(&ptr);
-    b.arg(&n32);
-    // SAFETY: (MaxSimParams, T*, int) as declared in maxsim_fwd.cu; out holds n rows of dim.
-    unsafe { b.launch(cfg) }.w()?;
+    launch(dev, &func, grid_stride(dev, n.div_ceil(rows_per_warp), 8, 256, 16)?, &p)?;
     drop(ops);
-    Ok(out)
+    Ok(Some(out))
 }
 
 /// Packed residual bytes `[n, dim·nbits/8]` of tokens `x [n, dim]`
-/// (contiguous F16/BF16/F32) with validated U32 `codes` (from
-/// [`codes_u32`]) and `cutoffs [2^nbits − 1]` F32, by kernels/residual.cu.
-pub(crate) fn compress_residual(
-    x: Operand,
-    codes: &CudaStorage,
-    codec: &CodecDev,
-    cutoffs: &Tensor,
-) -> Result<CudaStorage> {
+/// (contiguous F16/BF16/F32) with centroid `codes [n]` (U32 or I64, checked)
+/// and `cutoffs [2^nbits − 1]` F32, by kernels/residual.cu.
+pub(crate) fn compress_residual(x: Operand, codes: Operand, codec: &CodecDev, cutoffs: &Tensor) -> Result<CudaStorage> {
     let dev = &x.0.device;
+    let codes = &codes_u32(codes, None, codec.centroids.dim(0)?)?;
     let (n, dim) = x.1.shape().dims2()?;
     let w = dim * codec.nbits / 8;
     // SAFETY: the kernel writes every byte.
@@ -369,33 +450,21 @@ pub(crate) fn compress_residual(
     let cents = codec.centroids.to_dtype(cent_dtype)?.contiguous()?;
     let cutoffs = cutoffs.to_dtype(DType::F32)?.contiguous()?;
     let name = format!("residual_compress_{}_{}", dtype_tag(x.0.dtype()), dtype_tag(cent_dtype));
-    let func = load_func(dev, &name, 0, "residual", &RESIDUAL)?;
-    let blocks = (n * w).div_ceil(256).min(device_info(dev)?.sm_count as usize * 16).max(1) as u32;
-    let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-    let (xp, cp, cep, cup, op) = (
-        storage_ptr(x.0, x.1)?,
-        storage_ptr(codes, &Layout::contiguous(1))?,
-        tensor_ptr(&cents)?,
-        tensor_ptr(&cutoffs)?,
-        storage_ptr(&out, &Layout::contiguous(1))?,
-    );
-    let (n_cut, n64, d32, nb, order) =
-        (cutoffs.elem_count() as i32, n as i64, dim as i32, codec.nbits as i32, codec.colbert_order as i32);
-    let stream = dev.cuda_stream();
-    let mut b = stream.launch_builder(&func);
-    b.arg(&xp);
-    b.arg(&cp);
-    b.arg(&cep);
-    b.arg(&cup);
-    b.arg(&n_cut);
-    b.arg(&n64);
-    b.arg(&d32);
-    b.arg(&nb);
-    b.arg(&order);
-    b.arg(&op);
-    // SAFETY: (const T*, const uint32_t*, const CT*, const float*, int, long long, int, int, int,
-    // uint8_t*) as in residual.cu; x holds n rows of dim, codes n entries (each < C), out n·w bytes.
-    unsafe { b.launch(cfg) }.w()?;
+    let p = CompressParams {
+        x: storage_ptr(x.0, x.1)?,
+        codes: storage_ptr(codes, &Layout::contiguous(1))?,
+        cents: tensor_ptr(&cents)?,
+        cutoffs: tensor_ptr(&cutoffs)?,
+        out: storage_ptr(&out, &Layout::contiguous(1))?,
+        n: n as i64,
+        n_cut: cutoffs.elem_count() as i32,
+        dim: dim as i32,
+        nbits: codec.nbits as i32,
+        colbert: codec.colbert_order as i32,
+    };
+    // A thread per output byte.
+    let func = kernel(dev, Module::Residual, &name, 0)?;
+    launch(dev, &func, grid_stride(dev, n * w, 256, 256, 16)?, &p)?;
     drop((cents, cutoffs));
     Ok(out)
 }

@@ -1,17 +1,32 @@
 //! Launches of kernels/rows.cu: row gather with zero rows, bias rows (and
 //! GELU), row scatter-add and column sums.
 
+use super::device::device_info;
+use super::launch::{blocks, grid_stride, kernel, kernel_params, launch, Module};
+use super::memory::{alloc_out, storage_ptr, HostFlag};
 use super::params::dtype_tag;
-use super::{alloc_out, device_info, load_func, storage_ptr, ROWS};
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
-use candle_core::cuda_backend::WrapErr;
-use candle_core::{bail, CudaStorage, Layout, Result};
+use candle_core::{bail, CudaDevice, CudaStorage, Layout, Result};
 
-/// A grid-stride launch of `rows` warps' worth of work, 8 warps per block.
-fn grid(dev: &candle_core::CudaDevice, rows: usize) -> Result<LaunchConfig> {
-    let blocks = rows.div_ceil(8).min(16 * device_info(dev)?.sm_count.max(1) as usize).max(1) as u32;
-    Ok(LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 })
+/// Mirror of `RowsParams` in kernels/rows.cu.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+struct RowsParams {
+    x: u64,
+    aux: u64,
+    g: u64,
+    out: u64,
+    bad: u64,
+    rows: i64,
+    cols: i32,
+    n: u32,
+}
+kernel_params!(RowsParams);
+
+/// Launches `name` with a warp per row, 8 per block, at most 16 blocks per SM.
+fn run_rows(dev: &CudaDevice, name: &str, p: &RowsParams) -> Result<()> {
+    let func = kernel(dev, Module::Rows, name, 0)?;
+    launch(dev, &func, grid_stride(dev, p.rows as usize, 8, 256, 16)?, p)
 }
 
 /// `[N, C]` rows of `src` `[R, C]` (contiguous, a float dtype) picked by
@@ -28,23 +43,19 @@ pub(crate) fn gather_rows(src: (&CudaStorage, &Layout), idx: (&CudaStorage, &Lay
     if n == 0 || c == 0 {
         return Ok(out);
     }
-    let (sp, ip) = (storage_ptr(src.0, src.1)?, storage_ptr(idx.0, idx.1)?);
+    let sp = storage_ptr(src.0, src.1)?;
     let row_bytes = c * src.0.dtype().size_in_bytes();
     let (name, unit) = if row_bytes.is_multiple_of(16) && sp.is_multiple_of(16) { ("v16", 16) } else { ("b2", 2) };
-    let func = load_func(dev, &format!("gather_rows_{name}"), 0, "rows", &ROWS)?;
-    let op = storage_ptr(&out, &Layout::contiguous(n * c))?;
-    let (rows, units, n_src) = (n as i64, (row_bytes / unit) as i32, r as u32);
-    let stream = dev.cuda_stream();
-    let mut b = stream.launch_builder(&func);
-    b.arg(&sp);
-    b.arg(&ip);
-    b.arg(&op);
-    b.arg(&rows);
-    b.arg(&units);
-    b.arg(&n_src);
-    // SAFETY: (const U*, const uint32_t*, U*, long long, int, uint32_t) as in rows.cu; src
-    // holds r rows and out n rows of `units` words of U (aligned to U), idx n entries.
-    unsafe { b.launch(grid(dev, n)?) }.w()?;
+    let p = RowsParams {
+        x: sp,
+        aux: storage_ptr(idx.0, idx.1)?,
+        out: storage_ptr(&out, &Layout::contiguous(n * c))?,
+        rows: n as i64,
+        cols: (row_bytes / unit) as i32,
+        n: r as u32,
+        ..Default::default()
+    };
+    run_rows(dev, &format!("gather_rows_{name}"), &p)?;
     Ok(out)
 }
 
@@ -66,7 +77,7 @@ pub(crate) fn gelu_bwd(
     bias_launch("gelu_bwd", x, bias, Some(g))
 }
 
-/// The launch of rows.cu's `NAME_<dtype>(x, bias, [g,] out, rows, cols)`.
+/// The launch of rows.cu's `NAME_<dtype>` over `x`, `bias` and `g`.
 fn bias_launch(
     name: &str,
     x: (&CudaStorage, &Layout),
@@ -82,28 +93,21 @@ fn bias_launch(
     if r * c == 0 {
         return Ok(out);
     }
-    let func = load_func(dev, &format!("{name}_{}", dtype_tag(x.0.dtype())), 0, "rows", &ROWS)?;
-    let (xp, bp) = (storage_ptr(x.0, x.1)?, storage_ptr(bias.0, bias.1)?);
     let gp = match g {
-        Some((g, lg)) if g.dtype() == x.0.dtype() && lg.shape() == x.1.shape() => Some(storage_ptr(g, lg)?),
+        Some((g, lg)) if g.dtype() == x.0.dtype() && lg.shape() == x.1.shape() => storage_ptr(g, lg)?,
         Some(_) => bail!("g: internal error, the gradient differs from x in dtype or shape"),
-        None => None,
+        None => 0,
     };
-    let op = storage_ptr(&out, &Layout::contiguous(r * c))?;
-    let (rows, cols) = (r as i64, c as i32);
-    let stream = dev.cuda_stream();
-    let mut b = stream.launch_builder(&func);
-    b.arg(&xp);
-    b.arg(&bp);
-    if let Some(gp) = &gp {
-        b.arg(gp);
-    }
-    b.arg(&op);
-    b.arg(&rows);
-    b.arg(&cols);
-    // SAFETY: (const T*, const Acc*, [const T*,] T*, long long, int) as in rows.cu; x, g and
-    // out hold rows x cols elements of T, bias cols of the accumulation type (F32, F64 for F64).
-    unsafe { b.launch(grid(dev, r)?) }.w()?;
+    let p = RowsParams {
+        x: storage_ptr(x.0, x.1)?,
+        aux: storage_ptr(bias.0, bias.1)?,
+        g: gp,
+        out: storage_ptr(&out, &Layout::contiguous(r * c))?,
+        rows: r as i64,
+        cols: c as i32,
+        ..Default::default()
+    };
+    run_rows(dev, &format!("{name}_{}", dtype_tag(x.0.dtype())), &p)?;
     Ok(out)
 }
 
@@ -123,27 +127,18 @@ pub(crate) fn scatter_add_rows(
     if r * c == 0 {
         return Ok(out);
     }
-    let bad = super::HostFlag::new(dev)?;
-    let func = load_func(dev, &format!("scatter_add_rows_{}", dtype_tag(src.0.dtype())), 0, "rows", &ROWS)?;
-    let (sp, ip, op, bp) = (
-        storage_ptr(src.0, src.1)?,
-        storage_ptr(idx.0, idx.1)?,
-        storage_ptr(&out, &Layout::contiguous(1))?,
-        bad.dev_ptr(),
-    );
-    let (rows, cols, n) = (r as i64, c as i32, n_out as u32);
-    let stream = dev.cuda_stream();
-    let mut b = stream.launch_builder(&func);
-    b.arg(&sp);
-    b.arg(&ip);
-    b.arg(&op);
-    b.arg(&rows);
-    b.arg(&cols);
-    b.arg(&n);
-    b.arg(&bp);
-    // SAFETY: (const T*, const uint32_t*, float*, long long, int, uint32_t, unsigned*) as in
-    // rows.cu; src holds r rows of c, idx r entries, out n_out rows of c F32.
-    unsafe { b.launch(grid(dev, r)?) }.w()?;
+    let bad = HostFlag::new(dev)?;
+    let p = RowsParams {
+        x: storage_ptr(src.0, src.1)?,
+        aux: storage_ptr(idx.0, idx.1)?,
+        out: storage_ptr(&out, &Layout::contiguous(1))?,
+        bad: bad.dev_ptr(),
+        rows: r as i64,
+        cols: c as i32,
+        n: n_out as u32,
+        ..Default::default()
+    };
+    run_rows(dev, &format!("scatter_add_rows_{}", dtype_tag(src.0.dtype())), &p)?;
     if bad.is_set(dev)? {
         bail!("idx: an index is out of range for {n_out} output rows")
     }
@@ -161,20 +156,20 @@ pub(crate) fn sum_rows(g: (&CudaStorage, &Layout)) -> Result<CudaStorage> {
     if r * c == 0 {
         return Ok(out);
     }
-    let func = load_func(dev, &format!("sum_rows_{}", dtype_tag(g.0.dtype())), 0, "rows", &ROWS)?;
-    let (gp, op) = (storage_ptr(g.0, g.1)?, storage_ptr(&out, &Layout::contiguous(1))?);
-    let (rows, cols) = (r as i64, c as i32);
-    // Enough blocks to fill the device (4 per SM), each at least 64 rows.
+    let p = RowsParams {
+        x: storage_ptr(g.0, g.1)?,
+        out: storage_ptr(&out, &Layout::contiguous(1))?,
+        rows: r as i64,
+        cols: c as i32,
+        ..Default::default()
+    };
+    // Blocks of 256 columns along x; along y enough blocks to fill the
+    // device (4 per SM), each at least 64 rows.
     let bx = c.div_ceil(256);
     let by = (4 * device_info(dev)?.sm_count.max(1) as usize).div_ceil(bx).clamp(1, r.div_ceil(64).max(1)) as u32;
-    let cfg = LaunchConfig { grid_dim: (bx as u32, by, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-    let stream = dev.cuda_stream();
-    let mut b = stream.launch_builder(&func);
-    b.arg(&gp);
-    b.arg(&op);
-    b.arg(&rows);
-    b.arg(&cols);
-    // SAFETY: (const T*, float*, long long, int) as in rows.cu; g holds rows x cols of T, out cols F32.
-    unsafe { b.launch(cfg) }.w()?;
+    let mut cfg = blocks(bx as u32, 256, 0);
+    cfg.grid_dim.1 = by;
+    let func = kernel(dev, Module::Rows, &format!("sum_rows_{}", dtype_tag(g.0.dtype())), 0)?;
+    launch(dev, &func, cfg, &p)?;
     Ok(out)
 }

@@ -6,9 +6,10 @@
 //! (kernels/encoder.cu on CUDA, the same loops on the CPU), computed in F32
 //! and rounded once to the input's dtype.
 
+use crate::cpu::storage::{f32s, store};
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
-use half::{bf16, f16};
+use rayon::prelude::*;
 
 /// `softmax(scale · scores + bias)` over the last axis of `scores [B, H,
 /// Lq, Lk]` (F16, BF16 or F32), computed in F32 and returned in `scores`'
@@ -109,48 +110,34 @@ struct LayerNormBwdWb {
     eps: f32,
 }
 
-fn range(l: &Layout) -> Result<(usize, usize)> {
-    match l.contiguous_offsets() {
-        Some(r) => Ok(r),
-        None => bail!("encoder ops: internal error, operand is not contiguous"),
-    }
-}
-
-/// A float operand's elements as F32.
-fn f32s(s: &CpuStorage, l: &Layout) -> Result<Vec<f32>> {
-    let (a, b) = range(l)?;
-    Ok(match s {
-        CpuStorage::F16(v) => v[a..b].iter().map(|x| x.to_f32()).collect(),
-        CpuStorage::BF16(v) => v[a..b].iter().map(|x| x.to_f32()).collect(),
-        CpuStorage::F32(v) => v[a..b].to_vec(),
-        s => bail!("encoder ops: expected F16, BF16 or F32, got {:?}", s.dtype()),
-    })
-}
-
-/// F32 values rounded once to `dt`.
-fn store(v: Vec<f32>, dt: DType) -> CpuStorage {
-    match dt {
-        DType::F16 => CpuStorage::F16(v.into_iter().map(f16::from_f32).collect()),
-        DType::BF16 => CpuStorage::BF16(v.into_iter().map(bf16::from_f32).collect()),
-        _ => CpuStorage::F32(v),
-    }
-}
+/// Rows per rayon task of the row-wise CPU loops: enough work per task to
+/// amortize its scheduling, few enough that every core gets rows.
+const ROWS_PER_TASK: usize = 8;
 
 impl AttentionSoftmax {
+    /// Rows in parallel; each row's logits go to its output slot, then
+    /// their exponentials in place (no allocation per row).
     fn cpu(&self, s: &[f32], bias: &[f32]) -> Vec<f32> {
+        let lk = self.lk.max(1);
         let mut p = vec![0f32; s.len()];
-        for (r, (sr, pr)) in s.chunks(self.lk).zip(p.chunks_mut(self.lk)).enumerate() {
+        p.par_chunks_mut(lk).zip(s.par_chunks(lk)).enumerate().with_min_len(ROWS_PER_TASK).for_each(|(r, (pr, sr))| {
             let br = &bias[(r / (self.heads * self.lq)) * self.bias_b + (r % self.lq) * self.bias_i..];
-            let x: Vec<f32> = sr.iter().zip(br).map(|(&v, &b)| self.scale * v + b).collect();
-            let m = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let mut m = f32::NEG_INFINITY;
+            for ((o, &v), &b) in pr.iter_mut().zip(sr).zip(br) {
+                *o = self.scale * v + b;
+                m = m.max(*o);
+            }
             if m == f32::NEG_INFINITY {
-                continue;
+                pr.fill(0.0);
+                return;
             }
-            let l: f32 = x.iter().map(|&v| (v - m).exp()).sum();
-            for (o, &v) in pr.iter_mut().zip(&x) {
-                *o = (v - m).exp() / l;
+            let mut l = 0f32;
+            for o in pr.iter_mut() {
+                *o = (*o - m).exp();
+                l += *o;
             }
-        }
+            pr.iter_mut().for_each(|o| *o /= l);
+        });
         p
     }
 }
@@ -161,7 +148,7 @@ impl CustomOp2 for AttentionSoftmax {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, ls: &Layout, b: &CpuStorage, lb: &Layout) -> Result<(CpuStorage, Shape)> {
-        Ok((store(self.cpu(&f32s(s, ls)?, &f32s(b, lb)?), s.dtype()), ls.shape().clone()))
+        Ok((store(self.cpu(&f32s("scores", s, ls)?, &f32s("bias", b, lb)?), s.dtype())?, ls.shape().clone()))
     }
 
     #[cfg(feature = "cuda")]
@@ -194,15 +181,17 @@ impl CustomOp2 for AttentionSoftmaxBwd {
     }
 
     fn cpu_fwd(&self, p: &CpuStorage, lp: &Layout, g: &CpuStorage, lg: &Layout) -> Result<(CpuStorage, Shape)> {
-        let (p32, g32) = (f32s(p, lp)?, f32s(g, lg)?);
+        let (p32, g32) = (f32s("p", p, lp)?, f32s("g", g, lg)?);
+        let lk = self.lk.max(1);
         let mut ds = vec![0f32; p32.len()];
-        for ((pr, gr), dr) in p32.chunks(self.lk).zip(g32.chunks(self.lk)).zip(ds.chunks_mut(self.lk)) {
+        let rows = ds.par_chunks_mut(lk).zip(p32.par_chunks(lk)).zip(g32.par_chunks(lk));
+        rows.with_min_len(ROWS_PER_TASK).for_each(|((dr, pr), gr)| {
             let dot: f32 = pr.iter().zip(gr).map(|(a, b)| a * b).sum();
             for ((o, &a), &b) in dr.iter_mut().zip(pr).zip(gr) {
                 *o = self.scale * a * (b - dot);
             }
-        }
-        Ok((store(ds, p.dtype()), lp.shape().clone()))
+        });
+        Ok((store(ds, p.dtype())?, lp.shape().clone()))
     }
 
     #[cfg(feature = "cuda")]
@@ -220,28 +209,26 @@ impl CustomOp2 for AttentionSoftmaxBwd {
     }
 }
 
-/// Mean and `1/√(var + eps)` of each row of `c`.
-fn row_stats(x: &[f32], c: usize, eps: f32) -> Vec<(f32, f32)> {
-    x.chunks(c)
-        .map(|r| {
-            let mean = r.iter().sum::<f32>() / c as f32;
-            let var = r.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / c as f32;
-            (mean, 1.0 / (var + eps).sqrt())
-        })
-        .collect()
+/// Mean and `1/√(var + eps)` of a row.
+fn row_stats(r: &[f32], eps: f32) -> (f32, f32) {
+    let c = r.len().max(1) as f32;
+    let mean = r.iter().sum::<f32>() / c;
+    let var = r.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / c;
+    (mean, 1.0 / (var + eps).sqrt())
 }
 
 impl LayerNorm {
     fn cpu(&self, x: &CpuStorage, lx: &Layout, w: &[f32], b: &[f32]) -> Result<CpuStorage> {
-        let x32 = f32s(x, lx)?;
-        let c = w.len();
-        let mut y = Vec::with_capacity(x32.len());
-        for (r, (mean, rstd)) in x32.chunks(c).zip(row_stats(&x32, c, self.eps)) {
-            for (j, &v) in r.iter().enumerate() {
-                y.push((v - mean) * rstd * w[j] + b[j]);
+        let x32 = f32s("x", x, lx)?;
+        let c = w.len().max(1);
+        let mut y = vec![0f32; x32.len()];
+        y.par_chunks_mut(c).zip(x32.par_chunks(c)).with_min_len(ROWS_PER_TASK).for_each(|(yr, r)| {
+            let (mean, rstd) = row_stats(r, self.eps);
+            for (j, (o, &v)) in yr.iter_mut().zip(r).enumerate() {
+                *o = (v - mean) * rstd * w[j] + b[j];
             }
-        }
-        Ok(store(y, x.dtype()))
+        });
+        store(y, x.dtype())
     }
 
     fn backward(&self, x: &Tensor, w: &Tensor, dy: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
@@ -266,7 +253,7 @@ impl CustomOp3 for LayerNorm {
         b: &CpuStorage,
         lb: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        Ok((self.cpu(x, lx, &f32s(w, lw)?, &f32s(b, lb)?)?, lx.shape().clone()))
+        Ok((self.cpu(x, lx, &f32s("w", w, lw)?, &f32s("b", b, lb)?)?, lx.shape().clone()))
     }
 
     #[cfg(feature = "cuda")]
@@ -309,17 +296,23 @@ impl CustomOp3 for LayerNormBwdX {
         g: &CpuStorage,
         lg: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (x32, w32, g32) = (f32s(x, lx)?, f32s(w, lw)?, f32s(g, lg)?);
-        let c = w32.len();
-        let mut dx = Vec::with_capacity(x32.len());
-        for ((xr, gr), (mean, rstd)) in x32.chunks(c).zip(g32.chunks(c)).zip(row_stats(&x32, c, self.eps)) {
-            let xh: Vec<f32> = xr.iter().map(|v| (v - mean) * rstd).collect();
-            let gw: Vec<f32> = gr.iter().zip(&w32).map(|(a, b)| a * b).collect();
-            let sg = gw.iter().sum::<f32>() / c as f32;
-            let sgx = gw.iter().zip(&xh).map(|(a, b)| a * b).sum::<f32>() / c as f32;
-            dx.extend(gw.iter().zip(&xh).map(|(g, h)| rstd * (g - sg - h * sgx)));
-        }
-        Ok((store(dx, x.dtype()), lx.shape().clone()))
+        let (x32, w32, g32) = (f32s("x", x, lx)?, f32s("w", w, lw)?, f32s("g", g, lg)?);
+        let c = w32.len().max(1);
+        let mut dx = vec![0f32; x32.len()];
+        let rows = dx.par_chunks_mut(c).zip(x32.par_chunks(c)).zip(g32.par_chunks(c));
+        rows.with_min_len(ROWS_PER_TASK).for_each(|((dr, xr), gr)| {
+            let (mean, rstd) = row_stats(xr, self.eps);
+            let (mut sg, mut sgx) = (0f32, 0f32);
+            for ((&v, &g), &w) in xr.iter().zip(gr).zip(w32.iter()) {
+                sg += g * w;
+                sgx += g * w * ((v - mean) * rstd);
+            }
+            let (sg, sgx) = (sg / c as f32, sgx / c as f32);
+            for (((o, &v), &g), &w) in dr.iter_mut().zip(xr).zip(gr).zip(w32.iter()) {
+                *o = rstd * (g * w - sg - (v - mean) * rstd * sgx);
+            }
+        });
+        Ok((store(dx, x.dtype())?, lx.shape().clone()))
     }
 
     #[cfg(feature = "cuda")]
@@ -342,14 +335,30 @@ impl CustomOp2 for LayerNormBwdWb {
     }
 
     fn cpu_fwd(&self, x: &CpuStorage, lx: &Layout, g: &CpuStorage, lg: &Layout) -> Result<(CpuStorage, Shape)> {
-        let (x32, g32) = (f32s(x, lx)?, f32s(g, lg)?);
+        let (x32, g32) = (f32s("x", x, lx)?, f32s("g", g, lg)?);
         let c = *lx.dims().last().unwrap_or(&1);
+        // Blocks of rows summed in parallel, then the blocks in order: the
+        // same sums whatever the thread count.
+        const BLOCK_ROWS: usize = 64;
+        let block = BLOCK_ROWS * c.max(1);
+        let partial: Vec<Vec<f32>> = x32
+            .par_chunks(block)
+            .zip(g32.par_chunks(block))
+            .map(|(xb, gb)| {
+                let mut wb = vec![0f32; 2 * c];
+                for (xr, gr) in xb.chunks(c.max(1)).zip(gb.chunks(c.max(1))) {
+                    let (mean, rstd) = row_stats(xr, self.eps);
+                    for j in 0..c {
+                        wb[j] += gr[j] * (xr[j] - mean) * rstd;
+                        wb[c + j] += gr[j];
+                    }
+                }
+                wb
+            })
+            .collect();
         let mut wb = vec![0f32; 2 * c];
-        for ((xr, gr), (mean, rstd)) in x32.chunks(c).zip(g32.chunks(c)).zip(row_stats(&x32, c, self.eps)) {
-            for j in 0..c {
-                wb[j] += gr[j] * (xr[j] - mean) * rstd;
-                wb[c + j] += gr[j];
-            }
+        for p in partial {
+            wb.iter_mut().zip(p).for_each(|(a, b)| *a += b);
         }
         Ok((CpuStorage::F32(wb), Shape::from((2, c))))
     }

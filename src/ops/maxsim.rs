@@ -3,11 +3,11 @@
 //! whose last axis is dim: the padded layouts pass theirs unreshaped), one F32 score per pair out,
 //! with a closed-form backward from the argmax saved by the forward.
 
+use crate::cpu::storage::{f32s, slice};
 use crate::cpu::{self, HostProblem};
 use crate::layout::Problem;
 use crate::options::Backward;
 use candle_core::{backend::BackendStorage, bail, CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
-use std::borrow::Cow;
 use std::sync::Mutex;
 
 pub(crate) struct MaxSimOp {
@@ -94,27 +94,6 @@ fn to_f32_vec(t: &Tensor) -> Result<Vec<f32>> {
     t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()
 }
 
-/// Contiguous F64 view of a CPU storage (F64 inputs compute in F64).
-fn cpu_f64<'a>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [f64]> {
-    match (s, l.contiguous_offsets()) {
-        (CpuStorage::F64(v), Some((a, b))) => Ok(&v[a..b]),
-        _ => bail!("maxsim: internal error, expected a contiguous F64 operand"),
-    }
-}
-
-/// Contiguous F32 copy of a CPU storage (F16/BF16/F32 compute in F32).
-fn cpu_f32<'a>(s: &'a CpuStorage, l: &Layout) -> Result<Cow<'a, [f32]>> {
-    let Some((a, b)) = l.contiguous_offsets() else {
-        bail!("maxsim: internal error, packed operand is not contiguous")
-    };
-    Ok(match s {
-        CpuStorage::F32(v) => Cow::Borrowed(&v[a..b]),
-        CpuStorage::F16(v) => Cow::Owned(v[a..b].iter().map(|x| x.to_f32()).collect()),
-        CpuStorage::BF16(v) => Cow::Owned(v[a..b].iter().map(|x| x.to_f32()).collect()),
-        s => bail!("maxsim: unsupported dtype {:?}", s.dtype()),
-    })
-}
-
 impl CustomOp2 for MaxSimOp {
     fn name(&self) -> &'static str {
         "maxsim"
@@ -132,8 +111,10 @@ impl CustomOp2 for MaxSimOp {
         };
         let (scores, am) = match (bf16, s1.dtype()) {
             (Some(r), _) => r,
-            (None, DType::F64) => cpu::forward(&hp, cpu_f64(s1, l1)?, cpu_f64(s2, l2)?, self.save_argmax),
-            (None, _) => cpu::forward(&hp, &cpu_f32(s1, l1)?, &cpu_f32(s2, l2)?, self.save_argmax),
+            (None, DType::F64) => {
+                cpu::forward(&hp, slice::<f64>("q", s1, l1)?, slice::<f64>("d", s2, l2)?, self.save_argmax)
+            }
+            (None, _) => cpu::forward(&hp, &f32s("q", s1, l1)?, &f32s("d", s2, l2)?, self.save_argmax),
         };
         if let Some(am) = am {
             let n = self.problem.n_out();

@@ -1,9 +1,11 @@
 //! Row-wise L2 normalization as one custom op with a closed-form backward:
 //! kernels/normalize.cu on CUDA, the same loops on the CPU.
 
+use crate::cpu::storage::range;
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor};
 use half::{bf16, f16};
+use rayon::prelude::*;
 
 /// The norm's floor, as `torch.nn.functional.normalize`.
 const EPS: f64 = 1e-12;
@@ -36,37 +38,43 @@ pub(crate) fn l2_normalize_bwd(x: &Tensor, g: &Tensor) -> Result<Tensor> {
 /// `(x, g) → dx`, the backward of [`L2Normalize`].
 struct L2NormalizeBwd;
 
-/// Contiguous element range of an operand.
-fn range(l: &Layout) -> Result<(usize, usize)> {
-    match l.contiguous_offsets() {
-        Some(r) => Ok(r),
-        None => bail!("l2_normalize: internal error, operand is not contiguous"),
-    }
-}
-
-fn fwd_rows<T: Copy>(x: &[T], dim: usize, get: impl Fn(T) -> f64, put: impl Fn(f64) -> T) -> Vec<T> {
-    let mut y = Vec::with_capacity(x.len());
-    for r in x.chunks(dim) {
+/// Rows normalized in parallel, each alone (the same results whatever the thread count).
+fn fwd_rows<T: Copy + Default + Send + Sync>(
+    x: &[T],
+    dim: usize,
+    get: impl Fn(T) -> f64 + Sync,
+    put: impl Fn(f64) -> T + Sync,
+) -> Vec<T> {
+    let dim = dim.max(1);
+    let mut y = vec![T::default(); x.len()];
+    y.par_chunks_mut(dim).zip(x.par_chunks(dim)).with_min_len(16).for_each(|(yr, r)| {
         let n = r.iter().map(|&v| get(v) * get(v)).sum::<f64>().sqrt().max(EPS);
-        y.extend(r.iter().map(|&v| put(get(v) / n)));
-    }
+        yr.iter_mut().zip(r).for_each(|(o, &v)| *o = put(get(v) / n));
+    });
     y
 }
 
-fn bwd_rows<T: Copy>(x: &[T], g: &[T], dim: usize, get: impl Fn(T) -> f64, put: impl Fn(f64) -> T) -> Vec<T> {
-    let mut dx = Vec::with_capacity(x.len());
-    for (xr, gr) in x.chunks(dim).zip(g.chunks(dim)) {
+fn bwd_rows<T: Copy + Default + Send + Sync>(
+    x: &[T],
+    g: &[T],
+    dim: usize,
+    get: impl Fn(T) -> f64 + Sync,
+    put: impl Fn(f64) -> T + Sync,
+) -> Vec<T> {
+    let dim = dim.max(1);
+    let mut dx = vec![T::default(); x.len()];
+    dx.par_chunks_mut(dim).zip(x.par_chunks(dim)).zip(g.par_chunks(dim)).with_min_len(16).for_each(|((dr, xr), gr)| {
         let n = xr.iter().map(|&v| get(v) * get(v)).sum::<f64>().sqrt();
         let xg: f64 = xr.iter().zip(gr).map(|(&a, &b)| get(a) * get(b)).sum();
         // Below EPS the norm is the constant EPS: no term through ‖x‖.
         let (inv, proj) = if n <= EPS { (1.0 / EPS, 0.0) } else { (1.0 / n, xg / (n * n)) };
-        dx.extend(xr.iter().zip(gr).map(|(&a, &b)| put((get(b) - get(a) * proj) * inv)));
-    }
+        dr.iter_mut().zip(xr.iter().zip(gr)).for_each(|(o, (&a, &b))| *o = put((get(b) - get(a) * proj) * inv));
+    });
     dx
 }
 
 fn cpu_fwd(s: &CpuStorage, l: &Layout) -> Result<CpuStorage> {
-    let (a, b) = range(l)?;
+    let (a, b) = range("x", l)?;
     let dim = *l.dims().last().unwrap_or(&1);
     Ok(match s {
         CpuStorage::F16(v) => CpuStorage::F16(fwd_rows(&v[a..b], dim, |v| v.to_f64(), f16::from_f64)),
@@ -78,7 +86,7 @@ fn cpu_fwd(s: &CpuStorage, l: &Layout) -> Result<CpuStorage> {
 }
 
 fn cpu_bwd(x: &CpuStorage, lx: &Layout, g: &CpuStorage, lg: &Layout) -> Result<CpuStorage> {
-    let ((a, b), (c, d)) = (range(lx)?, range(lg)?);
+    let ((a, b), (c, d)) = (range("x", lx)?, range("g", lg)?);
     let dim = *lx.dims().last().unwrap_or(&1);
     Ok(match (x, g) {
         (CpuStorage::F16(x), CpuStorage::F16(g)) => {

@@ -1,6 +1,7 @@
 //! PLAID's centroid-only approximate score (the candidate filter of a PLAID
 //! search): the CustomOp, its CPU implementation and its input checks.
 
+use crate::cpu::storage::slice;
 use crate::layout::{check_device, check_rank};
 use candle_core::{bail, CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
 
@@ -165,14 +166,6 @@ struct Candidates {
     num_documents: usize,
 }
 
-/// A contiguous U32 operand of a CPU storage.
-fn cpu_u32<'a>(arg: &str, s: &'a CpuStorage, l: &Layout) -> Result<&'a [u32]> {
-    match (s, l.contiguous_offsets()) {
-        (CpuStorage::U32(v), Some((a, b))) => Ok(&v[a..b]),
-        _ => bail!("{arg}: expected a contiguous U32 tensor"),
-    }
-}
-
 impl CustomOp3 for Candidates {
     fn name(&self) -> &'static str {
         "plaid_candidates"
@@ -188,7 +181,8 @@ impl CustomOp3 for Candidates {
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let (nq, n_probe) = l1.shape().dims2()?;
-        let (probes, ivf, off) = (cpu_u32("probes", s1, l1)?, cpu_u32("ivf", s2, l2)?, cpu_u32("ivf_offsets", s3, l3)?);
+        let (probes, ivf, off) =
+            (slice::<u32>("probes", s1, l1)?, slice::<u32>("ivf", s2, l2)?, slice::<u32>("ivf_offsets", s3, l3)?);
         let (nd, n_c, words) = (self.num_documents, off.len() - 1, self.num_documents.div_ceil(32));
         let mut bitmap = vec![0u32; nq * words];
         for (i, row) in bitmap.chunks_mut(words.max(1)).enumerate().take(nq) {
@@ -314,7 +308,7 @@ impl CustomOp3 for ApproxCandidates {
             bail!("qcs: expected a contiguous F32 tensor")
         };
         let qcs = &qcs[qa..qb];
-        let cu = cpu_u32("cu_d", s3, l3)?;
+        let cu = slice::<u32>("cu_d", s3, l3)?;
         let Some((ca, cb)) = l2.contiguous_offsets() else { bail!("codes: expected a contiguous tensor") };
         let code = |t: usize| -> i64 {
             match s2 {

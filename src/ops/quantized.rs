@@ -16,7 +16,10 @@
 //! to 128; other GPUs have no kernel and get an `Err`. On the CPU the
 //! dequantized rows are scored in F32.
 
+use super::maxsim::MaxSimOp;
+use crate::cpu::storage::{slice, tensor_slice};
 use crate::layout::{check_device, check_mask, check_rank, Pairing, Problem, Seqs};
+use crate::options::Backward;
 use candle_core::{bail, DType, Layout, Result, Shape, Storage, Tensor, D};
 
 /// The number format of a [`Quantized`] tensor's bytes.
@@ -267,14 +270,6 @@ fn check_pair(q: &Quantized, d: &Quantized) -> Result<()> {
     Ok(())
 }
 
-/// The contiguous elements of a CPU tensor's storage, in place.
-fn cpu_slice<'a, T: candle_core::WithDType>(s: &'a Storage, l: &Layout, arg: &str) -> Result<&'a [T]> {
-    match (s, l.contiguous_offsets()) {
-        (Storage::Cpu(c), Some((a, b))) => Ok(&c.as_slice::<T>()?[a..b]),
-        _ => bail!("{arg}: internal error, expected a contiguous CPU tensor"),
-    }
-}
-
 /// Two's-complement bytes as I8.
 fn as_i8(v: &[u8]) -> &[i8] {
     // SAFETY: u8 and i8 have the same size and alignment, and every bit pattern is valid for both.
@@ -306,11 +301,16 @@ pub fn maxsim_quantized(
     if let Some(m) = d_mask {
         check_mask("d_mask", m, &[nd, ld], dev)?;
     }
-    let (qs, ds) = (Seqs::Uniform { n: nq, len: lq }, Seqs::Uniform { n: nd, len: ld });
-    if let Some(scores) = fused_scores(dim, qs, ds, Pairing::Cross { nq, nd }, q, d, (q_mask, d_mask), (nq, nd))? {
-        return Ok(scores);
-    }
-    crate::maxsim(&dequantize(q)?, &dequantize(d)?, q_mask, d_mask)
+    let valid = |m: Option<&Tensor>| m.map(|t| t.flatten_all()).transpose();
+    let problem = Problem {
+        dim,
+        q: Seqs::Uniform { n: nq, len: lq },
+        d: Seqs::Uniform { n: nd, len: ld },
+        q_valid: valid(q_mask)?,
+        d_valid: valid(d_mask)?,
+        pairs: Pairing::Cross { nq, nd },
+    };
+    QuantizedScores { problem, q: q.clone(), d: d.clone() }.apply((nq, nd))
 }
 
 /// [`maxsim_quantized`] for packed sequences (the layout of an index's
@@ -326,10 +326,8 @@ pub fn maxsim_quantized_varlen(
 ) -> Result<Tensor> {
     let (qs, ds, dim) = packed(q, cu_q, max_lq, d, cu_d, max_ld)?;
     let (nq, nd) = (qs.n(), ds.n());
-    if let Some(scores) = fused_scores(dim, qs, ds, Pairing::Cross { nq, nd }, q, d, (None, None), (nq, nd))? {
-        return Ok(scores);
-    }
-    crate::maxsim_varlen(&dequantize(q)?, cu_q, max_lq, &dequantize(d)?, cu_d, max_ld)
+    let problem = Problem { dim, q: qs, d: ds, q_valid: None, d_valid: None, pairs: Pairing::Cross { nq, nd } };
+    QuantizedScores { problem, q: q.clone(), d: d.clone() }.apply((nq, nd))
 }
 
 /// Scores of arbitrary (query, document) pairs of packed 8-bit sequences
@@ -352,11 +350,8 @@ pub fn score_pairs_quantized(
     check_device("pair_d", pair_d, dev)?;
     let pairs = Pairing::list_checked(pair_q, pair_d, qs.n(), ds.n())?;
     let n = pairs.len();
-    if let Some(scores) = fused_scores(dim, qs, ds, pairs, q, d, (None, None), n)? {
-        return Ok(scores);
-    }
-    let (qf, df) = (dequantize(q)?, dequantize(d)?);
-    crate::score_pairs_packed(&qf, cu_q, max_lq, &df, cu_d, max_ld, pair_q, pair_d)
+    let problem = Problem { dim, q: qs, d: ds, q_valid: None, d_valid: None, pairs };
+    QuantizedScores { problem, q: q.clone(), d: d.clone() }.apply(n)
 }
 
 /// Validates packed 8-bit operands and their offsets.
@@ -412,61 +407,85 @@ pub fn retrieve_quantized(
     })
 }
 
-/// The scores (shaped `shape`) of the 8-bit kernels, on the operands in
-/// place: the VNNI lane kernel on the CPU (I8), the s8 / e4m3 tensor-core
-/// kernels on CUDA; `None` where none applies (I8 on a CPU without
-/// AVX512_VNNI or a dim not a multiple of 4, e4m3 on the CPU; I8 on a GPU
-/// below sm_80 or a dim over 128): the caller then scores the dequantized
-/// rows. e4m3 on a GPU without its kernels is an `Err`.
-#[allow(clippy::too_many_arguments)]
-fn fused_scores(
-    dim: usize,
-    qs: Seqs,
-    ds: Seqs,
-    pairs: Pairing,
-    q: &Quantized,
-    d: &Quantized,
-    (q_mask, d_mask): (Option<&Tensor>, Option<&Tensor>),
-    shape: impl Into<Shape>,
-) -> Result<Option<Tensor>> {
-    let dev = q.values.device();
+/// 8-bit scores `[n_out]` of `problem` (its masks as `q_valid` / `d_valid`)
+/// over the values of `q` and `d` as packed rows: the VNNI lane kernel on
+/// the CPU (I8), the I8 / e4m3 tensor-core kernels on CUDA, and where none
+/// covers the format, dim and device (I8 on a CPU without AVX512_VNNI or a
+/// dim not a multiple of 4, e4m3 on the CPU; I8 on a GPU below sm_80 or a
+/// dim over 128) the dequantized rows scored by the dense op. e4m3 on a GPU
+/// without its kernels is an `Err`. Inference only.
+struct QuantizedScores {
+    problem: Problem,
+    q: Quantized,
+    d: Quantized,
+}
+
+impl QuantizedScores {
+    fn apply(self, shape: impl Into<Shape>) -> Result<Tensor> {
+        let (qv, dv) = (self.q.values.contiguous()?, self.d.values.contiguous()?);
+        qv.apply_op2_no_bwd(&dv, &self)?.reshape(shape)
+    }
+
+    /// The dequantized rows scored by the dense op, as a storage of the operands' device.
+    fn dequantized(&self) -> Result<Storage> {
+        let op = MaxSimOp::new(self.problem.clone(), Backward::Unified);
+        super::owned_storage(&op.apply(&dequantize(&self.q)?, &dequantize(&self.d)?)?)
+    }
+}
+
+impl candle_core::CustomOp2 for QuantizedScores {
+    fn name(&self) -> &'static str {
+        "maxsim_quantized"
+    }
+
+    fn cpu_fwd(
+        &self,
+        qs: &candle_core::CpuStorage,
+        ql: &Layout,
+        ds: &candle_core::CpuStorage,
+        dl: &Layout,
+    ) -> Result<(candle_core::CpuStorage, Shape)> {
+        let shape = Shape::from(self.problem.n_out());
+        if self.q.format == QuantFormat::I8 {
+            let flags = |m: &Option<Tensor>| m.as_ref().map(|t| t.to_vec1::<u8>()).transpose();
+            let (qf, df) = (flags(&self.problem.q_valid)?, flags(&self.problem.d_valid)?);
+            let hp = crate::cpu::HostProblem::new(&self.problem, qf.as_deref(), df.as_deref());
+            // The operands in place (a collection of documents is large: no copy).
+            let (qsc, dsc) = (self.q.scales.contiguous()?, self.d.scales.contiguous()?);
+            let (qss, dss) = (qsc.storage_and_layout(), dsc.storage_and_layout());
+            let scores = crate::cpu::forward_i8(
+                &hp,
+                (as_i8(slice("q.values", qs, ql)?), tensor_slice("q.scales", &qss.0, qss.1)?),
+                (as_i8(slice("d.values", ds, dl)?), tensor_slice("d.scales", &dss.0, dss.1)?),
+            );
+            if let Some(v) = scores {
+                return Ok((candle_core::CpuStorage::F32(v), shape));
+            }
+        }
+        match self.dequantized()? {
+            Storage::Cpu(s) => Ok((s, shape)),
+            _ => bail!("maxsim_quantized: internal error, scores are not on the CPU"),
+        }
+    }
+
     #[cfg(feature = "cuda")]
-    if let candle_core::Device::Cuda(cd) = dev {
-        // The kernels' element type: U8 for I8, F8E4M3 for e4m3 (a tag; the bytes are U8).
-        let dtype = if q.format == QuantFormat::E4m3 { DType::F8E4M3 } else { DType::U8 };
-        let (supported, cc) = crate::cuda::quantized_supported(cd, dtype, dim)?;
-        if !supported && dtype == DType::F8E4M3 {
-            bail!(
-                "q.values: FP8 e4m3 scoring on CUDA runs on Hopper (sm_90) e4m3 tensor cores for dims up to 128; \
-                 this is sm_{cc} with dim {dim} (quantize with `quantize` for I8, or score `dequantize`d rows)"
-            )
+    fn cuda_fwd(
+        &self,
+        qs: &candle_core::CudaStorage,
+        ql: &Layout,
+        ds: &candle_core::CudaStorage,
+        dl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let shape = Shape::from(self.problem.n_out());
+        let e4m3 = self.q.format == QuantFormat::E4m3;
+        let (qsc, dsc) = (self.q.scales.contiguous()?, self.d.scales.contiguous()?);
+        let scores = crate::cuda::maxsim_quantized(&self.problem, e4m3, ((qs, ql), &qsc), ((ds, dl), &dsc))?;
+        match scores {
+            Some(out) => Ok((out, shape)),
+            None => match self.dequantized()? {
+                Storage::Cuda(s) => Ok((s, shape)),
+                _ => bail!("maxsim_quantized: internal error, scores are not on the GPU"),
+            },
         }
-        if !supported {
-            return Ok(None);
-        }
-        let valid = |m: Option<&Tensor>| m.map(|t| t.flatten_all()).transpose();
-        let problem = Problem { dim, q: qs, d: ds, q_valid: valid(q_mask)?, d_valid: valid(d_mask)?, pairs };
-        let c = |t: &Tensor| t.contiguous();
-        let (qv, qsc, dv, dsc) = (c(&q.values)?, c(&q.scales)?, c(&d.values)?, c(&d.scales)?);
-        let out = crate::cuda::maxsim_fwd_quantized(cd, &problem, dtype, (&qv, &qsc), (&dv, &dsc))?;
-        return Ok(Some(out.reshape(shape)?));
     }
-    if !dev.is_cpu() || q.format != QuantFormat::I8 {
-        return Ok(None);
-    }
-    let flags = |m: Option<&Tensor>| m.map(|t| t.flatten_all()?.to_vec1::<u8>()).transpose();
-    let (qv, dv) = (flags(q_mask)?, flags(d_mask)?);
-    let problem = Problem { dim, q: qs, d: ds, q_valid: None, d_valid: None, pairs };
-    let hp = crate::cpu::HostProblem::new(&problem, qv.as_deref(), dv.as_deref());
-    // The operands in place (a collection of documents is large: no copy).
-    let (qt, dt) = (q.values.contiguous()?, d.values.contiguous()?);
-    let (qst, dst) = (q.scales.contiguous()?, d.scales.contiguous()?);
-    let (qs, ds) = (qt.storage_and_layout(), dt.storage_and_layout());
-    let (qss, dss) = (qst.storage_and_layout(), dst.storage_and_layout());
-    let scores = crate::cpu::forward_i8(
-        &hp,
-        (as_i8(cpu_slice(&qs.0, qs.1, "q.values")?), cpu_slice(&qss.0, qss.1, "q.scales")?),
-        (as_i8(cpu_slice(&ds.0, ds.1, "d.values")?), cpu_slice(&dss.0, dss.1, "d.scales")?),
-    );
-    scores.map(|v| Tensor::from_vec(v, shape, dev)).transpose()
 }

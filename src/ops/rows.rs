@@ -4,7 +4,9 @@
 //! scatter-add of rows (k-means, the embedding's gradient).
 //! kernels/rows.cu on CUDA, the same loops on the CPU.
 
+use crate::cpu::storage::{f32s, range, slice};
 use candle_core::{backend::BackendStorage, bail, CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
+use rayon::prelude::*;
 
 /// `[N, C]` rows of `src` `[R, C]` picked by `idx` `[N]` U32, zero rows
 /// where `idx ≥ R` (each output row written once).
@@ -89,7 +91,7 @@ impl candle_core::CustomOp1 for SumRows {
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let (_, c) = l.shape().dims2()?;
-        let (a, b) = range(l)?;
+        let (a, b) = range("g", l)?;
         fn cols<T: Copy>(v: &[T], c: usize, get: impl Fn(T) -> f64) -> Vec<f64> {
             let mut out = vec![0f64; c];
             for row in v.chunks(c.max(1)) {
@@ -152,17 +154,10 @@ impl CustomOp2 for ScatterAddRows {
 
     fn cpu_fwd(&self, s: &CpuStorage, ls: &Layout, i: &CpuStorage, li: &Layout) -> Result<(CpuStorage, Shape)> {
         let (_, c) = ls.shape().dims2()?;
-        let (a, b) = range(ls)?;
-        let (ia, ib) = range(li)?;
-        let CpuStorage::U32(idx) = i else { bail!("idx: expected U32 row indices") };
-        let src: Vec<f32> = match s {
-            CpuStorage::F16(v) => v[a..b].iter().map(|x| x.to_f32()).collect(),
-            CpuStorage::BF16(v) => v[a..b].iter().map(|x| x.to_f32()).collect(),
-            CpuStorage::F32(v) => v[a..b].to_vec(),
-            s => bail!("src: expected F16, BF16 or F32 rows, got {:?}", s.dtype()),
-        };
+        let idx = slice::<u32>("idx", i, li)?;
+        let src = f32s("src", s, ls)?;
         let mut out = vec![0f32; self.n_out * c];
-        for (r, &d) in idx[ia..ib].iter().enumerate() {
+        for (r, &d) in idx.iter().enumerate() {
             if d as usize >= self.n_out {
                 bail!("idx: idx[{r}] = {d} is out of range for {} output rows", self.n_out)
             }
@@ -183,14 +178,6 @@ impl CustomOp2 for ScatterAddRows {
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let c = ls.shape().dims2()?.1;
         Ok((crate::cuda::scatter_add_rows((s, ls), (i, li), self.n_out)?, Shape::from((self.n_out, c))))
-    }
-}
-
-/// The contiguous element range of an operand.
-fn range(l: &Layout) -> Result<(usize, usize)> {
-    match l.contiguous_offsets() {
-        Some(r) => Ok(r),
-        None => bail!("rows: internal error, operand is not contiguous"),
     }
 }
 
@@ -215,27 +202,29 @@ fn bias_map(
     b: &CpuStorage,
     lb: &Layout,
     extra: Option<(&CpuStorage, &Layout)>,
-    f: impl Fn(f64, f64) -> f64,
+    f: impl Fn(f64, f64) -> f64 + Sync,
 ) -> Result<CpuStorage> {
-    fn go<T: Copy>(
+    fn go<T: Copy + Send + Sync>(
         x: &[T],
         b: &[f64],
         e: Option<Vec<f64>>,
         wide: bool,
-        get: impl Fn(T) -> f64,
-        put: impl Fn(f64) -> T,
-        f: impl Fn(f64, f64) -> f64,
+        get: impl Fn(T) -> f64 + Sync,
+        put: impl Fn(f64) -> T + Sync,
+        f: impl Fn(f64, f64) -> f64 + Sync,
     ) -> Vec<T> {
         let c = b.len().max(1);
-        x.iter()
+        // Elements in parallel, each computed alone: the same results whatever the thread count.
+        x.par_iter()
             .enumerate()
+            .with_min_len(4096)
             .map(|(i, &v)| {
                 let z = if wide { get(v) + b[i % c] } else { (get(v) as f32 + b[i % c] as f32) as f64 };
                 put(f(z, e.as_ref().map_or(0.0, |e| e[i])))
             })
             .collect()
     }
-    let ((xa, xb), (ba, bb)) = (range(lx)?, range(lb)?);
+    let ((xa, xb), (ba, bb)) = (range("x", lx)?, range("b", lb)?);
     let b: Vec<f64> = match b {
         CpuStorage::F32(v) => v[ba..bb].iter().map(|&v| v as f64).collect(),
         CpuStorage::F64(v) => v[ba..bb].to_vec(),
@@ -244,7 +233,7 @@ fn bias_map(
     let e = match extra {
         None => None,
         Some((e, le)) => {
-            let (ea, eb) = range(le)?;
+            let (ea, eb) = range("g", le)?;
             Some(match e {
                 CpuStorage::F16(v) => v[ea..eb].iter().map(|v| v.to_f64()).collect(),
                 CpuStorage::BF16(v) => v[ea..eb].iter().map(|v| v.to_f64()).collect(),
@@ -270,9 +259,8 @@ impl CustomOp2 for GatherRows {
 
     fn cpu_fwd(&self, s: &CpuStorage, ls: &Layout, i: &CpuStorage, li: &Layout) -> Result<(CpuStorage, Shape)> {
         let (_, c) = ls.shape().dims2()?;
-        let ((a, b), (ia, ib)) = (range(ls)?, range(li)?);
-        let CpuStorage::U32(idx) = i else { bail!("idx: expected U32 row indices, got {:?}", i.dtype()) };
-        let idx = &idx[ia..ib];
+        let (a, b) = range("src", ls)?;
+        let idx = slice::<u32>("idx", i, li)?;
         let out = match s {
             CpuStorage::F16(v) => CpuStorage::F16(gather(&v[a..b], idx, c)),
             CpuStorage::BF16(v) => CpuStorage::BF16(gather(&v[a..b], idx, c)),
