@@ -1,7 +1,8 @@
 //! Test helpers shared by the workspace's test targets: comparisons in F64,
 //! tolerances per dtype, random inputs (never zeros), error-message checks,
 //! and [`test_device!`], which writes a check once and instantiates it on
-//! the CPU and, under the `cuda` feature, on the first CUDA device.
+//! the CPU and, under the `cuda` feature, on the first CUDA device. The
+//! READMEs' snippets run as this crate's doctests.
 
 use candle_core::{DType, Device, Result, Tensor};
 
@@ -147,4 +148,16 @@ pub fn expect_err_containing<T: std::fmt::Debug>(r: Result<T>, text: &str) {
             assert!(msg.contains(text), "error does not mention `{text}`: {msg}");
         }
     }
+}
+
+/// The Rust snippets of the READMEs, run as doctests: the workspace README
+/// (its snippets use all three crates) and each member crate's.
+#[cfg(doctest)]
+pub mod readme {
+    #[doc = include_str!("../../../README.md")]
+    pub struct Workspace;
+    #[doc = include_str!("../../colbert/README.md")]
+    pub struct Colbert;
+    #[doc = include_str!("../../plaid/README.md")]
+    pub struct Plaid;
 }
