@@ -14,7 +14,7 @@ type Rounded = (f64, f64);
 /// CPU) at a few entries of input `which`, against the analytic gradient
 /// `grad`; false when kinks outnumber half the smooth points (a near-tie:
 /// the caller redraws). `f` returns its value and a bound on that value's
-/// rounding error: scores are F32 even for F64 inputs (API.md), so the
+/// rounding error: scores are F32 even for F64 inputs (as documented), so the
 /// difference quotient carries up to `noise / eps` of rounding, which
 /// neither a slope error nor a kink is.
 fn check_fd(
@@ -123,7 +123,7 @@ test_device!(
     finite_differences_match_dense_and_kd_grads_cuda
 );
 
-/// Finite differences of `maxsim_from_hidden` (F64, which API.md promises
+/// Finite differences of `maxsim_from_hidden` (F64, which the crate supports
 /// on the CPU) against its closed-form backward, for q, h_d, w and b.
 #[test]
 fn finite_differences_match_from_hidden_grads_cpu() -> Result<()> {
