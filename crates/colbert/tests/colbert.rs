@@ -146,6 +146,31 @@ fn half_precision_encoding() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The colbert example's path on the CPU (encode a query and documents,
+/// rank by MaxSim) gives the same ranking and scores with one thread as with
+/// several: the CPU ops split their rows over threads but compute each row
+/// alone. Long enough documents that every parallel loop splits.
+#[test]
+fn cpu_ranking_does_not_depend_on_threads() -> anyhow::Result<()> {
+    let dir = plain_checkpoint()?;
+    let words: Vec<&str> = VOCAB.iter().copied().filter(|w| !w.starts_with('[') && !w.starts_with('#')).collect();
+    let docs: Vec<String> = (0..64)
+        .map(|i| (0..48).map(|k| words[(i * 7 + k * k * 3 + k) % words.len()]).collect::<Vec<_>>().join(" "))
+        .collect();
+    let docs: Vec<&str> = docs.iter().map(String::as_str).collect();
+    let model = ColBert::load(&dir, &Device::Cpu, DType::F32)?;
+    let run = |threads: usize| -> anyhow::Result<Vec<(usize, f32)>> {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build()?;
+        Ok(pool.install(|| model.rank(&words[..6].join(" "), &docs, docs.len()))?)
+    };
+    let (one, many) = (run(1)?, run(4)?);
+    assert_eq!(one.iter().map(|r| r.0).collect::<Vec<_>>(), many.iter().map(|r| r.0).collect::<Vec<_>>());
+    for ((d, a), (_, b)) in one.iter().zip(&many) {
+        assert!((a - b).abs() <= 1e-5 * a.abs().max(1.0), "document {d}: {a} with one thread, {b} with four");
+    }
+    Ok(())
+}
+
 /// The same checkpoints encoded and ranked on CUDA agree with the CPU
 /// encoder: F32 and F16 (F32 encoder, cast) closely, BF16 (a BF16 encoder on
 /// CUDA) in direction. Only built with the `cuda` feature, where it fails

