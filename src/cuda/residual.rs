@@ -12,7 +12,7 @@ use super::launch::{blocks, grid_stride, kernel, kernel_params, launch, Module};
 use super::maxsim_fwd::{fwd_launch, Variant};
 use super::memory::{aligned_ptr, alloc_out, storage_ptr, tensor_ptr, HostFlag};
 use super::params::{dtype_tag, Params};
-use super::tile_size::residual_supported;
+use super::tile_size::{decompress_supported, residual_supported};
 use crate::layout::{Pairing, Problem, Seqs};
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::WrapErr;
@@ -410,7 +410,7 @@ pub(crate) fn decompress_residual(
     (n, dim): (usize, usize),
 ) -> Result<Option<CudaStorage>> {
     let dev = &codes.0.device;
-    if !residual_supported(&device_info(dev)?, dtype, dim, codec.nbits) {
+    if !decompress_supported(&device_info(dev)?, dtype, dim, codec.nbits) {
         return Ok(None);
     }
     let codes = codes_u32(codes, valid, codec.centroids.dim(0)?)?;

@@ -199,6 +199,19 @@ pub(super) fn residual_supported(info: &DeviceInfo, dtype: DType, dim: usize, nb
         && matches!(path_for(info, dtype, dim), Path::Mma { dpad, .. } if dpad <= 128)
 }
 
+/// Whether the standalone decompression kernel (kernels/residual.cu)
+/// covers this dtype, dim and nbits on this device: F16/BF16 tokens, 8-feature
+/// chunks (dim % 8 == 0) of whole words of packed bits, compute capability
+/// 8.0+. Wider than [`residual_supported`]: any such dim, which the dense
+/// kernels then score (dims over 128, e.g. 384 or 768 without a projection).
+pub(super) fn decompress_supported(info: &DeviceInfo, dtype: DType, dim: usize, nbits: usize) -> bool {
+    matches!(dtype, DType::F16 | DType::BF16)
+        && info.cc >= 80
+        && dim > 0
+        && dim.is_multiple_of(8)
+        && (dim * nbits).is_multiple_of(32)
+}
+
 pub(super) fn simt_smem(dtype: DType, dim: usize) -> Result<u32> {
     let acc = if dtype == DType::F64 { 8 } else { 4 };
     // `SIMT_SMEM` in maxsim_fwd.cu: 47 KB of tile, the static buffer on top.

@@ -159,12 +159,19 @@ test_device!(residual_matches_reference, residual_matches_reference_cpu, residua
 
 /// The CUDA kernels' shapes: queries of up to 32 rows at dims 64 / 96 / 128
 /// take the warp kernel (kernels/residual.cu); 40 rows and dim 48 the tile
-/// kernels. Padded and packed documents, F16 and BF16 queries.
+/// kernels; dim 384 (an encoder without a projection) no fused kernel: the
+/// tokens decompressed on the device and scored by the dense kernels.
+/// Padded and packed documents, F16 and BF16 queries.
 fn residual_kernel_variants_match_reference(dev: &Device) -> Result<()> {
     let cpu = Device::Cpu;
-    for (dim, nq, lq, nd, ld) in
-        [(128, 3, 32, 40, 150), (64, 2, 20, 33, 70), (96, 1, 32, 25, 300), (48, 4, 8, 9, 64), (128, 2, 40, 20, 90)]
-    {
+    for (dim, nq, lq, nd, ld) in [
+        (128, 3, 32, 40, 150),
+        (64, 2, 20, 33, 70),
+        (96, 1, 32, 25, 300),
+        (48, 4, 8, 9, 64),
+        (128, 2, 40, 20, 90),
+        (384, 2, 32, 12, 70),
+    ] {
         for nbits in [2usize, 4, 8] {
             for order in [BitOrder::ColBert, BitOrder::Lsb] {
                 let (c, codes, res, lens) = residual_docs(nd, ld, dim, nbits, order, (dim * nbits) as u64)?;
@@ -316,7 +323,7 @@ fn residual_pairs_match_reference(dev: &Device) -> Result<()> {
             (96, DType::BF16, 3, 32),
             (48, DType::BF16, 2, 8),
         ]);
-        cases.extend([(128, DType::F32, 2, 16), (128, DType::BF16, 2, 40)]);
+        cases.extend([(128, DType::F32, 2, 16), (128, DType::BF16, 2, 40), (384, DType::F16, 1, 32)]);
     }
     for (dim, dt, nq, lq) in cases {
         let (nd, ld, nbits) = (23, 60, 4);

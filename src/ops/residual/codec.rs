@@ -6,6 +6,7 @@ use super::bits::{bucket_index, check_nbits, pack_bucket_indices};
 use crate::cpu::storage::{f32s, store};
 use crate::layout::{check_device, check_float, check_rank};
 use candle_core::{backend::BackendStorage, bail, CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
+use rayon::prelude::*;
 
 /// Bit layout of packed residual bucket indices.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -176,10 +177,17 @@ impl ResidualCodec {
         let bw: Vec<f32> = self.bucket_weights.to_dtype(DType::F32)?.to_vec1()?;
         let n_c = self.centroids.dim(0)?;
         let w = self.residual_width(dim);
+        // The bucket weights of the 8 / nbits features of every byte value.
+        let per = 8 / self.nbits;
+        let byte_weights: Vec<f32> = (0..=255u8)
+            .flat_map(|b| (0..per).map(move |k| (b, k)))
+            .map(|(b, k)| bw[bucket_index(&[b], k, self.nbits, self.bit_order) as usize])
+            .collect();
         let mut out = vec![0f32; codes.len() * dim];
-        for (t, o) in out.chunks_mut(dim.max(1)).enumerate().take(codes.len()) {
+        // Tokens in parallel, each decompressed alone.
+        out.par_chunks_mut(dim.max(1)).enumerate().take(codes.len()).with_min_len(64).try_for_each(|(t, o)| {
             if valid.is_some_and(|v| v[t] == 0) {
-                continue;
+                return Ok(());
             }
             let c = codes.get(t);
             if c < 0 || c as usize >= n_c {
@@ -187,15 +195,17 @@ impl ResidualCodec {
             }
             let row = &res[t * w..(t + 1) * w];
             let cent = &cents[c as usize * dim..][..dim];
-            for (k, o) in o.iter_mut().enumerate() {
-                *o = cent[k] + bw[bucket_index(row, k, self.nbits, self.bit_order) as usize];
+            for ((o, c), &b) in o.chunks_mut(per).zip(cent.chunks(per)).zip(row) {
+                let wb = &byte_weights[b as usize * per..][..per];
+                o.iter_mut().zip(c).zip(wb).for_each(|((o, &c), &w)| *o = c + w);
             }
             if normalize {
                 // As l2_normalize: x / max(‖x‖, 1e-12), the norm accumulated in F64.
                 let n = o.iter().map(|&v| (v as f64) * (v as f64)).sum::<f64>().sqrt().max(1e-12);
                 o.iter_mut().for_each(|v| *v = (*v as f64 / n) as f32);
             }
-        }
+            Ok(())
+        })?;
         Ok(out)
     }
 }

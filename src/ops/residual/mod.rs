@@ -126,7 +126,14 @@ impl CustomOp3 for ResidualScore {
         if let Some(out) = crate::cuda::residual_scores(pb, (q, lq), (c, lc), (r, lr), &codec, self.lens.as_ref())? {
             return Ok((out, Shape::from(n_out)));
         }
-        // No kernel for this dtype / dim / nbits: the host decompresses.
+        // No fused kernel for this dtype / dim / nbits: the tokens
+        // decompressed on the device where a kernel does that (dims over
+        // 128), else on the host, then the dense op.
+        let valid = pb.d_valid.as_ref();
+        let dense = crate::cuda::decompress_residual((c, lc), valid, (r, lr), &codec, q.dtype(), (t, pb.dim))?;
+        if let Some(d) = dense {
+            return self.dense_op().cuda_fwd(q, lq, &d, &Layout::contiguous((t, pb.dim)));
+        }
         let d = self.host_dense((&c.to_cpu_storage()?, lc), (&r.to_cpu_storage()?, lr), q.dtype())?;
         let d = dev.storage_from_cpu_storage(&d)?;
         self.dense_op().cuda_fwd(q, lq, &d, &Layout::contiguous((t, pb.dim)))
