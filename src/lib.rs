@@ -162,7 +162,7 @@ pub mod nn {
     //! assert_eq!((p.dims(), y.dims()), (scores.dims(), x.dims()));
     //! # Ok::<(), candle_core::Error>(())
     //! ```
-    pub use crate::ops::encoder::{attention_softmax, layer_norm};
+    pub use crate::ops::encoder::{attention, attention_softmax, layer_norm};
     pub use crate::ops::rows::{add_bias, add_bias_gelu, embedding, scatter_add_rows};
     pub use crate::ops::topk::{topk_rows, TOPK_MAX_K};
 }

@@ -47,6 +47,218 @@ pub fn attention_softmax(scores: &Tensor, bias: &Tensor, scale: f64) -> Result<T
     scores.contiguous()?.apply_op2(&bias.contiguous()?, op)
 }
 
+/// Multi-head attention `softmax(scale · q_h k_hᵀ + bias) v_h` of every head
+/// h, with the heads side by side in the last axis: `q [B, Lq, H·dh]`,
+/// `k` and `v` `[B, Lk, H·dh]` (one dtype), `bias` as for
+/// [`attention_softmax`] → `[B, Lq, H·dh]` (the layout the output
+/// projection takes, no transposes). The same function as the composed
+/// `matmul`, [`attention_softmax`], `matmul`, which runs on CUDA and for
+/// 16-bit types; on the CPU, F32 runs one fused task per (batch, head) on
+/// all cores (the scores of one head in a buffer of its own, never a
+/// `[B, H, Lq, Lk]` tensor, no head-major copies), its backward the
+/// closed form from the recomputed probabilities.
+pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor, heads: usize, scale: f64) -> Result<Tensor> {
+    let (b, lq, hd) =
+        q.dims3().map_err(|_| candle_core::Error::Msg(format!("q: expected [B, Lq, H·dh], got {:?}", q.dims())))?;
+    if heads == 0 || hd % heads != 0 {
+        bail!("heads: {heads} does not divide q's last axis {hd}")
+    }
+    for (arg, t) in [("k", k), ("v", v)] {
+        if t.rank() != 3 || t.dim(0)? != b || t.dim(2)? != hd || t.dtype() != q.dtype() {
+            bail!("{arg}: expected {:?} [{b}, Lk, {hd}] like q, got {:?} {:?}", q.dtype(), t.dtype(), t.dims())
+        }
+        crate::layout::check_device(arg, t, q.device())?;
+    }
+    if k.dim(1)? != v.dim(1)? {
+        bail!("v: {} keys' values for {} keys", v.dim(1)?, k.dim(1)?)
+    }
+    let (lk, dh) = (k.dim(1)?, hd / heads);
+    let fused = q.device().is_cpu() && q.dtype() == DType::F32;
+    if !fused || b * lq * lk == 0 {
+        let split = |t: &Tensor, l: usize| t.reshape((b, l, heads, dh))?.transpose(1, 2)?.contiguous();
+        let (qh, kh, vh) = (split(q, lq)?, split(k, lk)?, split(v, lk)?);
+        let p = attention_softmax(&qh.matmul(&kh.t()?.contiguous()?)?, bias, scale)?;
+        return p.matmul(&vh)?.transpose(1, 2)?.reshape((b, lq, hd));
+    }
+    // The bias checks of attention_softmax, on its shape alone.
+    let bd = bias.dims();
+    let ok = bias.rank() == 4 && (bd[0] == b || bd[0] == 1) && bd[1] == 1 && (bd[2] == lq || bd[2] == 1) && bd[3] == lk;
+    if bias.dtype() != DType::F32 || !ok {
+        bail!("bias: expected F32 [{b} or 1, 1, {lq} or 1, {lk}], got {:?} {bd:?}", bias.dtype())
+    }
+    crate::layout::check_device("bias", bias, q.device())?;
+    let softmax = AttentionSoftmax {
+        scale: scale as f32,
+        heads,
+        lq,
+        lk,
+        bias_b: if bd[0] == 1 { 0 } else { bd[2] * lk },
+        bias_i: if bd[2] == 1 { 0 } else { lk },
+    };
+    let op = CpuAttention { softmax, bias: bias.contiguous()?, batch: b };
+    q.contiguous()?.apply_op3(&k.contiguous()?, &v.contiguous()?, op)
+}
+
+/// [`attention`]'s fused CPU op: `(q, k, v) → out`, F32.
+struct CpuAttention {
+    softmax: AttentionSoftmax,
+    bias: Tensor,
+    batch: usize,
+}
+
+/// A raw pointer shared by the tasks of [`CpuAttention`], each of which
+/// writes its own (batch, head) block of the output.
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+// SAFETY: the tasks write disjoint blocks of one live buffer.
+unsafe impl Send for OutPtr {}
+unsafe impl Sync for OutPtr {}
+
+impl OutPtr {
+    /// The element `off` past the start (within the buffer).
+    fn at(self, off: usize) -> *mut f32 {
+        // SAFETY: callers stay within the output buffer.
+        unsafe { self.0.add(off) }
+    }
+}
+
+impl CustomOp3 for CpuAttention {
+    fn name(&self) -> &'static str {
+        "attention"
+    }
+
+    fn cpu_fwd(
+        &self,
+        q: &CpuStorage,
+        lq_: &Layout,
+        k: &CpuStorage,
+        lk_: &Layout,
+        v: &CpuStorage,
+        lv_: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        use crate::cpu::storage::slice;
+        let (q, k, v) = (slice::<f32>("q", q, lq_)?, slice::<f32>("k", k, lk_)?, slice::<f32>("v", v, lv_)?);
+        let bias_t = self.bias.flatten_all()?;
+        let bias_s = bias_t.storage_and_layout();
+        let bias = crate::cpu::storage::tensor_slice::<f32>("bias", &bias_s.0, bias_s.1)?;
+        let s = &self.softmax;
+        let (b, h, lq, lk) = (self.batch, s.heads, s.lq, s.lk);
+        let hd = lq_.dims()[2];
+        let dh = hd / h;
+        let mut out = vec![0f32; b * lq * hd];
+        let dst = OutPtr(out.as_mut_ptr());
+        (0..b * h).into_par_iter().for_each_init(
+            || vec![0f32; lq * lk],
+            |scores, task| {
+                let (bi, hi) = (task / h, task % h);
+                let (qb, kb, vb) =
+                    (&q[bi * lq * hd + hi * dh..], &k[bi * lk * hd + hi * dh..], &v[bi * lk * hd + hi * dh..]);
+                // SAFETY: row-major strided views within q, k, v and this task's block of out
+                // (rows of H·dh, columns hi·dh .. hi·dh + dh); sizes as the shapes say.
+                unsafe {
+                    gemm::gemm(
+                        lq,
+                        lk,
+                        dh,
+                        scores.as_mut_ptr(),
+                        1,
+                        lk as isize,
+                        false,
+                        qb.as_ptr(),
+                        1,
+                        hd as isize,
+                        kb.as_ptr(),
+                        hd as isize,
+                        1,
+                        0f32,
+                        1f32,
+                        false,
+                        false,
+                        false,
+                        gemm::Parallelism::None,
+                    );
+                }
+                for (r, row) in scores.chunks_mut(lk).enumerate() {
+                    let br = &bias[bi * s.bias_b + r * s.bias_i..][..lk];
+                    softmax_row(row, br, s.scale);
+                }
+                let ob = dst.at(bi * lq * hd + hi * dh);
+                // SAFETY: as above; this task alone writes rows of its head's columns.
+                unsafe {
+                    gemm::gemm(
+                        lq,
+                        dh,
+                        lk,
+                        ob,
+                        1,
+                        hd as isize,
+                        false,
+                        scores.as_ptr(),
+                        1,
+                        lk as isize,
+                        vb.as_ptr(),
+                        1,
+                        hd as isize,
+                        0f32,
+                        1f32,
+                        false,
+                        false,
+                        false,
+                        gemm::Parallelism::None,
+                    );
+                }
+            },
+        );
+        Ok((CpuStorage::F32(out), Shape::from((b, lq, hd))))
+    }
+
+    /// With `P = softmax(scale · Q Kᵀ + bias)` recomputed per head:
+    /// `dV = Pᵀ dO`, `dS = scale · P ⊙ (dO Vᵀ − rowsum(dO Vᵀ ⊙ P))`,
+    /// `dQ = dS K`, `dK = dSᵀ Q`.
+    fn bwd(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        _out: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let s = &self.softmax;
+        let (b, h, lq, lk) = (self.batch, s.heads, s.lq, s.lk);
+        let hd = q.dim(2)?;
+        let split = |t: &Tensor, l: usize| t.reshape((b, l, h, hd / h))?.transpose(1, 2)?.contiguous();
+        let merge = |t: Tensor, l: usize| t.transpose(1, 2)?.reshape((b, l, hd));
+        let (qh, kh, vh, go) = (split(q, lq)?, split(k, lk)?, split(v, lk)?, split(grad, lq)?);
+        let p = qh.matmul(&kh.t()?.contiguous()?)?.apply_op2_no_bwd(&self.bias, s)?;
+        let dv = p.t()?.matmul(&go)?;
+        let dp = go.matmul(&vh.t()?.contiguous()?)?;
+        let ds = p.apply_op2_no_bwd(&dp, &AttentionSoftmaxBwd { scale: s.scale, lk })?;
+        let dq = ds.matmul(&kh)?;
+        let dk = ds.t()?.matmul(&qh)?;
+        Ok((Some(merge(dq, lq)?), Some(merge(dk, lk)?), Some(merge(dv, lk)?)))
+    }
+}
+
+/// `softmax(scale · row + bias)` in place (a row of every `-inf` to zeros),
+/// as [`AttentionSoftmax`] computes each row.
+fn softmax_row(row: &mut [f32], bias: &[f32], scale: f32) {
+    let mut m = f32::NEG_INFINITY;
+    for (o, &b) in row.iter_mut().zip(bias) {
+        *o = scale * *o + b;
+        m = m.max(*o);
+    }
+    if m == f32::NEG_INFINITY {
+        row.fill(0.0);
+        return;
+    }
+    let mut l = 0f32;
+    for o in row.iter_mut() {
+        *o = (*o - m).exp();
+        l += *o;
+    }
+    row.iter_mut().for_each(|o| *o /= l);
+}
+
 /// Layer normalization over the last axis: `(x − mean) / √(var + eps) · w + b`
 /// with the biased variance (as torch), computed in F32 and returned in
 /// `x`'s dtype (F16, BF16 or F32); `w` and `b` are `[C]` and cast to F32.
@@ -122,21 +334,8 @@ impl AttentionSoftmax {
         let mut p = vec![0f32; s.len()];
         p.par_chunks_mut(lk).zip(s.par_chunks(lk)).enumerate().with_min_len(ROWS_PER_TASK).for_each(|(r, (pr, sr))| {
             let br = &bias[(r / (self.heads * self.lq)) * self.bias_b + (r % self.lq) * self.bias_i..];
-            let mut m = f32::NEG_INFINITY;
-            for ((o, &v), &b) in pr.iter_mut().zip(sr).zip(br) {
-                *o = self.scale * v + b;
-                m = m.max(*o);
-            }
-            if m == f32::NEG_INFINITY {
-                pr.fill(0.0);
-                return;
-            }
-            let mut l = 0f32;
-            for o in pr.iter_mut() {
-                *o = (*o - m).exp();
-                l += *o;
-            }
-            pr.iter_mut().for_each(|o| *o /= l);
+            pr.copy_from_slice(sr);
+            softmax_row(pr, br, self.scale);
         });
         p
     }

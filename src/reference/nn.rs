@@ -43,6 +43,21 @@ pub fn attention_softmax(scores: &Tensor, bias: &Tensor, scale: f64) -> Result<T
     e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?.to_dtype(scores.dtype())
 }
 
+/// Naive [`crate::nn::attention`]: heads split out, [`attention_softmax`]
+/// between two matmuls in F64, heads merged back, rounded to `q`'s dtype
+/// (differentiable).
+pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor, heads: usize, scale: f64) -> Result<Tensor> {
+    let (b, lq, hd) = q.dims3()?;
+    let dh = hd / heads;
+    let split = |t: &Tensor| -> Result<Tensor> {
+        let l = t.dim(1)?;
+        t.to_dtype(DType::F64)?.reshape((b, l, heads, dh))?.transpose(1, 2)?.contiguous()
+    };
+    let (qh, kh, vh) = (split(q)?, split(k)?, split(v)?);
+    let p = attention_softmax(&qh.matmul(&kh.t()?.contiguous()?)?, bias, scale)?;
+    p.matmul(&vh)?.transpose(1, 2)?.reshape((b, lq, hd))?.to_dtype(q.dtype())
+}
+
 /// Naive [`crate::nn::layer_norm`]: mean, biased variance and the affine map as
 /// candle ops in F64, rounded to `x`'s dtype (differentiable).
 pub fn layer_norm(x: &Tensor, w: &Tensor, b: Option<&Tensor>, eps: f64) -> Result<Tensor> {

@@ -67,14 +67,14 @@ impl Norm {
     }
 }
 
-/// Scaled dot-product attention of `q, k, v [B, H, L, dh]` with an
-/// additive F32 bias broadcast to `[B, H, L, L]`; returns `[B, L, H·dh]`.
-fn attention(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor) -> Result<Tensor> {
-    let (b, h, l, dh) = q.dims4()?;
-    let scores = q.contiguous()?.matmul(&k.t()?.contiguous()?)?;
-    // Scaled, biased and normalized in F32 in one op, rounded once.
-    let p = candle_maxsim::nn::attention_softmax(&scores, bias, (dh as f64).powf(-0.5))?;
-    p.matmul(&v.contiguous()?)?.transpose(1, 2)?.reshape((b, l, h * dh))
+/// Scaled dot-product attention of `q, k, v [B, L, H·dh]` (heads side by
+/// side) with an additive F32 bias broadcast to `[B, H, L, L]`; returns
+/// `[B, L, H·dh]`. One op (`candle_maxsim::nn::attention`): fused on the
+/// CPU for inference, scaled, biased and normalized in F32 in one softmax
+/// op between two matmuls elsewhere.
+fn attention(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor, heads: usize) -> Result<Tensor> {
+    let dh = q.dim(D::Minus1)? / heads;
+    candle_maxsim::nn::attention(q, k, v, bias, heads, (dh as f64).powf(-0.5))
 }
 
 /// `[B, 1, 1, L]` F32: 0 where `attention` (U8 `[B, L]`) is set, `f32::MIN` elsewhere.
@@ -206,13 +206,11 @@ impl Bert {
         let x = candle_maxsim::nn::add_bias(&x.reshape((b * l, h))?, &self.token_type.get(0)?)?.reshape((b, l, h))?;
         let mut x = self.emb_norm.forward(&x.to_dtype(dt)?)?;
         let bias = padding_bias(att)?;
-        let dh = h / self.heads;
-        let split = |t: Tensor| t.reshape((b, l, self.heads, dh))?.transpose(1, 2);
         for layer in &self.layers {
-            let q = split(linear(&x, &layer.q.0, Some(&layer.q.1))?)?;
-            let k = split(linear(&x, &layer.k.0, Some(&layer.k.1))?)?;
-            let v = split(linear(&x, &layer.v.0, Some(&layer.v.1))?)?;
-            let a = linear(&attention(&q, &k, &v, &bias)?, &layer.o.0, Some(&layer.o.1))?;
+            let q = linear(&x, &layer.q.0, Some(&layer.q.1))?;
+            let k = linear(&x, &layer.k.0, Some(&layer.k.1))?;
+            let v = linear(&x, &layer.v.0, Some(&layer.v.1))?;
+            let a = linear(&attention(&q, &k, &v, &bias, self.heads)?, &layer.o.0, Some(&layer.o.1))?;
             x = layer.attn_norm.forward(&(a + &x)?)?;
             let m = linear_act(&x, &layer.up.0, Some(&layer.up.1), Some(self.act))?;
             x = layer.out_norm.forward(&(linear(&m, &layer.down.0, Some(&layer.down.1))? + &x)?)?;
@@ -379,8 +377,10 @@ impl ModernBert {
                 let rotated = Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?;
                 (t32.broadcast_mul(cos)? + rotated.broadcast_mul(sin)?)?.to_dtype(t.dtype())
             };
-            let (q, k, v) = (rot(part(0)?)?, rot(part(1)?)?, part(2)?);
-            x = (&x + linear(&attention(&q, &k, &v, bias)?, &layer.wo, None)?)?;
+            // Back to heads side by side, the layout the attention op takes.
+            let merge = |t: Tensor| t.transpose(1, 2)?.reshape((b, l, h));
+            let (q, k, v) = (merge(rot(part(0)?)?)?, merge(rot(part(1)?)?)?, merge(part(2)?)?);
+            x = (&x + linear(&attention(&q, &k, &v, bias, self.heads)?, &layer.wo, None)?)?;
             let up = linear(&layer.mlp_norm.forward(&x)?, &layer.wi, None)?;
             let i = up.dim(2)? / 2;
             let m = (self.act.apply(&up.narrow(2, 0, i)?)? * up.narrow(2, i, i)?)?;
