@@ -35,7 +35,7 @@ def main():
     if dtype is None:
         dtype = torch.float16 if a.device == "cuda" else torch.float32
     tok = AutoTokenizer.from_pretrained(a.model_dir)
-    model = AutoModel.from_pretrained(a.model_dir, torch_dtype=dtype).to(a.device).eval()
+    model = AutoModel.from_pretrained(a.model_dir, dtype=dtype).to(a.device).eval()
     docs = [l.strip() for l in open(a.docs) if l.strip()]
 
     def encode(batch):

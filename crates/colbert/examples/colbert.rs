@@ -25,7 +25,7 @@ pub(crate) mod cli;
 #[path = "common/index.rs"]
 pub(crate) mod index;
 
-use anyhow::{anyhow, bail, Context, Result};
+use anyhow::{anyhow, Context, Result};
 use candle_core::{DType, Tensor};
 use candle_maxsim_colbert::{read_documents, top_k_of, ColBert};
 use clap::builder::RangedU64ValueParser;
@@ -160,7 +160,7 @@ fn hub_model(id: &str) -> Result<PathBuf> {
 
 #[cfg(not(feature = "hub"))]
 fn hub_model(id: &str) -> Result<PathBuf> {
-    bail!(
+    anyhow::bail!(
         "--model {id}: downloads need the `hub` feature \
          (cargo run -p candle-maxsim-colbert --features hub ...); or pass --model-dir"
     )
