@@ -11,6 +11,7 @@ use rayon::prelude::*;
 
 #[cfg(target_arch = "x86_64")]
 mod avx512;
+pub(crate) mod math;
 pub(crate) mod storage;
 
 /// Query rows per GEMM tile. Also the chunk in which long queries are

@@ -6,6 +6,7 @@
 //! (kernels/encoder.cu on CUDA, the same loops on the CPU), computed in F32
 //! and rounded once to the input's dtype.
 
+use crate::cpu::math::{exp_f32, max_f32, simd, sum_f32};
 use crate::cpu::storage::{f32s, store};
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
@@ -242,21 +243,25 @@ impl CustomOp3 for CpuAttention {
 /// `softmax(scale · row + bias)` in place (a row of every `-inf` to zeros),
 /// as [`AttentionSoftmax`] computes each row.
 fn softmax_row(row: &mut [f32], bias: &[f32], scale: f32) {
-    let mut m = f32::NEG_INFINITY;
+    simd(
+        #[inline(always)]
+        || softmax_row_in(row, bias, scale),
+    )
+}
+
+#[inline(always)]
+fn softmax_row_in(row: &mut [f32], bias: &[f32], scale: f32) {
     for (o, &b) in row.iter_mut().zip(bias) {
         *o = scale * *o + b;
-        m = m.max(*o);
     }
+    let m = max_f32(row);
     if m == f32::NEG_INFINITY {
         row.fill(0.0);
         return;
     }
-    let mut l = 0f32;
-    for o in row.iter_mut() {
-        *o = (*o - m).exp();
-        l += *o;
-    }
-    row.iter_mut().for_each(|o| *o /= l);
+    row.iter_mut().for_each(|o| *o = exp_f32(*o - m));
+    let inv = 1.0 / sum_f32(row);
+    row.iter_mut().for_each(|o| *o *= inv);
 }
 
 /// Layer normalization over the last axis: `(x − mean) / √(var + eps) · w + b`

@@ -4,6 +4,7 @@
 //! scatter-add of rows (k-means, the embedding's gradient).
 //! kernels/rows.cu on CUDA, the same loops on the CPU.
 
+use crate::cpu::math::{erf_f32, exp_f32, simd};
 use crate::cpu::storage::{f32s, range, slice};
 use candle_core::{backend::BackendStorage, bail, CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
@@ -70,36 +71,17 @@ fn gelu_bwd(x: &Tensor, b: &Tensor, g: &Tensor) -> Result<Tensor> {
     x.contiguous()?.apply_op3_no_bwd(b, &g.to_dtype(x.dtype())?.contiguous()?, &GeluBwd)
 }
 
-/// erf(x) in F32 as a rational function of x (odd over even polynomials
-/// in x², the inputs clamped to ±4 where erf is ±1 in F32): absolute error
-/// under 5e-7, no branch and no call, so that the GELU loops vectorize.
-/// Coefficients of Eigen's / TensorFlow's `erf` for floats.
-#[inline]
-fn erf_f32(x: f32) -> f32 {
-    let x = x.clamp(-4.0, 4.0);
-    let x2 = x * x;
-    let mut p = -2.726_142_3e-10_f32;
-    for a in [2.770_681_4e-8, -2.101_024e-6, -5.692_506_4e-5, -7.349_906e-4, -2.954_6e-3, -1.609_603_3e-2] {
-        p = p * x2 + a;
-    }
-    let mut q = -1.456_607_2e-5_f32;
-    for b in [-2.133_740_6e-4, -1.682_827e-3, -7.373_329e-3, -1.426_474e-2] {
-        q = q * x2 + b;
-    }
-    x * p / q
-}
-
 /// GELU(z) = z·Φ(z) in F32.
-#[inline]
+#[inline(always)]
 fn gelu_f32(z: f32) -> f32 {
     0.5 * z * (1.0 + erf_f32(z * std::f32::consts::FRAC_1_SQRT_2))
 }
 
 /// GELU'(z) = Φ(z) + z·φ(z) in F32.
-#[inline]
+#[inline(always)]
 fn gelu_grad_f32(z: f32) -> f32 {
     let cdf = 0.5 * (1.0 + erf_f32(z * std::f32::consts::FRAC_1_SQRT_2));
-    cdf + z * (-0.5 * z * z).exp() * (0.5 * std::f32::consts::FRAC_2_SQRT_PI * std::f32::consts::FRAC_1_SQRT_2)
+    cdf + z * exp_f32(-0.5 * z * z) * (0.5 * std::f32::consts::FRAC_2_SQRT_PI * std::f32::consts::FRAC_1_SQRT_2)
 }
 
 /// GELU(z) = z·Φ(z) and its derivative Φ(z) + z·φ(z), in f64.
@@ -244,7 +226,7 @@ fn bias_map(
     extra: Option<(&CpuStorage, &Layout)>,
     f: BiasFn<impl Fn(f32, f32) -> f32 + Sync, impl Fn(f64, f64) -> f64 + Sync>,
 ) -> Result<CpuStorage> {
-    fn go<T: Copy + Send + Sync, A: Copy + Send + Sync + Default + std::ops::Add<Output = A>>(
+    fn go<T: Copy + Default + Send + Sync, A: Copy + Send + Sync + Default + std::ops::Add<Output = A>>(
         x: &[T],
         b: &[A],
         e: Option<&[A]>,
@@ -252,12 +234,26 @@ fn bias_map(
         put: impl Fn(A) -> T + Sync,
         f: impl Fn(A, A) -> A + Sync,
     ) -> Vec<T> {
+        // Row by row, so that the inner loop has no index arithmetic and
+        // vectorizes; rows in parallel, in tasks of at least 4096 elements.
         let c = b.len().max(1);
-        x.par_iter()
-            .enumerate()
-            .with_min_len(4096)
-            .map(|(i, &v)| put(f(get(v) + b[i % c], e.map_or(A::default(), |e| e[i]))))
-            .collect()
+        let rows = (4096 / c).max(1) * c;
+        let mut out = vec![T::default(); x.len()];
+        let row = |o: &mut [T], x: &[T], e: Option<&[A]>| match e {
+            Some(e) => o.iter_mut().zip(x).zip(b).zip(e).for_each(|(((o, &v), &b), &e)| *o = put(f(get(v) + b, e))),
+            None => o.iter_mut().zip(x).zip(b).for_each(|((o, &v), &b)| *o = put(f(get(v) + b, A::default()))),
+        };
+        out.par_chunks_mut(rows).zip(x.par_chunks(rows)).enumerate().for_each(|(t, (o, x))| {
+            simd(
+                #[inline(always)]
+                || {
+                    for (r, (o, x)) in o.chunks_mut(c).zip(x.chunks(c)).enumerate() {
+                        row(o, x, e.map(|e| &e[t * rows + r * c..][..c]));
+                    }
+                },
+            )
+        });
+        out
     }
     let (xa, xb) = range("x", lx)?;
     if let CpuStorage::F64(v) = x {
