@@ -146,7 +146,8 @@ pub mod plaid {
 pub mod nn {
     //! Encoder building blocks with fused CUDA kernels and a CPU op of the
     //! same semantics, each with a closed-form backward: the attention
-    //! softmax (scale, additive mask and softmax in one pass), layer norm
+    //! softmax (scale, additive mask and softmax in one pass), multi-head
+    //! attention, the linear projection (tiled on all CPU cores), layer norm
     //! with F32 statistics, bias + GELU, embedding lookup, row scatter-add,
     //! and the top-k of each row.
     //!
@@ -163,6 +164,7 @@ pub mod nn {
     //! # Ok::<(), candle_core::Error>(())
     //! ```
     pub use crate::ops::encoder::{attention, attention_softmax, layer_norm};
+    pub use crate::ops::linear::linear;
     pub use crate::ops::rows::{add_bias, add_bias_gelu, embedding, scatter_add_rows};
     pub use crate::ops::topk::{topk_rows, TOPK_MAX_K};
 }

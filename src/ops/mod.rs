@@ -6,6 +6,7 @@
 pub(crate) mod dense;
 pub(crate) mod encoder;
 pub(crate) mod hidden;
+pub(crate) mod linear;
 pub(crate) mod maxsim;
 pub(crate) mod normalize;
 pub(crate) mod optim;

@@ -77,3 +77,14 @@ pub fn embedding(table: &Tensor, ids: &Tensor) -> Result<Tensor> {
     shape.push(table.dim(1)?);
     table.index_select(&ids.flatten_all()?, 0)?.reshape(shape)
 }
+
+/// Naive [`crate::nn::linear`]: `x · wᵀ + b` by candle's matmul in F64,
+/// rounded to `x`'s dtype (differentiable).
+pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
+    let (x64, w64) = (x.to_dtype(DType::F64)?, w.to_dtype(DType::F64)?);
+    let mut y = x64.broadcast_matmul(&w64.t()?)?;
+    if let Some(b) = b {
+        y = y.broadcast_add(&b.to_dtype(DType::F64)?)?;
+    }
+    y.to_dtype(x.dtype())
+}

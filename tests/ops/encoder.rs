@@ -1,5 +1,5 @@
-//! `attention_softmax`, `layer_norm` and `embedding` (src/ops/encoder.rs,
-//! src/ops/rows.rs) against their naive versions in `reference`: forward
+//! `attention_softmax`, `attention`, `linear`, `layer_norm` and `embedding`
+//! (src/ops/encoder.rs, src/ops/linear.rs, src/ops/rows.rs) against their naive versions in `reference`: forward
 //! values and, through candle's autograd of the naive side in F64, every
 //! gradient.
 
@@ -210,3 +210,58 @@ fn embedding_matches_index_select(dev: &Device) -> Result<()> {
 }
 
 test_device!(embedding_matches_index_select, embedding_matches_index_select_cpu, embedding_matches_index_select_cuda);
+
+/// The linear projection against `x · wᵀ + b` in F64: rank-2 and rank-3
+/// inputs, row counts below, at and across the CPU op's 512-row tiles, an
+/// odd output width (unequal column tiles), with and without a bias; the
+/// gradients of x, w and b through candle's autograd of the reference. In
+/// a pool of one thread and of eight: the CPU op tiles from five threads.
+fn linear_matches_reference(dev: &Device) -> Result<()> {
+    for threads in [1, 8] {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().map_err(candle_core::Error::wrap)?;
+        pool.install(|| linear_cases(dev))?;
+    }
+    let t = |s: &[usize]| randn(s, DType::F32, dev);
+    expect_err(ms::nn::linear(&t(&[4, 6])?, &t(&[3, 5])?, None), "w");
+    expect_err(ms::nn::linear(&t(&[4, 6])?, &t(&[3, 6, 1])?, None), "w");
+    expect_err(ms::nn::linear(&t(&[4, 6])?, &t(&[3, 6])?, Some(&t(&[4])?)), "b");
+    Ok(())
+}
+
+fn linear_cases(dev: &Device) -> Result<()> {
+    let cpu = Device::Cpu;
+    for (dt, tol) in [(DType::F32, 1e-5), (DType::F16, 3e-3), (DType::BF16, 2e-2)] {
+        for &(lead, k, n, bias) in &[(&[3][..], 5, 7, true), (&[2, 300][..], 24, 33, false), (&[1030][..], 17, 1, true)]
+        {
+            let what = format!("linear {lead:?}x{k} -> {n} bias {bias} {dt:?} on {dev:?}");
+            let xs: Vec<usize> = lead.iter().copied().chain([k]).collect();
+            let (x, w, b) = (randn(&xs, dt, &cpu)?, randn(&[n, k], dt, &cpu)?, randn(&[n], DType::F32, &cpu)?);
+            let b = bias.then_some(&b);
+            let want = reference::nn::linear(&x, &w, b)?;
+            let g = |t: &Tensor| t.to_device(dev);
+            let vars = [&x, &w].map(|t| g(t).and_then(|t| Var::from_tensor(&t)).expect("a var"));
+            let bv = b.map(|b| Var::from_tensor(&g(b)?)).transpose()?;
+            let y = ms::nn::linear(vars[0].as_tensor(), vars[1].as_tensor(), bv.as_ref().map(|v| v.as_tensor()))?;
+            assert_eq!(y.dims(), want.dims(), "{what}");
+            assert_close(&what, &y, &want, tol)?;
+            let wt = randn(want.dims(), DType::F64, &cpu)?;
+            let gr = y.to_dtype(DType::F64)?.mul(&g(&wt)?)?.sum_all()?.backward()?;
+            let f64v = |t: &Tensor| Var::from_tensor(&t.to_dtype(DType::F64).expect("f64")).expect("a var");
+            let (xr, wr, br) = (f64v(&x), f64v(&w), b.map(f64v));
+            let yr = reference::nn::linear(xr.as_tensor(), wr.as_tensor(), br.as_ref().map(|v| v.as_tensor()))?;
+            let grf = yr.mul(&wt)?.sum_all()?.backward()?;
+            let mut pairs = vec![("x", &vars[0], &xr), ("w", &vars[1], &wr)];
+            if let (Some(bv), Some(br)) = (&bv, &br) {
+                pairs.push(("b", bv, br));
+            }
+            for (name, ours, theirs) in pairs {
+                let a = gr.get(ours.as_tensor()).expect("a gradient").to_device(&cpu)?;
+                let e = grf.get(theirs.as_tensor()).expect("a gradient");
+                assert_close(&format!("{what} grad {name}"), &a, e, tol.max(grad_tol(dt)))?;
+            }
+        }
+    }
+    Ok(())
+}
+
+test_device!(linear_matches_reference, linear_matches_reference_cpu, linear_matches_reference_cuda);

@@ -26,7 +26,8 @@ fn linear_act(x: &Tensor, w: &Tensor, b: Option<&Tensor>, act: Option<Act>) -> R
     let dims = x.dims().to_vec();
     let (inner, out) = (dims[dims.len() - 1], w.dim(0)?);
     let rows = x.elem_count() / inner.max(1);
-    let mut y = x.reshape((rows, inner))?.matmul(&w.t()?)?;
+    // The product alone: tiled on all cores on the CPU (F32), cuBLAS on CUDA.
+    let mut y = candle_maxsim::nn::linear(&x.reshape((rows, inner))?, &w, None)?;
     match (b, act) {
         (Some(b), Some(Act::Gelu)) => y = candle_maxsim::nn::add_bias_gelu(&y, b)?,
         (b, act) => {
