@@ -3,9 +3,9 @@
 //! [`crate::nn::add_bias`]. On the CPU in F32 the product is split into
 //! tiles of `ROW_TILE` rows × half the outputs, each one single-threaded
 //! `gemm` call, the tiles on all cores: candle's matmul parallelizes inside
-//! one `gemm` call, which on 16 Xeon cores reached 590-890 GFLOP/s at
+//! one `gemm` call, which on 16 Xeon cores reached 594-890 GFLOP/s at
 //! MiniLM's shapes (5 120 × 384 × 384 … 1 536) where the tiles reach
-//! 810-1 205 (H200 host, 2026-12-03); on 2 cores (AMD EPYC) candle's
+//! 809-1 205 (H200 host, 2026-12-03); on 2 cores (AMD EPYC) candle's
 //! was 8 % faster over the whole encoder, so up to `MIN_TILED_THREADS`
 //! threads it stays. Every element is the same `gemm` dot product either
 //! way (bitwise equal in those measurements), whatever the thread count.
