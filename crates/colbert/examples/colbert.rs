@@ -167,6 +167,7 @@ fn hub_model(id: &str) -> Result<PathBuf> {
 }
 
 fn main() -> Result<()> {
+    cli::keep_freed_memory();
     run(&Args::parse())
 }
 

@@ -47,6 +47,7 @@ struct Args {
 }
 
 fn main() -> Result<()> {
+    cli::keep_freed_memory();
     let args = Args::parse();
     let device = cli::device(args.cuda)?;
     let dtype = match args.dtype.as_deref() {

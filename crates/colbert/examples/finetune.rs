@@ -180,6 +180,7 @@ pub(crate) struct Args {
 }
 
 fn main() -> Result<()> {
+    cli::keep_freed_memory();
     let a = Args::parse();
     let dev = cli::device(a.cuda)?;
     let dtype = match a.dtype {
