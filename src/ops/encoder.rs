@@ -53,11 +53,11 @@ pub fn attention_softmax(scores: &Tensor, bias: &Tensor, scale: f64) -> Result<T
 /// `k` and `v` `[B, Lk, H·dh]` (one dtype), `bias` as for
 /// [`attention_softmax`] → `[B, Lq, H·dh]` (the layout the output
 /// projection takes, no transposes). The same function as the composed
-/// `matmul`, [`attention_softmax`], `matmul`, which runs on CUDA and for
-/// 16-bit types; on the CPU, F32 runs one fused task per (batch, head) on
-/// all cores (the scores of one head in a buffer of its own, never a
-/// `[B, H, Lq, Lk]` tensor, no head-major copies), its backward the
-/// closed form from the recomputed probabilities.
+/// `matmul`, [`attention_softmax`], `matmul`, which runs on CUDA; on the
+/// CPU one fused F32 task per (batch, head) on all cores (16-bit inputs
+/// widened, the result rounded once; the scores of one head in a buffer of
+/// its own, never a `[B, H, Lq, Lk]` tensor, no head-major copies), its
+/// backward the closed form from the recomputed probabilities.
 pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor, heads: usize, scale: f64) -> Result<Tensor> {
     let (b, lq, hd) =
         q.dims3().map_err(|_| candle_core::Error::Msg(format!("q: expected [B, Lq, H·dh], got {:?}", q.dims())))?;
@@ -74,6 +74,11 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor, heads: usize
         bail!("v: {} keys' values for {} keys", v.dim(1)?, k.dim(1)?)
     }
     let (lk, dh) = (k.dim(1)?, hd / heads);
+    if q.device().is_cpu() && matches!(q.dtype(), DType::F16 | DType::BF16) && b * lq * lk > 0 {
+        // No fast 16-bit matmul on candle's CPU: the fused F32 op, rounded once.
+        let f = |t: &Tensor| t.to_dtype(DType::F32);
+        return attention(&f(q)?, &f(k)?, &f(v)?, bias, heads, scale)?.to_dtype(q.dtype());
+    }
     let fused = q.device().is_cpu() && q.dtype() == DType::F32;
     if !fused || b * lq * lk == 0 {
         let split = |t: &Tensor, l: usize| t.reshape((b, l, heads, dh))?.transpose(1, 2)?.contiguous();

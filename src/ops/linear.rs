@@ -24,8 +24,9 @@ const MIN_TILED_THREADS: usize = 5;
 
 /// `x · wᵀ (+ b)` for `x [.., K]`, `w [N, K]` (a linear layer's weight, as
 /// stored) and `b [N]`, in `x`'s dtype → `[.., N]`. Differentiable in all
-/// three; on the CPU in F32 a tiled parallel product (see the module docs),
-/// elsewhere candle's matmul.
+/// three; on the CPU a tiled parallel product in F32 (16-bit inputs widened
+/// and the result rounded once; see the module docs), elsewhere candle's
+/// matmul.
 pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
     let k = match x.dims().last() {
         Some(&k) => k,
@@ -43,6 +44,12 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
     *shape.last_mut().expect("rank ≥ 1") = n;
     let m = x.elem_count() / k.max(1);
     let x2 = x.reshape((m, k))?;
+    if x.device().is_cpu() && matches!(x.dtype(), DType::F16 | DType::BF16) {
+        // candle's CPU matmul has no fast 16-bit path (BF16 ran at a quarter
+        // of F32's speed in the encoder): compute in F32, round once.
+        let y = linear(&x.to_dtype(DType::F32)?, &w.to_dtype(DType::F32)?, b)?;
+        return y.to_dtype(x.dtype());
+    }
     let tiled = x.device().is_cpu() && x.dtype() == DType::F32 && rayon::current_num_threads() >= MIN_TILED_THREADS;
     let y = if tiled && m * n * k > 0 {
         x2.contiguous()?.apply_op2(&w.contiguous()?, MatmulT)?
