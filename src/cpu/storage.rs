@@ -44,6 +44,20 @@ pub(crate) fn tensor_slice<'a, T: WithDType>(arg: &str, s: &'a Storage, l: &Layo
     }
 }
 
+/// A vector of `n` elements that `fill` writes, without zeroing them first
+/// (a large output's memset runs on the calling thread alone, which on
+/// many cores costs as much as the parallel work it precedes).
+///
+/// # Safety
+/// `fill` must write every element of the slice it is given.
+pub(crate) unsafe fn filled<T>(n: usize, fill: impl FnOnce(&mut [std::mem::MaybeUninit<T>])) -> Vec<T> {
+    let mut v = Vec::with_capacity(n);
+    fill(&mut v.spare_capacity_mut()[..n]);
+    // SAFETY: the caller's promise: `fill` wrote all n elements.
+    unsafe { v.set_len(n) };
+    v
+}
+
 /// F32 values as a storage of `dtype`, each rounded once (widened for F64).
 pub(crate) fn store(v: Vec<f32>, dtype: DType) -> Result<CpuStorage> {
     Ok(match dtype {

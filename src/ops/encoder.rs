@@ -7,7 +7,7 @@
 //! and rounded once to the input's dtype.
 
 use crate::cpu::math::{exp_f32, max_f32, simd, sum_f32};
-use crate::cpu::storage::{f32s, store};
+use crate::cpu::storage::{f32s, filled, store};
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
@@ -151,70 +151,74 @@ impl CustomOp3 for CpuAttention {
         let (b, h, lq, lk) = (self.batch, s.heads, s.lq, s.lk);
         let hd = lq_.dims()[2];
         let dh = hd / h;
-        let mut out = vec![0f32; b * lq * hd];
-        let dst = OutPtr(out.as_mut_ptr());
-        (0..b * h).into_par_iter().for_each_init(
-            || vec![0f32; lq * lk],
-            |scores, task| {
-                let (bi, hi) = (task / h, task % h);
-                let (qb, kb, vb) =
-                    (&q[bi * lq * hd + hi * dh..], &k[bi * lk * hd + hi * dh..], &v[bi * lk * hd + hi * dh..]);
-                // SAFETY: row-major strided views within q, k, v and this task's block of out
-                // (rows of H·dh, columns hi·dh .. hi·dh + dh); sizes as the shapes say.
-                unsafe {
-                    gemm::gemm(
-                        lq,
-                        lk,
-                        dh,
-                        scores.as_mut_ptr(),
-                        1,
-                        lk as isize,
-                        false,
-                        qb.as_ptr(),
-                        1,
-                        hd as isize,
-                        kb.as_ptr(),
-                        hd as isize,
-                        1,
-                        0f32,
-                        1f32,
-                        false,
-                        false,
-                        false,
-                        gemm::Parallelism::None,
-                    );
-                }
-                for (r, row) in scores.chunks_mut(lk).enumerate() {
-                    let br = &bias[bi * s.bias_b + r * s.bias_i..][..lk];
-                    softmax_row(row, br, s.scale);
-                }
-                let ob = dst.at(bi * lq * hd + hi * dh);
-                // SAFETY: as above; this task alone writes rows of its head's columns.
-                unsafe {
-                    gemm::gemm(
-                        lq,
-                        dh,
-                        lk,
-                        ob,
-                        1,
-                        hd as isize,
-                        false,
-                        scores.as_ptr(),
-                        1,
-                        lk as isize,
-                        vb.as_ptr(),
-                        1,
-                        hd as isize,
-                        0f32,
-                        1f32,
-                        false,
-                        false,
-                        false,
-                        gemm::Parallelism::None,
-                    );
-                }
-            },
-        );
+        let fill = |out: &mut [std::mem::MaybeUninit<f32>]| {
+            let dst = OutPtr(out.as_mut_ptr().cast());
+            (0..b * h).into_par_iter().for_each_init(
+                || vec![0f32; lq * lk],
+                |scores, task| {
+                    let (bi, hi) = (task / h, task % h);
+                    let (qb, kb, vb) =
+                        (&q[bi * lq * hd + hi * dh..], &k[bi * lk * hd + hi * dh..], &v[bi * lk * hd + hi * dh..]);
+                    // SAFETY: row-major strided views within q, k, v and this task's block of out
+                    // (rows of H·dh, columns hi·dh .. hi·dh + dh); sizes as the shapes say.
+                    unsafe {
+                        gemm::gemm(
+                            lq,
+                            lk,
+                            dh,
+                            scores.as_mut_ptr(),
+                            1,
+                            lk as isize,
+                            false,
+                            qb.as_ptr(),
+                            1,
+                            hd as isize,
+                            kb.as_ptr(),
+                            hd as isize,
+                            1,
+                            0f32,
+                            1f32,
+                            false,
+                            false,
+                            false,
+                            gemm::Parallelism::None,
+                        );
+                    }
+                    for (r, row) in scores.chunks_mut(lk).enumerate() {
+                        let br = &bias[bi * s.bias_b + r * s.bias_i..][..lk];
+                        softmax_row(row, br, s.scale);
+                    }
+                    let ob = dst.at(bi * lq * hd + hi * dh);
+                    // SAFETY: as above; this task alone writes rows of its head's columns.
+                    unsafe {
+                        gemm::gemm(
+                            lq,
+                            dh,
+                            lk,
+                            ob,
+                            1,
+                            hd as isize,
+                            false,
+                            scores.as_ptr(),
+                            1,
+                            lk as isize,
+                            vb.as_ptr(),
+                            1,
+                            hd as isize,
+                            0f32,
+                            1f32,
+                            false,
+                            false,
+                            false,
+                            gemm::Parallelism::None,
+                        );
+                    }
+                },
+            );
+        };
+        // SAFETY: the (batch, head) tasks cover every element of the output
+        // once; gemm with alpha 0 and no read of dst writes all of its block.
+        let out = unsafe { filled(b * lq * hd, fill) };
         Ok((CpuStorage::F32(out), Shape::from((b, lq, hd))))
     }
 
@@ -430,13 +434,17 @@ impl LayerNorm {
     fn cpu(&self, x: &CpuStorage, lx: &Layout, w: &[f32], b: &[f32]) -> Result<CpuStorage> {
         let x32 = f32s("x", x, lx)?;
         let c = w.len().max(1);
-        let mut y = vec![0f32; x32.len()];
-        y.par_chunks_mut(c).zip(x32.par_chunks(c)).with_min_len(ROWS_PER_TASK).for_each(|(yr, r)| {
-            let (mean, rstd) = row_stats(r, self.eps);
-            for (j, (o, &v)) in yr.iter_mut().zip(r).enumerate() {
-                *o = (v - mean) * rstd * w[j] + b[j];
-            }
-        });
+        // SAFETY: the rows cover y, and each row's loop writes all of it.
+        let y = unsafe {
+            filled(x32.len(), |y| {
+                y.par_chunks_mut(c).zip(x32.par_chunks(c)).with_min_len(ROWS_PER_TASK).for_each(|(yr, r)| {
+                    let (mean, rstd) = row_stats(r, self.eps);
+                    for (j, (o, &v)) in yr.iter_mut().zip(r).enumerate() {
+                        o.write((v - mean) * rstd * w[j] + b[j]);
+                    }
+                })
+            })
+        };
         store(y, x.dtype())
     }
 

@@ -10,7 +10,7 @@
 //! threads it stays. Every element is the same `gemm` dot product either
 //! way (bitwise equal in those measurements), whatever the thread count.
 
-use crate::cpu::storage::slice;
+use crate::cpu::storage::{filled, slice};
 use candle_core::{bail, CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
@@ -82,43 +82,47 @@ impl CustomOp2 for MatmulT {
         let (x, w) = (slice::<f32>("x", x, lx)?, slice::<f32>("w", w, lw)?);
         let (m, k) = lx.shape().dims2()?;
         let n = lw.dims()[0];
-        let mut out = vec![0f32; m * n];
-        let dst = OutPtr(out.as_mut_ptr());
         let cb = n.div_ceil(COL_TILES);
         let tiles = m.div_ceil(ROW_TILE) * COL_TILES;
-        (0..tiles).into_par_iter().for_each(|t| {
-            let (r0, c0) = ((t / COL_TILES) * ROW_TILE, (t % COL_TILES) * cb);
-            let (rows, cols) = (ROW_TILE.min(m - r0), cb.min(n.saturating_sub(c0)));
-            if cols == 0 {
-                return;
-            }
-            let o = dst;
-            // SAFETY: rows r0..r0+rows of x, rows c0..c0+cols of w, and this
-            // tile's block of out (row stride n), all within the buffers.
-            unsafe {
-                gemm::gemm(
-                    rows,
-                    cols,
-                    k,
-                    o.0.add(r0 * n + c0),
-                    1,
-                    n as isize,
-                    false,
-                    x.as_ptr().add(r0 * k),
-                    1,
-                    k as isize,
-                    w.as_ptr().add(c0 * k),
-                    k as isize,
-                    1,
-                    0f32,
-                    1f32,
-                    false,
-                    false,
-                    false,
-                    gemm::Parallelism::None,
-                );
-            }
-        });
+        let fill = |out: &mut [std::mem::MaybeUninit<f32>]| {
+            let dst = OutPtr(out.as_mut_ptr().cast());
+            (0..tiles).into_par_iter().for_each(|t| {
+                let (r0, c0) = ((t / COL_TILES) * ROW_TILE, (t % COL_TILES) * cb);
+                let (rows, cols) = (ROW_TILE.min(m - r0), cb.min(n.saturating_sub(c0)));
+                if cols == 0 {
+                    return;
+                }
+                let o = dst;
+                // SAFETY: rows r0..r0+rows of x, rows c0..c0+cols of w, and this
+                // tile's block of out (row stride n), all within the buffers.
+                unsafe {
+                    gemm::gemm(
+                        rows,
+                        cols,
+                        k,
+                        o.0.add(r0 * n + c0),
+                        1,
+                        n as isize,
+                        false,
+                        x.as_ptr().add(r0 * k),
+                        1,
+                        k as isize,
+                        w.as_ptr().add(c0 * k),
+                        k as isize,
+                        1,
+                        0f32,
+                        1f32,
+                        false,
+                        false,
+                        false,
+                        gemm::Parallelism::None,
+                    );
+                }
+            })
+        };
+        // SAFETY: the tiles cover every (row, column) of the output once, and
+        // gemm with alpha 0 and no read of dst writes every element of its block.
+        let out = unsafe { filled(m * n, fill) };
         Ok((CpuStorage::F32(out), Shape::from((m, n))))
     }
 

@@ -5,9 +5,10 @@
 //! kernels/rows.cu on CUDA, the same loops on the CPU.
 
 use crate::cpu::math::{erf_f32, exp_f32, simd};
-use crate::cpu::storage::{f32s, range, slice};
+use crate::cpu::storage::{f32s, filled, range, slice};
 use candle_core::{backend::BackendStorage, bail, CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
+use std::mem::MaybeUninit;
 
 /// `[N, C]` rows of `src` `[R, C]` picked by `idx` `[N]` U32, zero rows
 /// where `idx ≥ R` (each output row written once).
@@ -226,7 +227,7 @@ fn bias_map(
     extra: Option<(&CpuStorage, &Layout)>,
     f: BiasFn<impl Fn(f32, f32) -> f32 + Sync, impl Fn(f64, f64) -> f64 + Sync>,
 ) -> Result<CpuStorage> {
-    fn go<T: Copy + Default + Send + Sync, A: Copy + Send + Sync + Default + std::ops::Add<Output = A>>(
+    fn go<T: Copy + Send + Sync, A: Copy + Send + Sync + Default + std::ops::Add<Output = A>>(
         x: &[T],
         b: &[A],
         e: Option<&[A]>,
@@ -237,23 +238,37 @@ fn bias_map(
         // Row by row, so that the inner loop has no index arithmetic and
         // vectorizes; rows in parallel, in tasks of at least 4096 elements.
         let c = b.len().max(1);
+        // Whole rows, each with its bias (bias_op checked the shapes).
+        assert!(
+            x.len().is_multiple_of(c) && (b.len() == c || x.is_empty()),
+            "bias_map: {} elements, bias of {}",
+            x.len(),
+            b.len()
+        );
         let rows = (4096 / c).max(1) * c;
-        let mut out = vec![T::default(); x.len()];
-        let row = |o: &mut [T], x: &[T], e: Option<&[A]>| match e {
-            Some(e) => o.iter_mut().zip(x).zip(b).zip(e).for_each(|(((o, &v), &b), &e)| *o = put(f(get(v) + b, e))),
-            None => o.iter_mut().zip(x).zip(b).for_each(|((o, &v), &b)| *o = put(f(get(v) + b, A::default()))),
+        let row = |o: &mut [MaybeUninit<T>], x: &[T], e: Option<&[A]>| match e {
+            Some(e) => o.iter_mut().zip(x).zip(b).zip(e).for_each(|(((o, &v), &b), &e)| {
+                o.write(put(f(get(v) + b, e)));
+            }),
+            None => o.iter_mut().zip(x).zip(b).for_each(|((o, &v), &b)| {
+                o.write(put(f(get(v) + b, A::default())));
+            }),
         };
-        out.par_chunks_mut(rows).zip(x.par_chunks(rows)).enumerate().for_each(|(t, (o, x))| {
-            simd(
-                #[inline(always)]
-                || {
-                    for (r, (o, x)) in o.chunks_mut(c).zip(x.chunks(c)).enumerate() {
-                        row(o, x, e.map(|e| &e[t * rows + r * c..][..c]));
-                    }
-                },
-            )
-        });
-        out
+        // SAFETY: the tasks cover `out` in rows of c, each written whole (b has c elements).
+        unsafe {
+            filled(x.len(), |out| {
+                out.par_chunks_mut(rows).zip(x.par_chunks(rows)).enumerate().for_each(|(t, (o, x))| {
+                    simd(
+                        #[inline(always)]
+                        || {
+                            for (r, (o, x)) in o.chunks_mut(c).zip(x.chunks(c)).enumerate() {
+                                row(o, x, e.map(|e| &e[t * rows + r * c..][..c]));
+                            }
+                        },
+                    )
+                });
+            })
+        }
     }
     let (xa, xb) = range("x", lx)?;
     if let CpuStorage::F64(v) = x {
