@@ -106,6 +106,20 @@ pub(crate) fn sum_f32(v: &[f32]) -> f32 {
     acc.iter().sum::<f32>() + tail.iter().sum::<f32>()
 }
 
+/// Σ x² accumulated in F64, in a fixed order (the same for any thread count).
+#[inline(always)]
+pub(crate) fn sum_sq_f64(v: &[f32]) -> f64 {
+    let mut acc = [0f64; LANES / 2];
+    let chunks = v.chunks_exact(LANES / 2);
+    let tail = chunks.remainder();
+    for c in chunks {
+        for (a, &x) in acc.iter_mut().zip(c) {
+            *a += x as f64 * x as f64;
+        }
+    }
+    acc.iter().sum::<f64>() + tail.iter().map(|&x| x as f64 * x as f64).sum::<f64>()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -146,6 +160,8 @@ mod tests {
             assert_eq!(max_f32(s), s.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x)));
             let want: f64 = s.iter().map(|&x| x as f64).sum();
             assert!((sum_f32(s) as f64 - want).abs() <= 1e-5 * want.abs().max(1.0));
+            let want: f64 = s.iter().map(|&x| x as f64 * x as f64).sum();
+            assert!((sum_sq_f64(s) - want).abs() <= 1e-12 * want.max(1.0));
         }
     }
 }

@@ -3,6 +3,7 @@
 //! one covers the dtype / dim / nbits) and compression (an op).
 
 use super::bits::{bucket_index, check_nbits, pack_bucket_indices};
+use crate::cpu::math::{simd, sum_sq_f64};
 use crate::cpu::storage::{f32s, store};
 use crate::layout::{check_device, check_float, check_rank};
 use candle_core::{backend::BackendStorage, bail, CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
@@ -195,15 +196,21 @@ impl ResidualCodec {
             }
             let row = &res[t * w..(t + 1) * w];
             let cent = &cents[c as usize * dim..][..dim];
-            for ((o, c), &b) in o.chunks_mut(per).zip(cent.chunks(per)).zip(row) {
-                let wb = &byte_weights[b as usize * per..][..per];
-                o.iter_mut().zip(c).zip(wb).for_each(|((o, &c), &w)| *o = c + w);
-            }
-            if normalize {
-                // As l2_normalize: x / max(‖x‖, 1e-12), the norm accumulated in F64.
-                let n = o.iter().map(|&v| (v as f64) * (v as f64)).sum::<f64>().sqrt().max(1e-12);
-                o.iter_mut().for_each(|v| *v = (*v as f64 / n) as f32);
-            }
+            simd(
+                #[inline(always)]
+                || {
+                    for ((o, c), &b) in o.chunks_mut(per).zip(cent.chunks(per)).zip(row) {
+                        let wb = &byte_weights[b as usize * per..][..per];
+                        o.iter_mut().zip(c).zip(wb).for_each(|((o, &c), &w)| *o = c + w);
+                    }
+                    if normalize {
+                        // As l2_normalize: x / max(‖x‖, 1e-12), the norm accumulated
+                        // in F64 (in lanes, so that it vectorizes; then one reciprocal).
+                        let inv = 1.0 / sum_sq_f64(o).sqrt().max(1e-12);
+                        o.iter_mut().for_each(|v| *v = (*v as f64 * inv) as f32);
+                    }
+                },
+            );
             Ok(())
         })?;
         Ok(out)
