@@ -165,28 +165,66 @@ impl<T> SharedMut<T> {
     }
 }
 
-/// `out[m×n] = a[m×k] · b[n×k]ᵀ`, both row-major with row stride k.
-fn gemm_abt<T: Float>(m: usize, n: usize, k: usize, a: &[T], b: &[T], out: &mut [T]) {
-    debug_assert!(a.len() >= m * k && b.len() >= n * k && out.len() >= m * n);
-    if m == 0 || n == 0 {
-        return;
+/// An output buffer shared by parallel tasks, each of which writes its own
+/// block of it (through [`gemm_into`] or by hand).
+#[derive(Clone, Copy)]
+pub(crate) struct OutPtr(pub(crate) *mut f32);
+// SAFETY: the tasks write disjoint blocks of one live buffer.
+unsafe impl Send for OutPtr {}
+unsafe impl Sync for OutPtr {}
+
+impl OutPtr {
+    /// The element `off` past the start (within the buffer).
+    pub(crate) fn at(self, off: usize) -> *mut f32 {
+        // SAFETY: callers stay within the output buffer.
+        unsafe { self.0.add(off) }
     }
-    // SAFETY: the asserted lengths cover every element addressed by these strides.
+}
+
+/// A strided matrix operand of [`gemm_into`]: its first element and the
+/// distances between rows and between columns.
+#[derive(Clone, Copy)]
+pub(crate) struct Mat<T> {
+    ptr: *const T,
+    row: isize,
+    col: isize,
+}
+
+impl<T> Mat<T> {
+    /// A row-major matrix whose rows start `ld` elements apart.
+    pub(crate) fn rows(ptr: *const T, ld: usize) -> Self {
+        Mat { ptr, row: ld as isize, col: 1 }
+    }
+
+    /// The transpose of a row-major matrix whose rows start `ld` elements apart.
+    pub(crate) fn t(ptr: *const T, ld: usize) -> Self {
+        Mat { ptr, row: 1, col: ld as isize }
+    }
+}
+
+/// `dst[m×n] = a[m×k] · b[k×n]` on the calling thread, `dst` row-major
+/// with rows `ld` apart, never read (every element of the block written).
+///
+/// # Safety
+/// Every element the shapes and strides address lies in a live buffer, and
+/// no one else touches `dst`'s block meanwhile.
+pub(crate) unsafe fn gemm_into<T: Float>(m: usize, n: usize, k: usize, dst: *mut T, ld: usize, a: Mat<T>, b: Mat<T>) {
+    // SAFETY: the caller's promise.
     unsafe {
         gemm::gemm(
             m,
             n,
             k,
-            out.as_mut_ptr(),
+            dst,
             1,
-            n as isize,
+            ld as isize,
             false,
-            a.as_ptr(),
-            1,
-            k as isize,
-            b.as_ptr(),
-            k as isize,
-            1,
+            a.ptr,
+            a.col,
+            a.row,
+            b.ptr,
+            b.col,
+            b.row,
             T::ZERO,
             T::ONE,
             false,
@@ -195,6 +233,16 @@ fn gemm_abt<T: Float>(m: usize, n: usize, k: usize, a: &[T], b: &[T], out: &mut 
             gemm::Parallelism::None,
         )
     }
+}
+
+/// `out[m×n] = a[m×k] · b[n×k]ᵀ`, both row-major with row stride k.
+fn gemm_abt<T: Float>(m: usize, n: usize, k: usize, a: &[T], b: &[T], out: &mut [T]) {
+    debug_assert!(a.len() >= m * k && b.len() >= n * k && out.len() >= m * n);
+    if m == 0 || n == 0 {
+        return;
+    }
+    // SAFETY: the asserted lengths cover every element addressed by these strides.
+    unsafe { gemm_into(m, n, k, out.as_mut_ptr(), n, Mat::rows(a.as_ptr(), k), Mat::t(b.as_ptr(), k)) }
 }
 
 /// Scores (and, if `argmax` is requested, the winning document-local token

@@ -8,6 +8,7 @@
 
 use crate::cpu::math::{exp_f32, max_f32, simd, sum_f32};
 use crate::cpu::storage::{f32s, filled, store};
+use crate::cpu::{gemm_into, Mat, OutPtr};
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
@@ -112,22 +113,6 @@ struct CpuAttention {
     batch: usize,
 }
 
-/// A raw pointer shared by the tasks of [`CpuAttention`], each of which
-/// writes its own (batch, head) block of the output.
-#[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
-// SAFETY: the tasks write disjoint blocks of one live buffer.
-unsafe impl Send for OutPtr {}
-unsafe impl Sync for OutPtr {}
-
-impl OutPtr {
-    /// The element `off` past the start (within the buffer).
-    fn at(self, off: usize) -> *mut f32 {
-        // SAFETY: callers stay within the output buffer.
-        unsafe { self.0.add(off) }
-    }
-}
-
 impl CustomOp3 for CpuAttention {
     fn name(&self) -> &'static str {
         "attention"
@@ -162,28 +147,16 @@ impl CustomOp3 for CpuAttention {
                     // SAFETY: row-major strided views within q, k, v and this task's block of out
                     // (rows of H·dh, columns hi·dh .. hi·dh + dh); sizes as the shapes say.
                     unsafe {
-                        gemm::gemm(
+                        gemm_into(
                             lq,
                             lk,
                             dh,
                             scores.as_mut_ptr(),
-                            1,
-                            lk as isize,
-                            false,
-                            qb.as_ptr(),
-                            1,
-                            hd as isize,
-                            kb.as_ptr(),
-                            hd as isize,
-                            1,
-                            0f32,
-                            1f32,
-                            false,
-                            false,
-                            false,
-                            gemm::Parallelism::None,
-                        );
-                    }
+                            lk,
+                            Mat::rows(qb.as_ptr(), hd),
+                            Mat::t(kb.as_ptr(), hd),
+                        )
+                    };
                     for (r, row) in scores.chunks_mut(lk).enumerate() {
                         let br = &bias[bi * s.bias_b + r * s.bias_i..][..lk];
                         softmax_row(row, br, s.scale);
@@ -191,33 +164,13 @@ impl CustomOp3 for CpuAttention {
                     let ob = dst.at(bi * lq * hd + hi * dh);
                     // SAFETY: as above; this task alone writes rows of its head's columns.
                     unsafe {
-                        gemm::gemm(
-                            lq,
-                            dh,
-                            lk,
-                            ob,
-                            1,
-                            hd as isize,
-                            false,
-                            scores.as_ptr(),
-                            1,
-                            lk as isize,
-                            vb.as_ptr(),
-                            1,
-                            hd as isize,
-                            0f32,
-                            1f32,
-                            false,
-                            false,
-                            false,
-                            gemm::Parallelism::None,
-                        );
-                    }
+                        gemm_into(lq, dh, lk, ob, hd, Mat::rows(scores.as_ptr(), lk), Mat::rows(vb.as_ptr(), hd))
+                    };
                 },
             );
         };
         // SAFETY: the (batch, head) tasks cover every element of the output
-        // once; gemm with alpha 0 and no read of dst writes all of its block.
+        // once, and gemm_into writes all of its block.
         let out = unsafe { filled(b * lq * hd, fill) };
         Ok((CpuStorage::F32(out), Shape::from((b, lq, hd))))
     }

@@ -11,6 +11,7 @@
 //! way (bitwise equal in those measurements), whatever the thread count.
 
 use crate::cpu::storage::{filled, slice};
+use crate::cpu::{gemm_into, Mat, OutPtr};
 use candle_core::{bail, CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
@@ -66,13 +67,6 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
 /// `x [M, K] · w [N, K]ᵀ` in F32 on the CPU, tiled (see the module docs).
 struct MatmulT;
 
-/// The output buffer, shared by the tiles, each of which writes its own block.
-#[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
-// SAFETY: the tiles write disjoint blocks of one live buffer.
-unsafe impl Send for OutPtr {}
-unsafe impl Sync for OutPtr {}
-
 impl CustomOp2 for MatmulT {
     fn name(&self) -> &'static str {
         "linear"
@@ -96,32 +90,20 @@ impl CustomOp2 for MatmulT {
                 // SAFETY: rows r0..r0+rows of x, rows c0..c0+cols of w, and this
                 // tile's block of out (row stride n), all within the buffers.
                 unsafe {
-                    gemm::gemm(
+                    gemm_into(
                         rows,
                         cols,
                         k,
-                        o.0.add(r0 * n + c0),
-                        1,
-                        n as isize,
-                        false,
-                        x.as_ptr().add(r0 * k),
-                        1,
-                        k as isize,
-                        w.as_ptr().add(c0 * k),
-                        k as isize,
-                        1,
-                        0f32,
-                        1f32,
-                        false,
-                        false,
-                        false,
-                        gemm::Parallelism::None,
-                    );
+                        o.at(r0 * n + c0),
+                        n,
+                        Mat::rows(x.as_ptr().add(r0 * k), k),
+                        Mat::t(w.as_ptr().add(c0 * k), k),
+                    )
                 }
             })
         };
         // SAFETY: the tiles cover every (row, column) of the output once, and
-        // gemm with alpha 0 and no read of dst writes every element of its block.
+        // gemm_into writes every element of its block.
         let out = unsafe { filled(m * n, fill) };
         Ok((CpuStorage::F32(out), Shape::from((m, n))))
     }
