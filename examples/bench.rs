@@ -81,7 +81,7 @@ impl Trainer {
 /// case and implementation on stdout (median ms, TFLOP/s, peak device memory).
 #[derive(Parser)]
 #[command(name = "bench", args_override_self = true)]
-#[command(group = ArgGroup::new("mode").args(["train", "residual", "plaid_approx", "hidden"]))]
+#[command(group = ArgGroup::new("mode").args(["train", "residual", "plaid_approx", "hidden", "attention"]))]
 struct Args {
     /// A case of Nq queries of Lq tokens against Nd documents of Ld tokens of
     /// width dim, named custom_0, custom_1, ... in order (repeatable; default:
@@ -118,6 +118,12 @@ struct Args {
     /// linear + bias + `l2_normalize` + `maxsim`.
     #[arg(long)]
     hidden: bool,
+    /// Time `nn::attention_varlen` (forward, and forward + backward of the
+    /// sum of its output) against the padded `nn::attention` on the same
+    /// rows: B sequences of L tokens, H heads of dh, with and without a
+    /// sliding window (bench/attention_peers.py times torch's SDPA on them).
+    #[arg(long)]
+    attention: bool,
     /// Score L2-normalized queries and documents (MaxSim and --train cases).
     #[arg(long)]
     normalize: bool,
@@ -185,6 +191,8 @@ impl Args {
             &["fused", "decompress_then_maxsim"]
         } else if self.hidden {
             &["fused", "unfused", "fused_train", "unfused_train", "fused_grads"]
+        } else if self.attention {
+            &["varlen", "varlen_train", "padded", "padded_train"]
         } else if self.train {
             &["unified", "lowmem", "lowmem_grads", "reference"]
         } else {
@@ -251,6 +259,67 @@ fn gpu_time(dev: &candle_core::CudaDevice, iters: usize, f: &dyn Fn() -> Result<
     let mut ts = runs.iter().map(|(a, b, _)| Ok(a.elapsed_ms(b)? as f64)).collect::<Result<Vec<_>>>()?;
     ts.sort_by(f64::total_cmp);
     Ok(ts[ts.len() / 2])
+}
+
+/// `--attention`: (B, L, H, dh, window) cases of an encoder's attention:
+/// MiniLM (12 x 32), BERT-base (12 x 64) and ModernBERT-base's global and
+/// local (window 64 each side) layers, 512 tokens; 128-wide heads. TFLOP/s
+/// count the dense FLOPs (4 B H L² dh forward, 2.5x that backward) and,
+/// with a window, only the visible pairs.
+fn attention_bench(dev: &Device, args: &Args) -> Result<()> {
+    let cases: [(usize, usize, usize, usize, Option<usize>); 5] = [
+        (32, 180, 12, 32, None),
+        (32, 512, 12, 64, None),
+        (32, 512, 12, 64, Some(64)),
+        (16, 512, 16, 128, None),
+        (4, 4096, 12, 64, None),
+    ];
+    let dt = args.dtype();
+    for (b, l, h, dh, window) in cases {
+        let hd = h * dh;
+        let [q, k, v] = [0; 3].map(|_| Tensor::randn(0f32, 1., (b * l, hd), dev).and_then(|t| t.to_dtype(dt)));
+        let (q, k, v) = (candle_core::Var::from_tensor(&q?)?, candle_core::Var::from_tensor(&k?)?, candle_core::Var::from_tensor(&v?)?);
+        let cu = Tensor::arange_step(0u32, (b * l + 1) as u32, l as u32, dev)?;
+        let scale = 1.0 / (dh as f64).sqrt();
+        let varlen = |q: &Tensor, k: &Tensor, v: &Tensor| {
+            candle_maxsim::nn::attention_varlen(q, k, v, &cu, h, scale, window)
+        };
+        let mask: Vec<f32> =
+            (0..l * l).map(|x| if window.is_some_and(|w| (x / l).abs_diff(x % l) > w) { f32::MIN } else { 0. }).collect();
+        let bias = Tensor::from_vec(mask, (1, 1, l, l), dev)?;
+        let padded = |q: &Tensor, k: &Tensor, v: &Tensor| {
+            let p = |t: &Tensor| t.reshape((b, l, hd));
+            candle_maxsim::nn::attention(&p(q)?, &p(k)?, &p(v)?, &bias, h, scale)
+        };
+        let train = |f: &dyn Fn(&Tensor, &Tensor, &Tensor) -> candle_core::Result<Tensor>| -> Result<Tensor> {
+            let g = f(q.as_tensor(), k.as_tensor(), v.as_tensor())?.sum_all()?.backward()?;
+            Ok(g.get(q.as_tensor()).unwrap().clone())
+        };
+        let (qt, kt, vt) = (q.as_tensor().detach(), k.as_tensor().detach(), v.as_tensor().detach());
+        let impls: Vec<(&str, Box<Op>)> = vec![
+            ("varlen", Box::new(|| Ok(varlen(&qt, &kt, &vt)?))),
+            ("varlen_train", Box::new(|| train(&varlen))),
+            ("padded", Box::new(|| Ok(padded(&qt, &kt, &vt)?))),
+            ("padded_train", Box::new(|| train(&padded))),
+        ];
+        let pairs: f64 = match window {
+            None => (l * l) as f64,
+            Some(w) => (0..l).map(|i| (i.min(w) + (l - 1 - i).min(w) + 1) as f64).sum(),
+        };
+        let fwd_flops = 4.0 * (b * h * dh) as f64 * pairs;
+        for (imp, f) in &args.select(impls) {
+            let (ms, peak) = time(dev, args.iters, args.wall, f.as_ref())?;
+            let flops = if imp.ends_with("_train") { 3.5 * fwd_flops } else { fwd_flops };
+            println!(
+                "{{\"case\":\"attention\",\"impl\":\"{imp}\",\"dtype\":\"{}\",\"shape\":[{b},{l},{h},{dh}],\"window\":{},\"median_ms\":{ms:.4},\"tflops\":{:.1},\"peak_mem_mb\":{}}}",
+                format!("{dt:?}").to_lowercase(),
+                window.map_or("null".to_string(), |w| w.to_string()),
+                flops / ms / 1e9,
+                peak.map_or("null".to_string(), |p| format!("{:.1}", p as f64 / 1e6)),
+            );
+        }
+    }
+    Ok(())
 }
 
 /// `--plaid-approx`: the fused op and `reference` on the same tensors.
@@ -414,6 +483,9 @@ fn main() -> Result<()> {
     }
     if args.hidden {
         return hidden_bench(&dev, &args);
+    }
+    if args.attention {
+        return attention_bench(&dev, &args);
     }
     let int8 = matches!(args.dtype, Dtype::I8 | Dtype::E4m3);
     if int8 && (args.train || args.normalize) {

@@ -56,6 +56,15 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t* r, const void* smem) {
                  : "r"(s));
 }
 
+// The same, transposed: lane l gets elements (2c, 2c+1) of column g of each
+// 8x8 matrix (the B operand of an MMA from a tile stored N-major).
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t* r, const void* smem) {
+    const uint32_t s = (uint32_t)__cvta_generic_to_shared(smem);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(s));
+}
+
 // Tensor-core operands of one element type, as the mma.sync kernels use
 // them: K columns per MMA step, A registers per m16 x K fragment, the
 // accumulator type, the A fragment read from a row-major shared-memory tile,

@@ -164,6 +164,7 @@ pub mod nn {
     //! # Ok::<(), candle_core::Error>(())
     //! ```
     pub use crate::ops::encoder::{attention, attention_softmax, layer_norm};
+    pub use crate::ops::flash_attn::{attention_varlen, ATTENTION_HEAD_DIMS};
     pub use crate::ops::linear::linear;
     pub use crate::ops::rows::{add_bias, add_bias_gelu, embedding, scatter_add_rows};
     pub use crate::ops::topk::{topk_rows, TOPK_MAX_K};

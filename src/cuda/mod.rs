@@ -7,6 +7,7 @@
 
 mod device;
 pub(crate) mod encoder;
+pub(crate) mod flash_attn;
 mod hidden;
 pub(crate) mod launch;
 mod maxsim_bwd;

@@ -5,6 +5,7 @@
 
 pub(crate) mod dense;
 pub(crate) mod encoder;
+pub(crate) mod flash_attn;
 pub(crate) mod hidden;
 pub(crate) mod linear;
 pub(crate) mod maxsim;

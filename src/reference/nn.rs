@@ -58,6 +58,45 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, bias: &Tensor, heads: usize
     p.matmul(&vh)?.transpose(1, 2)?.reshape((b, lq, hd))?.to_dtype(q.dtype())
 }
 
+/// Naive [`crate::nn::attention_varlen`]: each sequence of the packed rows
+/// cut out, its heads split, `softmax(scale · q kᵀ + mask) v` in F64 (the
+/// mask −∞ outside the window), the rows packed back, rounded to `q`'s
+/// dtype (differentiable).
+pub fn attention_varlen(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    cu_seqlens: &Tensor,
+    heads: usize,
+    scale: f64,
+    window: Option<usize>,
+) -> Result<Tensor> {
+    let (t, hd) = q.dims2()?;
+    let dh = hd / heads;
+    let mut parts = Vec::new();
+    for w in cu_seqlens.to_vec1::<u32>()?.windows(2) {
+        let (s, l) = (w[0] as usize, (w[1] - w[0]) as usize);
+        if l == 0 {
+            continue;
+        }
+        let split = |x: &Tensor| x.narrow(0, s, l)?.to_dtype(DType::F64)?.reshape((l, heads, dh))?.transpose(0, 1);
+        let (qh, kh, vh) = (split(q)?.contiguous()?, split(k)?.contiguous()?, split(v)?.contiguous()?);
+        let mut x = (qh.matmul(&kh.t()?.contiguous()?)? * scale)?;
+        if let Some(w) = window {
+            let m: Vec<f64> =
+                (0..l * l).map(|x| if (x / l).abs_diff(x % l) > w { f64::NEG_INFINITY } else { 0.0 }).collect();
+            x = x.broadcast_add(&Tensor::from_vec(m, (1, l, l), q.device())?)?;
+        }
+        let e = x.broadcast_sub(&x.max_keepdim(D::Minus1)?.detach())?.exp()?;
+        let p = e.broadcast_div(&e.sum_keepdim(D::Minus1)?)?;
+        parts.push(p.matmul(&vh)?.transpose(0, 1)?.reshape((l, hd))?);
+    }
+    if parts.is_empty() {
+        return Tensor::zeros((t, hd), q.dtype(), q.device());
+    }
+    Tensor::cat(&parts, 0)?.to_dtype(q.dtype())
+}
+
 /// Naive [`crate::nn::layer_norm`]: mean, biased variance and the affine map as
 /// candle ops in F64, rounded to `x`'s dtype (differentiable).
 pub fn layer_norm(x: &Tensor, w: &Tensor, b: Option<&Tensor>, eps: f64) -> Result<Tensor> {

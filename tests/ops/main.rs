@@ -10,6 +10,7 @@ mod common;
 mod dense;
 mod encoder;
 mod errors;
+mod flash_attn;
 mod grads;
 mod hidden;
 mod layers;

@@ -1,0 +1,413 @@
+// FlashAttention-2 over packed variable-length sequences: bidirectional
+// attention within each sequence (cu_seqlens), optionally limited to a
+// sliding window |i - j| <= window. f16 / bf16 in, f32 accumulation on
+// mma.sync m16n8k16 tensor cores (sm_80+; the sm_75 module has empty bodies
+// and the host never launches them there).
+//
+// Forward: a block owns BM = 64 query rows of one (sequence, head), a warp
+// one m16 tile of them; key / value tiles of BN rows stream through two
+// cp.async stages while an online softmax (log2 domain, scale folded into
+// exp2) keeps the running max and sum in registers. The probabilities stay
+// in registers: the accumulator layout of two n8 tiles is the A operand of
+// the P V MMA. It saves the log-sum-exp per row, never [L, L].
+//
+// Backward: delta = rowsum(dO . O) first (flash_delta), then two kernels
+// that recompute P = exp2(scale_log2 s - lse) from the saved log-sum-exp:
+// flash_bwd_dq over query blocks (dQ = scale dS K) and flash_bwd_dkdv over
+// key blocks, a warp owning 16 keys (dV = P^T dO, dK = scale dS^T Q). Each
+// gradient row is written by one warp: no atomics, the same bits every run.
+// Operand tiles are row-major in shared memory with rows D + 8 elements apart
+// (16 bytes of padding: ldmatrix row addresses hit distinct banks).
+#include "common.cuh"
+
+// Mirrors FlashParams in src/cuda/flash_attn.rs.
+struct FlashParams {
+    const void* q;      // rows q_row elements apart; head h at columns [h D, h D + D)
+    const void* k;      // rows k_row apart
+    const void* v;      // rows v_row apart
+    const void* o;      // backward: the forward's output [T, H D]
+    const void* dout;   // backward: dO [T, H D]
+    void* out;          // forward: O [T, H D]; flash_bwd_dq: dQ [T, H D]
+    void* dk;           // flash_bwd_dkdv: dK [T, H D]
+    void* dv;           // flash_bwd_dkdv: dV [T, H D]
+    float* lse;         // [H, T] log2-domain log-sum-exp of scale_log2 s (forward writes it)
+    float* delta;       // [H, T] rowsum(dO . O)
+    const uint32_t* cu; // [batch + 1] first row of each sequence
+    long long q_row, k_row, v_row;
+    int batch, heads, total, window; // window < 0: unlimited
+    float scale_log2;                // softmax scale * log2(e)
+    float scale;
+};
+
+#if __CUDA_ARCH__ >= 800
+// Rows [row0, row0 + ROWS) of a sequence starting at global row `start`,
+// columns [col0, col0 + D) of a row-major matrix with rows `stride` apart,
+// into a shared tile with rows D + 8 apart; rows at or past `len` zero-filled.
+template <int ROWS, int D, typename T>
+__device__ __forceinline__ void fa_load(T* s, const T* g, long long stride, int start, int row0, int len, int col0) {
+    constexpr int CH = D / 8, LD = D + 8;
+    static_assert(ROWS * CH % 128 == 0, "whole passes of the 4 warps");
+#pragma unroll
+    for (int it = 0; it < ROWS * CH / 128; ++it) {
+        const int i = threadIdx.x + it * 128, r = i / CH, c = i % CH;
+        const bool ok = row0 + r < len;
+        const T* src = ok ? g + (long long)(start + row0 + r) * stride + col0 + c * 8 : g;
+        cp_async16_s((uint32_t)__cvta_generic_to_shared(s + r * LD + c * 8), src, ok ? 16 : 0);
+    }
+}
+
+// The A fragment (m16 x k16) at (row0, k0) of a row-major tile.
+template <int LD, typename T> __device__ __forceinline__ void fa_a(uint32_t* a, const T* s, int row0, int k0) {
+    const int l = threadIdx.x % 32;
+    ldmatrix_x4(a, s + (row0 + (l & 15)) * LD + k0 + (l >> 4) * 8);
+}
+// B fragments of the n8 tiles n0 and n0 + 8 (b[0..1], b[2..3]) at k0, from a
+// tile whose rows are the n index (K-major: keys for Q K^T).
+template <int LD, typename T> __device__ __forceinline__ void fa_b(uint32_t* b, const T* s, int n0, int k0) {
+    const int l = threadIdx.x % 32;
+    ldmatrix_x4(b, s + (n0 + (l & 7) + ((l >> 4) << 3)) * LD + k0 + ((l >> 3) & 1) * 8);
+}
+// The same from a tile whose rows are the k index (values for P V).
+template <int LD, typename T> __device__ __forceinline__ void fa_bt(uint32_t* b, const T* s, int k0, int n0) {
+    const int l = threadIdx.x % 32;
+    ldmatrix_x4_trans(b, s + (k0 + (l & 7) + ((l >> 3) & 1) * 8) * LD + n0 + (l >> 4) * 8);
+}
+// The A fragment of columns [16 kk, 16 kk + 16) of a row of n8 accumulator tiles.
+template <typename T> __device__ __forceinline__ void fa_acc_a(uint32_t* a, const float (*c)[4], int kk) {
+    a[0] = pack2<T>(c[2 * kk][0], c[2 * kk][1]);
+    a[1] = pack2<T>(c[2 * kk][2], c[2 * kk][3]);
+    a[2] = pack2<T>(c[2 * kk + 1][0], c[2 * kk + 1][1]);
+    a[3] = pack2<T>(c[2 * kk + 1][2], c[2 * kk + 1][3]);
+}
+// acc[M16 x N] += tile A (rows a_row0.., K = D) * tile B^T (rows n = 0..N, K-major).
+template <typename T, int D, int N, int LD>
+__device__ __forceinline__ void fa_gemm_nt(float (*acc)[4], const T* A, int a_row0, const T* B) {
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+        uint32_t a[4];
+        fa_a<LD>(a, A, a_row0, kk * 16);
+#pragma unroll
+        for (int nn = 0; nn < N / 16; ++nn) {
+            uint32_t b[4];
+            fa_b<LD>(b, B, nn * 16, kk * 16);
+            Mma<T>::run(acc[2 * nn], a, b);
+            Mma<T>::run(acc[2 * nn + 1], a, b + 2);
+        }
+    }
+}
+// acc[M16 x D] += P[M16 x K] (accumulator registers) * tile B (rows k = 0..K, N-major).
+template <typename T, int D, int K, int LD>
+__device__ __forceinline__ void fa_gemm_pn(float (*acc)[4], const float (*pacc)[4], const T* B) {
+#pragma unroll
+    for (int kk = 0; kk < K / 16; ++kk) {
+        uint32_t a[4];
+        fa_acc_a<T>(a, pacc, kk);
+#pragma unroll
+        for (int dn = 0; dn < D / 16; ++dn) {
+            uint32_t b[4];
+            fa_bt<LD>(b, B, kk * 16, dn * 16);
+            Mma<T>::run(acc[2 * dn], a, b);
+            Mma<T>::run(acc[2 * dn + 1], a, b + 2);
+        }
+    }
+}
+// Whether query i sees key j of a sequence of len rows.
+__device__ __forceinline__ bool fa_visible(int i, int j, int len, int window) {
+    return j < len && (window < 0 || abs(i - j) <= window);
+}
+// The block range [first, end) of the other side that rows [r0, r0 + R) of
+// a sequence see, starting at a multiple of B.
+template <int R, int B> __device__ __forceinline__ int2 fa_range(int r0, int len, int window) {
+    int lo = 0, hi = len;
+    if (window >= 0) {
+        lo = max(0, r0 - window);
+        hi = min(len, r0 + R + window);
+    }
+    return make_int2(lo / B * B, hi);
+}
+// Rows of n8 accumulator tiles written to a [*, H D] row-major T matrix:
+// this lane's rows row0 + g and row0 + g + 8 of the sequence (those < len).
+template <typename T, int D>
+__device__ __forceinline__ void fa_store(void* out, const float (*acc)[4], float mul0, float mul1, int start, int row0,
+                                         int len, int hd, int col0) {
+    const int l = threadIdx.x % 32, g = l / 4, c = l % 4;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int i = row0 + g + 8 * r;
+        if (i >= len) continue;
+        const float m = r ? mul1 : mul0;
+        uint32_t* dst = reinterpret_cast<uint32_t*>(reinterpret_cast<T*>(out) + (long long)(start + i) * hd + col0 + 2 * c);
+#pragma unroll
+        for (int dt = 0; dt < D / 8; ++dt) dst[dt * 4] = pack2<T>(acc[dt][2 * r] * m, acc[dt][2 * r + 1] * m);
+    }
+}
+#endif
+
+// Tile traits. BM query rows per forward / dQ block (4 warps x m16), BN key
+// rows per step; the backward's dQ and dK dV kernels at D = 128 take 32-row
+// steps so that the four accumulator sets fit in 255 registers.
+template <int D> struct FaTile {
+    static constexpr int LD = D + 8, BM = 64, BN = 64, BWD_N = D == 128 ? 32 : 64;
+    static constexpr int FWD_SMEM = (BM + 4 * BN) * LD * 2;
+    static constexpr int BWD_SMEM = (2 * BM + 4 * BWD_N) * LD * 2 + 4 * BWD_N * 4;
+};
+
+template <typename T, int D> __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
+#if __CUDA_ARCH__ >= 800
+    using Tr = FaTile<D>;
+    constexpr int BM = Tr::BM, BN = Tr::BN, LD = Tr::LD;
+    extern __shared__ __align__(16) unsigned char fa_smem[];
+    T* Qs = reinterpret_cast<T*>(fa_smem);
+    T* Ks = Qs + BM * LD;
+    T* Vs = Ks + 2 * BN * LD;
+    const int b = blockIdx.z, h = blockIdx.y, m0 = blockIdx.x * BM;
+    const int start = p.cu[b], len = p.cu[b + 1] - start;
+    if (m0 >= len) return;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+    const T *q = (const T*)p.q, *k = (const T*)p.k, *v = (const T*)p.v;
+    const int2 kr = fa_range<BM, BN>(m0, len, p.window);
+    const int nblk = (kr.y - kr.x + BN - 1) / BN;
+    fa_load<BM, D>(Qs, q, p.q_row, start, m0, len, h * D);
+    fa_load<BN, D>(Ks, k, p.k_row, start, kr.x, len, h * D);
+    fa_load<BN, D>(Vs, v, p.v_row, start, kr.x, len, h * D);
+    cp_async_commit();
+    float o[D / 8][4] = {};
+    float mrow[2] = {MAXSIM_NEG_INF, MAXSIM_NEG_INF}, lrow[2] = {0.f, 0.f};
+    const int qi = m0 + warp * 16 + g; // this lane's rows qi and qi + 8
+    for (int t = 0; t < nblk; ++t) {
+        const int n0 = kr.x + t * BN;
+        if (t + 1 < nblk) {
+            const int st = (t + 1) & 1;
+            fa_load<BN, D>(Ks + st * BN * LD, k, p.k_row, start, n0 + BN, len, h * D);
+            fa_load<BN, D>(Vs + st * BN * LD, v, p.v_row, start, n0 + BN, len, h * D);
+            cp_async_commit();
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+        const T* Kt = Ks + (t & 1) * BN * LD;
+        const T* Vt = Vs + (t & 1) * BN * LD;
+        float s[BN / 8][4] = {};
+        fa_gemm_nt<T, D, BN, LD>(s, Qs, warp * 16, Kt);
+        const bool edge = n0 + BN > len || p.window >= 0;
+#pragma unroll
+        for (int nt = 0; nt < BN / 8; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float x = s[nt][e] * p.scale_log2;
+                s[nt][e] = edge && !fa_visible(qi + (e >> 1) * 8, n0 + nt * 8 + 2 * c + (e & 1), len, p.window)
+                               ? MAXSIM_NEG_INF
+                               : x;
+            }
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            float mx = MAXSIM_NEG_INF;
+#pragma unroll
+            for (int nt = 0; nt < BN / 8; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * r], s[nt][2 * r + 1]));
+            const float mnew = fmaxf(mrow[r], lane_max<3>(mx));
+            const float base = mnew == MAXSIM_NEG_INF ? 0.f : mnew; // no visible key yet: every p is 0
+            const float alpha = exp2f(mrow[r] - base);
+            mrow[r] = mnew;
+            float sum = 0.f;
+#pragma unroll
+            for (int nt = 0; nt < BN / 8; ++nt) {
+                s[nt][2 * r] = exp2f(s[nt][2 * r] - base);
+                s[nt][2 * r + 1] = exp2f(s[nt][2 * r + 1] - base);
+                sum += s[nt][2 * r] + s[nt][2 * r + 1];
+            }
+            lrow[r] = lrow[r] * alpha + sum;
+#pragma unroll
+            for (int dt = 0; dt < D / 8; ++dt) {
+                o[dt][2 * r] *= alpha;
+                o[dt][2 * r + 1] *= alpha;
+            }
+        }
+        fa_gemm_pn<T, D, BN, LD>(o, s, Vt);
+        __syncthreads();
+    }
+    float inv[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const float l = lane_sum<4>(lrow[r]);
+        inv[r] = l > 0.f ? 1.f / l : 0.f;
+        const int i = qi + 8 * r;
+        if (c == 0 && i < len) p.lse[(long long)h * p.total + start + i] = l > 0.f ? mrow[r] + log2f(l) : INFINITY;
+    }
+    fa_store<T, D>(p.out, o, inv[0], inv[1], start, m0 + warp * 16, len, p.heads * D, h * D);
+#endif
+}
+
+// delta[h, t] = sum_d dO[t, h D + d] O[t, h D + d] in f32: a warp per (row, head).
+template <typename T, int D> __device__ __forceinline__ void flash_delta(const FlashParams& p) {
+    const int lane = threadIdx.x % 32;
+    const long long n = (long long)p.total * p.heads, nw = (long long)gridDim.x * blockDim.x / 32;
+    const T *o = (const T*)p.o, *dout = (const T*)p.dout;
+    for (long long w = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / 32; w < n; w += nw) {
+        const long long t = w / p.heads, h = w % p.heads, base = t * p.heads * D + h * D;
+        float acc = 0.f;
+#pragma unroll
+        for (int d = lane; d < D; d += 32) acc += Elem<T>::to_float(o[base + d]) * Elem<T>::to_float(dout[base + d]);
+        acc = warp_sum(acc);
+        if (lane == 0) p.delta[h * p.total + t] = acc;
+    }
+}
+
+template <typename T, int D> __device__ __forceinline__ void flash_bwd_dq(const FlashParams& p) {
+#if __CUDA_ARCH__ >= 800
+    using Tr = FaTile<D>;
+    constexpr int BM = Tr::BM, BN = Tr::BWD_N, LD = Tr::LD;
+    extern __shared__ __align__(16) unsigned char fa_smem[];
+    T* Qs = reinterpret_cast<T*>(fa_smem);
+    T* dOs = Qs + BM * LD;
+    T* Ks = dOs + BM * LD;
+    T* Vs = Ks + 2 * BN * LD;
+    const int b = blockIdx.z, h = blockIdx.y, m0 = blockIdx.x * BM;
+    const int start = p.cu[b], len = p.cu[b + 1] - start;
+    if (m0 >= len) return;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+    const int hd = p.heads * D;
+    const T *q = (const T*)p.q, *k = (const T*)p.k, *v = (const T*)p.v, *dout = (const T*)p.dout;
+    const int2 kr = fa_range<BM, BN>(m0, len, p.window);
+    const int nblk = (kr.y - kr.x + BN - 1) / BN;
+    fa_load<BM, D>(Qs, q, p.q_row, start, m0, len, h * D);
+    fa_load<BM, D>(dOs, dout, hd, start, m0, len, h * D);
+    fa_load<BN, D>(Ks, k, p.k_row, start, kr.x, len, h * D);
+    fa_load<BN, D>(Vs, v, p.v_row, start, kr.x, len, h * D);
+    cp_async_commit();
+    const int qi = m0 + warp * 16 + g;
+    float lse[2], delta[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const bool ok = qi + 8 * r < len;
+        const long long at = (long long)h * p.total + start + qi + 8 * r;
+        lse[r] = ok ? p.lse[at] : INFINITY; // rows past the sequence: p = 0
+        delta[r] = ok ? p.delta[at] : 0.f;
+    }
+    float dq[D / 8][4] = {};
+    for (int t = 0; t < nblk; ++t) {
+        const int n0 = kr.x + t * BN;
+        if (t + 1 < nblk) {
+            const int st = (t + 1) & 1;
+            fa_load<BN, D>(Ks + st * BN * LD, k, p.k_row, start, n0 + BN, len, h * D);
+            fa_load<BN, D>(Vs + st * BN * LD, v, p.v_row, start, n0 + BN, len, h * D);
+            cp_async_commit();
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+        const T* Kt = Ks + (t & 1) * BN * LD;
+        const T* Vt = Vs + (t & 1) * BN * LD;
+        float s[BN / 8][4] = {}, dp[BN / 8][4] = {};
+        fa_gemm_nt<T, D, BN, LD>(s, Qs, warp * 16, Kt);
+        fa_gemm_nt<T, D, BN, LD>(dp, dOs, warp * 16, Vt);
+#pragma unroll
+        for (int nt = 0; nt < BN / 8; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int r = e >> 1;
+                const bool vis = fa_visible(qi + 8 * r, n0 + nt * 8 + 2 * c + (e & 1), len, p.window);
+                const float pr = vis ? exp2f(s[nt][e] * p.scale_log2 - lse[r]) : 0.f;
+                s[nt][e] = pr * (dp[nt][e] - delta[r]);
+            }
+        fa_gemm_pn<T, D, BN, LD>(dq, s, Kt);
+        __syncthreads();
+    }
+    fa_store<T, D>(p.out, dq, p.scale, p.scale, start, m0 + warp * 16, len, hd, h * D);
+#endif
+}
+
+template <typename T, int D> __device__ __forceinline__ void flash_bwd_dkdv(const FlashParams& p) {
+#if __CUDA_ARCH__ >= 800
+    using Tr = FaTile<D>;
+    constexpr int BK = Tr::BM, BQ = Tr::BWD_N, LD = Tr::LD;
+    extern __shared__ __align__(16) unsigned char fa_smem[];
+    T* Ks = reinterpret_cast<T*>(fa_smem);
+    T* Vs = Ks + BK * LD;
+    T* Qs = Vs + BK * LD;
+    T* dOs = Qs + 2 * BQ * LD;
+    float* lse_s = reinterpret_cast<float*>(dOs + 2 * BQ * LD); // [2][BQ]
+    float* delta_s = lse_s + 2 * BQ;                             // [2][BQ]
+    const int b = blockIdx.z, h = blockIdx.y, n0 = blockIdx.x * BK;
+    const int start = p.cu[b], len = p.cu[b + 1] - start;
+    if (n0 >= len) return;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+    const int hd = p.heads * D;
+    const T *q = (const T*)p.q, *k = (const T*)p.k, *v = (const T*)p.v, *dout = (const T*)p.dout;
+    const int2 qr = fa_range<BK, BQ>(n0, len, p.window);
+    const int nblk = (qr.y - qr.x + BQ - 1) / BQ;
+    // Stage st's query rows [m0, m0 + BQ): Q, dO (cp.async), lse and delta (plain stores).
+    auto load_q = [&](int st, int m0) {
+        fa_load<BQ, D>(Qs + st * BQ * LD, q, p.q_row, start, m0, len, h * D);
+        fa_load<BQ, D>(dOs + st * BQ * LD, dout, hd, start, m0, len, h * D);
+        if (threadIdx.x < BQ) {
+            const int i = m0 + threadIdx.x;
+            const long long at = (long long)h * p.total + start + i;
+            lse_s[st * BQ + threadIdx.x] = i < len ? p.lse[at] : INFINITY;
+            delta_s[st * BQ + threadIdx.x] = i < len ? p.delta[at] : 0.f;
+        }
+    };
+    fa_load<BK, D>(Ks, k, p.k_row, start, n0, len, h * D);
+    fa_load<BK, D>(Vs, v, p.v_row, start, n0, len, h * D);
+    load_q(0, qr.x);
+    cp_async_commit();
+    const int kj = n0 + warp * 16 + g; // this lane's keys kj and kj + 8
+    float dk[D / 8][4] = {}, dv[D / 8][4] = {};
+    for (int t = 0; t < nblk; ++t) {
+        const int m0 = qr.x + t * BQ;
+        if (t + 1 < nblk) {
+            load_q((t + 1) & 1, m0 + BQ);
+            cp_async_commit();
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+        const int st = t & 1;
+        const T* Qt = Qs + st * BQ * LD;
+        const T* dOt = dOs + st * BQ * LD;
+        const float* lse = lse_s + st * BQ;
+        const float* delta = delta_s + st * BQ;
+        float s[BQ / 8][4] = {}, dp[BQ / 8][4] = {};
+        fa_gemm_nt<T, D, BQ, LD>(s, Ks, warp * 16, Qt); // S^T: keys x queries
+#pragma unroll
+        for (int nt = 0; nt < BQ / 8; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int col = nt * 8 + 2 * c + (e & 1);
+                const bool vis = p.window < 0 || abs(m0 + col - (kj + 8 * (e >> 1))) <= p.window;
+                s[nt][e] = vis ? exp2f(s[nt][e] * p.scale_log2 - lse[col]) : 0.f; // P^T
+            }
+        fa_gemm_pn<T, D, BQ, LD>(dv, s, dOt);
+        fa_gemm_nt<T, D, BQ, LD>(dp, Vs, warp * 16, dOt); // dP^T
+#pragma unroll
+        for (int nt = 0; nt < BQ / 8; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[nt][e] *= dp[nt][e] - delta[nt * 8 + 2 * c + (e & 1)]; // dS^T
+        fa_gemm_pn<T, D, BQ, LD>(dk, s, Qt);
+        __syncthreads();
+    }
+    fa_store<T, D>(p.dk, dk, p.scale, p.scale, start, n0 + warp * 16, len, hd, h * D);
+    fa_store<T, D>(p.dv, dv, 1.f, 1.f, start, n0 + warp * 16, len, hd, h * D);
+#endif
+}
+
+#define FLASH_KERNELS(T, NAME, D)                                                                          \
+    extern "C" __global__ void __launch_bounds__(128) flash_fwd_##NAME##_d##D(const FlashParams p) {       \
+        flash_fwd<T, D>(p);                                                                                \
+    }                                                                                                      \
+    extern "C" __global__ void __launch_bounds__(128) flash_bwd_dq_##NAME##_d##D(const FlashParams p) {    \
+        flash_bwd_dq<T, D>(p);                                                                             \
+    }                                                                                                      \
+    extern "C" __global__ void __launch_bounds__(128) flash_bwd_dkdv_##NAME##_d##D(const FlashParams p) {  \
+        flash_bwd_dkdv<T, D>(p);                                                                           \
+    }                                                                                                      \
+    extern "C" __global__ void flash_delta_##NAME##_d##D(const FlashParams p) { flash_delta<T, D>(p); }
+
+FLASH_KERNELS(__half, f16, 32)
+FLASH_KERNELS(__half, f16, 64)
+FLASH_KERNELS(__half, f16, 128)
+FLASH_KERNELS(__nv_bfloat16, bf16, 32)
+FLASH_KERNELS(__nv_bfloat16, bf16, 64)
+FLASH_KERNELS(__nv_bfloat16, bf16, 128)

@@ -1,0 +1,214 @@
+//! Launches of kernels/flash_attn.cu: the varlen attention forward (output
+//! and log-sum-exp) and its backward (delta, then dQ and dK dV).
+
+use super::device::device_info;
+use super::launch::{grid_stride, kernel, kernel_params, launch, Module};
+use super::memory::{alloc_out, storage_ptr};
+use super::params::dtype_tag;
+use candle_core::backend::{BackendDevice, BackendStorage};
+use candle_core::cuda_backend::cudarc::driver::LaunchConfig;
+use candle_core::{bail, CudaStorage, DType, Layout, Result};
+
+/// Mirror of `FlashParams` in kernels/flash_attn.cu.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+struct FlashParams {
+    q: u64,
+    k: u64,
+    v: u64,
+    o: u64,
+    dout: u64,
+    out: u64,
+    dk: u64,
+    dv: u64,
+    lse: u64,
+    delta: u64,
+    cu: u64,
+    q_row: i64,
+    k_row: i64,
+    v_row: i64,
+    batch: i32,
+    heads: i32,
+    total: i32,
+    window: i32,
+    scale_log2: f32,
+    scale: f32,
+}
+kernel_params!(FlashParams);
+
+/// The problem of one launch: `batch` sequences of at most `max_len` rows,
+/// `total` rows in all, `heads` heads of `dh` columns.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct FlashGeom {
+    pub batch: usize,
+    pub heads: usize,
+    pub dh: usize,
+    pub total: usize,
+    pub max_len: usize,
+    /// `|i - j| <= window` only; `None`: every key of the sequence.
+    pub window: Option<usize>,
+    pub scale: f32,
+}
+
+/// Row-major query / key / value rows as the kernels read them: rows
+/// `stride` elements apart (a column slice of a fused QKV projection
+/// passes as is), 16-byte aligned; anything else is first copied.
+struct Rows {
+    ptr: u64,
+    stride: i64,
+    _copy: Option<CudaStorage>,
+}
+
+fn rows(s: &CudaStorage, l: &Layout) -> Result<Rows> {
+    let (dims, st) = (l.dims(), l.stride());
+    if dims.len() == 2 && st[1] == 1 && st[0] % 8 == 0 && l.start_offset() % 8 == 0 {
+        let ptr = storage_ptr(s, &Layout::contiguous_with_offset(dims, l.start_offset()))?;
+        if ptr % 16 == 0 {
+            return Ok(Rows { ptr, stride: st[0] as i64, _copy: None });
+        }
+    }
+    let mut copy = unsafe { s.device.alloc_uninit(l.shape(), s.dtype())? };
+    s.copy_strided_src(&mut copy, 0, l)?;
+    let ptr = storage_ptr(&copy, &Layout::contiguous(l.shape()))?;
+    let stride = *dims.last().unwrap_or(&0) as i64;
+    if stride % 8 != 0 {
+        bail!("q: rows of {stride} elements, expected a multiple of 8")
+    }
+    Ok(Rows { ptr, stride, _copy: Some(copy) })
+}
+
+fn int(what: &str, v: usize) -> Result<i32> {
+    i32::try_from(v).or_else(|_| bail!("{what}: {v} exceeds the attention kernels' 32-bit sizes"))
+}
+
+impl FlashGeom {
+    fn params(&self, cu: &CudaStorage) -> Result<FlashParams> {
+        if self.batch > 65_535 {
+            bail!("cu_seqlens: {} sequences, at most 65 535 per launch on CUDA", self.batch)
+        }
+        Ok(FlashParams {
+            cu: storage_ptr(cu, &Layout::contiguous(self.batch + 1))?,
+            batch: int("cu_seqlens", self.batch)?,
+            heads: int("heads", self.heads)?,
+            total: int("q", self.total)?,
+            window: match self.window {
+                Some(w) => int("window", w)?,
+                None => -1,
+            },
+            scale_log2: self.scale * std::f32::consts::LOG2_E,
+            scale: self.scale,
+            ..Default::default()
+        })
+    }
+
+    /// The grid of blocks of 64 rows of each (sequence, head).
+    fn grid(&self, smem: u32) -> LaunchConfig {
+        LaunchConfig {
+            grid_dim: (self.max_len.div_ceil(64).max(1) as u32, self.heads as u32, self.batch as u32),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: smem,
+        }
+    }
+
+    fn name(&self, stem: &str, dt: DType) -> String {
+        format!("{stem}_{}_d{}", dtype_tag(dt), self.dh)
+    }
+
+    /// Shared memory of the forward and of the backward's kernels (FaTile in kernels/flash_attn.cu).
+    fn smem(&self) -> (u32, u32) {
+        let (ld, bwd_n) = (self.dh + 8, if self.dh == 128 { 32 } else { 64 });
+        (((64 + 4 * 64) * ld * 2) as u32, ((2 * 64 + 4 * bwd_n) * ld * 2 + 4 * bwd_n * 4) as u32)
+    }
+}
+
+/// Whether the kernels run on this device: F16 / BF16, head dims 32, 64
+/// and 128, compute capability 8.0 or newer.
+pub(crate) fn flash_supported(s: &CudaStorage, dh: usize) -> Result<bool> {
+    Ok(matches!(s.dtype(), DType::F16 | DType::BF16)
+        && matches!(dh, 32 | 64 | 128)
+        && device_info(&s.device)?.cc >= 80)
+}
+
+/// `(O [T, H·dh], lse [H, T] F32, log2 domain)` of q, k, v.
+pub(crate) fn flash_fwd(
+    q: (&CudaStorage, &Layout),
+    k: (&CudaStorage, &Layout),
+    v: (&CudaStorage, &Layout),
+    cu: &CudaStorage,
+    g: &FlashGeom,
+) -> Result<(CudaStorage, CudaStorage)> {
+    let dev = &q.0.device;
+    let dt = q.0.dtype();
+    let hd = g.heads * g.dh;
+    let out = alloc_out(dev, dt, g.total * hd)?;
+    let lse = alloc_out(dev, DType::F32, g.heads * g.total)?;
+    if g.total == 0 {
+        return Ok((out, lse));
+    }
+    let (qr, kr, vr) = (rows(q.0, q.1)?, rows(k.0, k.1)?, rows(v.0, v.1)?);
+    let p = FlashParams {
+        q: qr.ptr,
+        k: kr.ptr,
+        v: vr.ptr,
+        q_row: qr.stride,
+        k_row: kr.stride,
+        v_row: vr.stride,
+        out: storage_ptr(&out, &Layout::contiguous(1))?,
+        lse: storage_ptr(&lse, &Layout::contiguous(1))?,
+        ..g.params(cu)?
+    };
+    let smem = g.smem().0;
+    let func = kernel(dev, Module::FlashAttn, &g.name("flash_fwd", dt), smem)?;
+    launch(dev, &func, g.grid(smem), &p)?;
+    Ok((out, lse))
+}
+
+/// The gradients `[3, T, H·dh]` (dQ, dK, dV) from the forward's output `o`,
+/// its gradient `dout` (both contiguous `[T, H·dh]`) and log-sum-exp.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn flash_bwd(
+    q: (&CudaStorage, &Layout),
+    k: (&CudaStorage, &Layout),
+    v: (&CudaStorage, &Layout),
+    o: (&CudaStorage, &Layout),
+    dout: (&CudaStorage, &Layout),
+    lse: (&CudaStorage, &Layout),
+    cu: &CudaStorage,
+    g: &FlashGeom,
+) -> Result<CudaStorage> {
+    let dev = &q.0.device;
+    let dt = q.0.dtype();
+    let n = g.total * g.heads * g.dh;
+    let grads = alloc_out(dev, dt, 3 * n)?;
+    if g.total == 0 {
+        return Ok(grads);
+    }
+    let delta = alloc_out(dev, DType::F32, g.heads * g.total)?;
+    let (qr, kr, vr) = (rows(q.0, q.1)?, rows(k.0, k.1)?, rows(v.0, v.1)?);
+    let base = storage_ptr(&grads, &Layout::contiguous(1))?;
+    let esz = dt.size_in_bytes() as u64;
+    let p = FlashParams {
+        q: qr.ptr,
+        k: kr.ptr,
+        v: vr.ptr,
+        q_row: qr.stride,
+        k_row: kr.stride,
+        v_row: vr.stride,
+        o: storage_ptr(o.0, o.1)?,
+        dout: storage_ptr(dout.0, dout.1)?,
+        out: base,
+        dk: base + n as u64 * esz,
+        dv: base + 2 * n as u64 * esz,
+        lse: storage_ptr(lse.0, lse.1)?,
+        delta: storage_ptr(&delta, &Layout::contiguous(1))?,
+        ..g.params(cu)?
+    };
+    let func = kernel(dev, Module::FlashAttn, &g.name("flash_delta", dt), 0)?;
+    launch(dev, &func, grid_stride(dev, g.total * g.heads, 8, 256, 16)?, &p)?;
+    let smem = g.smem().1;
+    for stem in ["flash_bwd_dq", "flash_bwd_dkdv"] {
+        let func = kernel(dev, Module::FlashAttn, &g.name(stem, dt), smem)?;
+        launch(dev, &func, g.grid(smem), &p)?;
+    }
+    Ok(grads)
+}
