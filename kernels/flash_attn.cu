@@ -79,35 +79,45 @@ template <typename T> __device__ __forceinline__ void fa_acc_a(uint32_t* a, cons
     a[2] = pack2<T>(c[2 * kk + 1][0], c[2 * kk + 1][1]);
     a[3] = pack2<T>(c[2 * kk + 1][2], c[2 * kk + 1][3]);
 }
-// acc[M16 x N] += tile A (rows a_row0.., K = D) * tile B^T (rows n = 0..N, K-major).
-template <typename T, int D, int N, int LD>
-__device__ __forceinline__ void fa_gemm_nt(float (*acc)[4], const T* A, int a_row0, const T* B) {
+// acc[MT m16 tiles][N] += tile A (rows a_row0 + 16 m.., K = D) * tile B^T
+// (rows n = 0..N, K-major). Each B fragment feeds all MT tiles: shared-memory
+// reads per MMA fall as MT grows (at MT = 1 ldmatrix bandwidth caps the MMAs).
+template <typename T, int D, int N, int LD, int MT>
+__device__ __forceinline__ void fa_gemm_nt(float (*acc)[N / 8][4], const T* A, int a_row0, const T* B) {
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
-        uint32_t a[4];
-        fa_a<LD>(a, A, a_row0, kk * 16);
+        uint32_t a[MT][4];
+#pragma unroll
+        for (int m = 0; m < MT; ++m) fa_a<LD>(a[m], A, a_row0 + 16 * m, kk * 16);
 #pragma unroll
         for (int nn = 0; nn < N / 16; ++nn) {
             uint32_t b[4];
             fa_b<LD>(b, B, nn * 16, kk * 16);
-            Mma<T>::run(acc[2 * nn], a, b);
-            Mma<T>::run(acc[2 * nn + 1], a, b + 2);
+#pragma unroll
+            for (int m = 0; m < MT; ++m) {
+                Mma<T>::run(acc[m][2 * nn], a[m], b);
+                Mma<T>::run(acc[m][2 * nn + 1], a[m], b + 2);
+            }
         }
     }
 }
-// acc[M16 x D] += P[M16 x K] (accumulator registers) * tile B (rows k = 0..K, N-major).
-template <typename T, int D, int K, int LD>
-__device__ __forceinline__ void fa_gemm_pn(float (*acc)[4], const float (*pacc)[4], const T* B) {
+// acc[MT][D] += P[MT m16 tiles][K] (accumulator registers) * tile B (rows k = 0..K, N-major).
+template <typename T, int D, int K, int LD, int MT>
+__device__ __forceinline__ void fa_gemm_pn(float (*acc)[D / 8][4], float (*p)[K / 8][4], const T* B) {
 #pragma unroll
     for (int kk = 0; kk < K / 16; ++kk) {
-        uint32_t a[4];
-        fa_acc_a<T>(a, pacc, kk);
+        uint32_t a[MT][4];
+#pragma unroll
+        for (int m = 0; m < MT; ++m) fa_acc_a<T>(a[m], p[m], kk);
 #pragma unroll
         for (int dn = 0; dn < D / 16; ++dn) {
             uint32_t b[4];
             fa_bt<LD>(b, B, kk * 16, dn * 16);
-            Mma<T>::run(acc[2 * dn], a, b);
-            Mma<T>::run(acc[2 * dn + 1], a, b + 2);
+#pragma unroll
+            for (int m = 0; m < MT; ++m) {
+                Mma<T>::run(acc[m][2 * dn], a[m], b);
+                Mma<T>::run(acc[m][2 * dn + 1], a[m], b + 2);
+            }
         }
     }
 }
@@ -143,19 +153,22 @@ __device__ __forceinline__ void fa_store(void* out, const float (*acc)[4], float
 }
 #endif
 
-// Tile traits. BM query rows per forward / dQ block (4 warps x m16), BN key
-// rows per step; the backward's dQ and dK dV kernels at D = 128 take 32-row
-// steps so that the four accumulator sets fit in 255 registers.
-template <int D> struct FaTile {
-    static constexpr int LD = D + 8, BM = 64, BN = 64, BWD_N = D == 128 ? 32 : 64;
-    static constexpr int FWD_SMEM = (BM + 4 * BN) * LD * 2;
-    static constexpr int BWD_SMEM = (2 * BM + 4 * BWD_N) * LD * 2 + 4 * BWD_N * 4;
+// Tiles: MT m16 tiles of rows per warp, 4 warps: blocks of BM = 64 MT rows
+// (queries in the forward and dQ, keys in dK dV); N rows of the other side
+// per pipeline step, two cp.async stages. The host picks MT per launch
+// (src/cuda/flash_attn.rs) and mirrors these sizes.
+template <int D, int MT> struct FaTile {
+    static constexpr int LD = D + 8, BM = 64 * MT;
+    // Forward: 64-row key steps; 32 at D = 128 with MT = 2 (o and s in 255 registers).
+    static constexpr int FWD_N = D == 128 && MT == 2 ? 32 : 64;
+    // Backward: 32-row steps at D = 128 (four accumulator sets in 255 registers).
+    static constexpr int BWD_N = D == 128 ? 32 : 64;
 };
 
-template <typename T, int D> __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
+template <typename T, int D, int MT> __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
 #if __CUDA_ARCH__ >= 800
-    using Tr = FaTile<D>;
-    constexpr int BM = Tr::BM, BN = Tr::BN, LD = Tr::LD;
+    using Tr = FaTile<D, MT>;
+    constexpr int BM = Tr::BM, BN = Tr::FWD_N, LD = Tr::LD;
     extern __shared__ __align__(16) unsigned char fa_smem[];
     T* Qs = reinterpret_cast<T*>(fa_smem);
     T* Ks = Qs + BM * LD;
@@ -171,9 +184,11 @@ template <typename T, int D> __device__ __forceinline__ void flash_fwd(const Fla
     fa_load<BN, D>(Ks, k, p.k_row, start, kr.x, len, h * D);
     fa_load<BN, D>(Vs, v, p.v_row, start, kr.x, len, h * D);
     cp_async_commit();
-    float o[D / 8][4] = {};
-    float mrow[2] = {MAXSIM_NEG_INF, MAXSIM_NEG_INF}, lrow[2] = {0.f, 0.f};
-    const int qi = m0 + warp * 16 + g; // this lane's rows qi and qi + 8
+    float o[MT][D / 8][4] = {};
+    float mrow[MT][2], lrow[MT][2];
+#pragma unroll
+    for (int m = 0; m < MT; ++m) mrow[m][0] = mrow[m][1] = MAXSIM_NEG_INF, lrow[m][0] = lrow[m][1] = 0.f;
+    const int row0 = m0 + warp * 16 * MT; // this warp's first row; lane rows row0 + 16 m + g (+ 8)
     for (int t = 0; t < nblk; ++t) {
         const int n0 = kr.x + t * BN;
         if (t + 1 < nblk) {
@@ -188,53 +203,60 @@ template <typename T, int D> __device__ __forceinline__ void flash_fwd(const Fla
         __syncthreads();
         const T* Kt = Ks + (t & 1) * BN * LD;
         const T* Vt = Vs + (t & 1) * BN * LD;
-        float s[BN / 8][4] = {};
-        fa_gemm_nt<T, D, BN, LD>(s, Qs, warp * 16, Kt);
+        float s[MT][BN / 8][4] = {};
+        fa_gemm_nt<T, D, BN, LD, MT>(s, Qs, warp * 16 * MT, Kt);
         const bool edge = n0 + BN > len || p.window >= 0;
 #pragma unroll
-        for (int nt = 0; nt < BN / 8; ++nt)
+        for (int m = 0; m < MT; ++m)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const float x = s[nt][e] * p.scale_log2;
-                s[nt][e] = edge && !fa_visible(qi + (e >> 1) * 8, n0 + nt * 8 + 2 * c + (e & 1), len, p.window)
-                               ? MAXSIM_NEG_INF
-                               : x;
+            for (int nt = 0; nt < BN / 8; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const float x = s[m][nt][e] * p.scale_log2;
+                    const int i = row0 + 16 * m + g + (e >> 1) * 8, j = n0 + nt * 8 + 2 * c + (e & 1);
+                    s[m][nt][e] = edge && !fa_visible(i, j, len, p.window) ? MAXSIM_NEG_INF : x;
+                }
+#pragma unroll
+        for (int m = 0; m < MT; ++m)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                float mx = MAXSIM_NEG_INF;
+#pragma unroll
+                for (int nt = 0; nt < BN / 8; ++nt) mx = fmaxf(mx, fmaxf(s[m][nt][2 * r], s[m][nt][2 * r + 1]));
+                const float mnew = fmaxf(mrow[m][r], lane_max<3>(mx));
+                const float base = mnew == MAXSIM_NEG_INF ? 0.f : mnew; // no visible key yet: every p is 0
+                const float alpha = exp2f(mrow[m][r] - base);
+                mrow[m][r] = mnew;
+                float sum = 0.f;
+#pragma unroll
+                for (int nt = 0; nt < BN / 8; ++nt) {
+                    s[m][nt][2 * r] = exp2f(s[m][nt][2 * r] - base);
+                    s[m][nt][2 * r + 1] = exp2f(s[m][nt][2 * r + 1] - base);
+                    sum += s[m][nt][2 * r] + s[m][nt][2 * r + 1];
+                }
+                lrow[m][r] = lrow[m][r] * alpha + sum;
+#pragma unroll
+                for (int dt = 0; dt < D / 8; ++dt) {
+                    o[m][dt][2 * r] *= alpha;
+                    o[m][dt][2 * r + 1] *= alpha;
+                }
             }
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            float mx = MAXSIM_NEG_INF;
-#pragma unroll
-            for (int nt = 0; nt < BN / 8; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * r], s[nt][2 * r + 1]));
-            const float mnew = fmaxf(mrow[r], lane_max<3>(mx));
-            const float base = mnew == MAXSIM_NEG_INF ? 0.f : mnew; // no visible key yet: every p is 0
-            const float alpha = exp2f(mrow[r] - base);
-            mrow[r] = mnew;
-            float sum = 0.f;
-#pragma unroll
-            for (int nt = 0; nt < BN / 8; ++nt) {
-                s[nt][2 * r] = exp2f(s[nt][2 * r] - base);
-                s[nt][2 * r + 1] = exp2f(s[nt][2 * r + 1] - base);
-                sum += s[nt][2 * r] + s[nt][2 * r + 1];
-            }
-            lrow[r] = lrow[r] * alpha + sum;
-#pragma unroll
-            for (int dt = 0; dt < D / 8; ++dt) {
-                o[dt][2 * r] *= alpha;
-                o[dt][2 * r + 1] *= alpha;
-            }
-        }
-        fa_gemm_pn<T, D, BN, LD>(o, s, Vt);
+        fa_gemm_pn<T, D, BN, LD, MT>(o, s, Vt);
         __syncthreads();
     }
-    float inv[2];
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const float l = lane_sum<4>(lrow[r]);
-        inv[r] = l > 0.f ? 1.f / l : 0.f;
-        const int i = qi + 8 * r;
-        if (c == 0 && i < len) p.lse[(long long)h * p.total + start + i] = l > 0.f ? mrow[r] + log2f(l) : INFINITY;
+    for (int m = 0; m < MT; ++m) {
+        float inv[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const float l = lane_sum<4>(lrow[m][r]);
+            inv[r] = l > 0.f ? 1.f / l : 0.f;
+            const int i = row0 + 16 * m + g + 8 * r;
+            if (c == 0 && i < len)
+                p.lse[(long long)h * p.total + start + i] = l > 0.f ? mrow[m][r] + log2f(l) : INFINITY;
+        }
+        fa_store<T, D>(p.out, o[m], inv[0], inv[1], start, row0 + 16 * m, len, p.heads * D, h * D);
     }
-    fa_store<T, D>(p.out, o, inv[0], inv[1], start, m0 + warp * 16, len, p.heads * D, h * D);
 #endif
 }
 
@@ -253,9 +275,9 @@ template <typename T, int D> __device__ __forceinline__ void flash_delta(const F
     }
 }
 
-template <typename T, int D> __device__ __forceinline__ void flash_bwd_dq(const FlashParams& p) {
+template <typename T, int D, int MT> __device__ __forceinline__ void flash_bwd_dq(const FlashParams& p) {
 #if __CUDA_ARCH__ >= 800
-    using Tr = FaTile<D>;
+    using Tr = FaTile<D, MT>;
     constexpr int BM = Tr::BM, BN = Tr::BWD_N, LD = Tr::LD;
     extern __shared__ __align__(16) unsigned char fa_smem[];
     T* Qs = reinterpret_cast<T*>(fa_smem);
@@ -275,16 +297,18 @@ template <typename T, int D> __device__ __forceinline__ void flash_bwd_dq(const 
     fa_load<BN, D>(Ks, k, p.k_row, start, kr.x, len, h * D);
     fa_load<BN, D>(Vs, v, p.v_row, start, kr.x, len, h * D);
     cp_async_commit();
-    const int qi = m0 + warp * 16 + g;
-    float lse[2], delta[2];
+    const int row0 = m0 + warp * 16 * MT;
+    float lse[MT][2], delta[MT][2];
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const bool ok = qi + 8 * r < len;
-        const long long at = (long long)h * p.total + start + qi + 8 * r;
-        lse[r] = ok ? p.lse[at] : INFINITY; // rows past the sequence: p = 0
-        delta[r] = ok ? p.delta[at] : 0.f;
-    }
-    float dq[D / 8][4] = {};
+    for (int m = 0; m < MT; ++m)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int i = row0 + 16 * m + g + 8 * r;
+            const long long at = (long long)h * p.total + start + i;
+            lse[m][r] = i < len ? p.lse[at] : INFINITY; // rows past the sequence: p = 0
+            delta[m][r] = i < len ? p.delta[at] : 0.f;
+        }
+    float dq[MT][D / 8][4] = {};
     for (int t = 0; t < nblk; ++t) {
         const int n0 = kr.x + t * BN;
         if (t + 1 < nblk) {
@@ -299,28 +323,31 @@ template <typename T, int D> __device__ __forceinline__ void flash_bwd_dq(const 
         __syncthreads();
         const T* Kt = Ks + (t & 1) * BN * LD;
         const T* Vt = Vs + (t & 1) * BN * LD;
-        float s[BN / 8][4] = {}, dp[BN / 8][4] = {};
-        fa_gemm_nt<T, D, BN, LD>(s, Qs, warp * 16, Kt);
-        fa_gemm_nt<T, D, BN, LD>(dp, dOs, warp * 16, Vt);
+        float s[MT][BN / 8][4] = {}, dp[MT][BN / 8][4] = {};
+        fa_gemm_nt<T, D, BN, LD, MT>(s, Qs, warp * 16 * MT, Kt);
+        fa_gemm_nt<T, D, BN, LD, MT>(dp, dOs, warp * 16 * MT, Vt);
 #pragma unroll
-        for (int nt = 0; nt < BN / 8; ++nt)
+        for (int m = 0; m < MT; ++m)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int r = e >> 1;
-                const bool vis = fa_visible(qi + 8 * r, n0 + nt * 8 + 2 * c + (e & 1), len, p.window);
-                const float pr = vis ? exp2f(s[nt][e] * p.scale_log2 - lse[r]) : 0.f;
-                s[nt][e] = pr * (dp[nt][e] - delta[r]);
-            }
-        fa_gemm_pn<T, D, BN, LD>(dq, s, Kt);
+            for (int nt = 0; nt < BN / 8; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int r = e >> 1;
+                    const bool vis = fa_visible(row0 + 16 * m + g + 8 * r, n0 + nt * 8 + 2 * c + (e & 1), len, p.window);
+                    const float pr = vis ? exp2f(s[m][nt][e] * p.scale_log2 - lse[m][r]) : 0.f;
+                    s[m][nt][e] = pr * (dp[m][nt][e] - delta[m][r]);
+                }
+        fa_gemm_pn<T, D, BN, LD, MT>(dq, s, Kt);
         __syncthreads();
     }
-    fa_store<T, D>(p.out, dq, p.scale, p.scale, start, m0 + warp * 16, len, hd, h * D);
+#pragma unroll
+    for (int m = 0; m < MT; ++m) fa_store<T, D>(p.out, dq[m], p.scale, p.scale, start, row0 + 16 * m, len, hd, h * D);
 #endif
 }
 
-template <typename T, int D> __device__ __forceinline__ void flash_bwd_dkdv(const FlashParams& p) {
+template <typename T, int D, int MT> __device__ __forceinline__ void flash_bwd_dkdv(const FlashParams& p) {
 #if __CUDA_ARCH__ >= 800
-    using Tr = FaTile<D>;
+    using Tr = FaTile<D, MT>;
     constexpr int BK = Tr::BM, BQ = Tr::BWD_N, LD = Tr::LD;
     extern __shared__ __align__(16) unsigned char fa_smem[];
     T* Ks = reinterpret_cast<T*>(fa_smem);
@@ -352,8 +379,8 @@ template <typename T, int D> __device__ __forceinline__ void flash_bwd_dkdv(cons
     fa_load<BK, D>(Vs, v, p.v_row, start, n0, len, h * D);
     load_q(0, qr.x);
     cp_async_commit();
-    const int kj = n0 + warp * 16 + g; // this lane's keys kj and kj + 8
-    float dk[D / 8][4] = {}, dv[D / 8][4] = {};
+    const int row0 = n0 + warp * 16 * MT; // this warp's first key; lane keys row0 + 16 m + g (+ 8)
+    float dk[MT][D / 8][4] = {}, dv[MT][D / 8][4] = {};
     for (int t = 0; t < nblk; ++t) {
         const int m0 = qr.x + t * BQ;
         if (t + 1 < nblk) {
@@ -369,40 +396,47 @@ template <typename T, int D> __device__ __forceinline__ void flash_bwd_dkdv(cons
         const T* dOt = dOs + st * BQ * LD;
         const float* lse = lse_s + st * BQ;
         const float* delta = delta_s + st * BQ;
-        float s[BQ / 8][4] = {}, dp[BQ / 8][4] = {};
-        fa_gemm_nt<T, D, BQ, LD>(s, Ks, warp * 16, Qt); // S^T: keys x queries
+        float s[MT][BQ / 8][4] = {}, dp[MT][BQ / 8][4] = {};
+        fa_gemm_nt<T, D, BQ, LD, MT>(s, Ks, warp * 16 * MT, Qt); // S^T: keys x queries
 #pragma unroll
-        for (int nt = 0; nt < BQ / 8; ++nt)
+        for (int m = 0; m < MT; ++m)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int col = nt * 8 + 2 * c + (e & 1);
-                const bool vis = p.window < 0 || abs(m0 + col - (kj + 8 * (e >> 1))) <= p.window;
-                s[nt][e] = vis ? exp2f(s[nt][e] * p.scale_log2 - lse[col]) : 0.f; // P^T
-            }
-        fa_gemm_pn<T, D, BQ, LD>(dv, s, dOt);
-        fa_gemm_nt<T, D, BQ, LD>(dp, Vs, warp * 16, dOt); // dP^T
+            for (int nt = 0; nt < BQ / 8; ++nt)
 #pragma unroll
-        for (int nt = 0; nt < BQ / 8; ++nt)
+                for (int e = 0; e < 4; ++e) {
+                    const int col = nt * 8 + 2 * c + (e & 1), j = row0 + 16 * m + g + 8 * (e >> 1);
+                    const bool vis = p.window < 0 || abs(m0 + col - j) <= p.window;
+                    s[m][nt][e] = vis ? exp2f(s[m][nt][e] * p.scale_log2 - lse[col]) : 0.f; // P^T
+                }
+        fa_gemm_pn<T, D, BQ, LD, MT>(dv, s, dOt);
+        fa_gemm_nt<T, D, BQ, LD, MT>(dp, Vs, warp * 16 * MT, dOt); // dP^T
 #pragma unroll
-            for (int e = 0; e < 4; ++e) s[nt][e] *= dp[nt][e] - delta[nt * 8 + 2 * c + (e & 1)]; // dS^T
-        fa_gemm_pn<T, D, BQ, LD>(dk, s, Qt);
+        for (int m = 0; m < MT; ++m)
+#pragma unroll
+            for (int nt = 0; nt < BQ / 8; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[m][nt][e] *= dp[m][nt][e] - delta[nt * 8 + 2 * c + (e & 1)]; // dS^T
+        fa_gemm_pn<T, D, BQ, LD, MT>(dk, s, Qt);
         __syncthreads();
     }
-    fa_store<T, D>(p.dk, dk, p.scale, p.scale, start, n0 + warp * 16, len, hd, h * D);
-    fa_store<T, D>(p.dv, dv, 1.f, 1.f, start, n0 + warp * 16, len, hd, h * D);
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+        fa_store<T, D>(p.dk, dk[m], p.scale, p.scale, start, row0 + 16 * m, len, hd, h * D);
+        fa_store<T, D>(p.dv, dv[m], 1.f, 1.f, start, row0 + 16 * m, len, hd, h * D);
+    }
 #endif
 }
 
+// Entry points: flash_<kernel>_<dtype>_d<D>_m<MT>.
+#define FLASH_KERNEL(KERNEL, T, NAME, D, MT)                                                          \
+    extern "C" __global__ void __launch_bounds__(128) flash_##KERNEL##_##NAME##_d##D##_m##MT(const FlashParams p) { \
+        flash_##KERNEL<T, D, MT>(p);                                                                  \
+    }
 #define FLASH_KERNELS(T, NAME, D)                                                                          \
-    extern "C" __global__ void __launch_bounds__(128) flash_fwd_##NAME##_d##D(const FlashParams p) {       \
-        flash_fwd<T, D>(p);                                                                                \
-    }                                                                                                      \
-    extern "C" __global__ void __launch_bounds__(128) flash_bwd_dq_##NAME##_d##D(const FlashParams p) {    \
-        flash_bwd_dq<T, D>(p);                                                                             \
-    }                                                                                                      \
-    extern "C" __global__ void __launch_bounds__(128) flash_bwd_dkdv_##NAME##_d##D(const FlashParams p) {  \
-        flash_bwd_dkdv<T, D>(p);                                                                           \
-    }                                                                                                      \
+    FLASH_KERNEL(fwd, T, NAME, D, 1)                                                                       \
+    FLASH_KERNEL(fwd, T, NAME, D, 2)                                                                       \
+    FLASH_KERNEL(bwd_dq, T, NAME, D, 1)                                                                    \
+    FLASH_KERNEL(bwd_dkdv, T, NAME, D, 1)                                                                  \
     extern "C" __global__ void flash_delta_##NAME##_d##D(const FlashParams p) { flash_delta<T, D>(p); }
 
 FLASH_KERNELS(__half, f16, 32)
@@ -411,3 +445,8 @@ FLASH_KERNELS(__half, f16, 128)
 FLASH_KERNELS(__nv_bfloat16, bf16, 32)
 FLASH_KERNELS(__nv_bfloat16, bf16, 64)
 FLASH_KERNELS(__nv_bfloat16, bf16, 128)
+// dQ with 32 rows per warp up to D = 64 (at 128 its accumulators spill).
+FLASH_KERNEL(bwd_dq, __half, f16, 32, 2)
+FLASH_KERNEL(bwd_dq, __half, f16, 64, 2)
+FLASH_KERNEL(bwd_dq, __nv_bfloat16, bf16, 32, 2)
+FLASH_KERNEL(bwd_dq, __nv_bfloat16, bf16, 64, 2)

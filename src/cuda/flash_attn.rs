@@ -60,6 +60,7 @@ struct Rows {
 }
 
 fn rows(s: &CudaStorage, l: &Layout) -> Result<Rows> {
+    // A column slice of a wider row-major matrix, rows 16-byte aligned: as is.
     let (dims, st) = (l.dims(), l.stride());
     if dims.len() == 2 && st[1] == 1 && st[0] % 8 == 0 && l.start_offset() % 8 == 0 {
         let ptr = storage_ptr(s, &Layout::contiguous_with_offset(dims, l.start_offset()))?;
@@ -67,14 +68,12 @@ fn rows(s: &CudaStorage, l: &Layout) -> Result<Rows> {
             return Ok(Rows { ptr, stride: st[0] as i64, _copy: None });
         }
     }
+    // SAFETY: copy_strided_src writes every element before the kernels read them.
     let mut copy = unsafe { s.device.alloc_uninit(l.shape(), s.dtype())? };
     s.copy_strided_src(&mut copy, 0, l)?;
     let ptr = storage_ptr(&copy, &Layout::contiguous(l.shape()))?;
-    let stride = *dims.last().unwrap_or(&0) as i64;
-    if stride % 8 != 0 {
-        bail!("q: rows of {stride} elements, expected a multiple of 8")
-    }
-    Ok(Rows { ptr, stride, _copy: Some(copy) })
+    // H·dh with dh in 32, 64, 128: rows of whole 16-byte chunks.
+    Ok(Rows { ptr, stride: *dims.last().unwrap_or(&0) as i64, _copy: Some(copy) })
 }
 
 fn int(what: &str, v: usize) -> Result<i32> {
@@ -101,32 +100,45 @@ impl FlashGeom {
         })
     }
 
-    /// The grid of blocks of 64 rows of each (sequence, head).
-    fn grid(&self, smem: u32) -> LaunchConfig {
-        LaunchConfig {
-            grid_dim: (self.max_len.div_ceil(64).max(1) as u32, self.heads as u32, self.batch as u32),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: smem,
+    /// m16 row tiles per warp of a kernel (FaTile's MT): 2 once sequences
+    /// reach 256 rows (B fragments shared by two tiles halve the
+    /// shared-memory reads per MMA), 1 below (blocks of 128 rows would
+    /// mostly pad short sequences); dQ keeps 1 at dh 128 (it would spill),
+    /// dK dV always (its four accumulator sets fill the registers at 1).
+    fn tiles(&self, stem: &str) -> usize {
+        let long = self.max_len >= 256;
+        match stem {
+            "flash_fwd" if long => 2,
+            "flash_bwd_dq" if long && self.dh <= 64 => 2,
+            _ => 1,
         }
     }
 
-    fn name(&self, stem: &str, dt: DType) -> String {
-        format!("{stem}_{}_d{}", dtype_tag(dt), self.dh)
-    }
-
-    /// Shared memory of the forward and of the backward's kernels (FaTile in kernels/flash_attn.cu).
-    fn smem(&self) -> (u32, u32) {
-        let (ld, bwd_n) = (self.dh + 8, if self.dh == 128 { 32 } else { 64 });
-        (((64 + 4 * 64) * ld * 2) as u32, ((2 * 64 + 4 * bwd_n) * ld * 2 + 4 * bwd_n * 4) as u32)
+    /// Kernel `stem` for this problem: its name, launch grid (blocks of 64
+    /// MT rows of each (sequence, head)) and shared memory, as FaTile in
+    /// kernels/flash_attn.cu sizes it.
+    fn launch_of(&self, stem: &str, dt: DType) -> (String, LaunchConfig) {
+        let mt = self.tiles(stem);
+        let (ld, bm) = (self.dh + 8, 64 * mt);
+        let fwd_n = if self.dh == 128 && mt == 2 { 32 } else { 64 };
+        let bwd_n = if self.dh == 128 { 32 } else { 64 };
+        let smem = match stem {
+            "flash_fwd" => (bm + 4 * fwd_n) * ld * 2,
+            _ => (2 * bm + 4 * bwd_n) * ld * 2 + 4 * bwd_n * 4,
+        } as u32;
+        let cfg = LaunchConfig {
+            grid_dim: (self.max_len.div_ceil(bm).max(1) as u32, self.heads as u32, self.batch as u32),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: smem,
+        };
+        (format!("{stem}_{}_d{}_m{mt}", dtype_tag(dt), self.dh), cfg)
     }
 }
 
 /// Whether the kernels run on this device: F16 / BF16, head dims 32, 64
 /// and 128, compute capability 8.0 or newer.
 pub(crate) fn flash_supported(s: &CudaStorage, dh: usize) -> Result<bool> {
-    Ok(matches!(s.dtype(), DType::F16 | DType::BF16)
-        && matches!(dh, 32 | 64 | 128)
-        && device_info(&s.device)?.cc >= 80)
+    Ok(matches!(s.dtype(), DType::F16 | DType::BF16) && matches!(dh, 32 | 64 | 128) && device_info(&s.device)?.cc >= 80)
 }
 
 /// `(O [T, H·dh], lse [H, T] F32, log2 domain)` of q, k, v.
@@ -157,9 +169,9 @@ pub(crate) fn flash_fwd(
         lse: storage_ptr(&lse, &Layout::contiguous(1))?,
         ..g.params(cu)?
     };
-    let smem = g.smem().0;
-    let func = kernel(dev, Module::FlashAttn, &g.name("flash_fwd", dt), smem)?;
-    launch(dev, &func, g.grid(smem), &p)?;
+    let (name, cfg) = g.launch_of("flash_fwd", dt);
+    let func = kernel(dev, Module::FlashAttn, &name, cfg.shared_mem_bytes)?;
+    launch(dev, &func, cfg, &p)?;
     Ok((out, lse))
 }
 
@@ -203,12 +215,12 @@ pub(crate) fn flash_bwd(
         delta: storage_ptr(&delta, &Layout::contiguous(1))?,
         ..g.params(cu)?
     };
-    let func = kernel(dev, Module::FlashAttn, &g.name("flash_delta", dt), 0)?;
+    let func = kernel(dev, Module::FlashAttn, &format!("flash_delta_{}_d{}", dtype_tag(dt), g.dh), 0)?;
     launch(dev, &func, grid_stride(dev, g.total * g.heads, 8, 256, 16)?, &p)?;
-    let smem = g.smem().1;
     for stem in ["flash_bwd_dq", "flash_bwd_dkdv"] {
-        let func = kernel(dev, Module::FlashAttn, &g.name(stem, dt), smem)?;
-        launch(dev, &func, g.grid(smem), &p)?;
+        let (name, cfg) = g.launch_of(stem, dt);
+        let func = kernel(dev, Module::FlashAttn, &name, cfg.shared_mem_bytes)?;
+        launch(dev, &func, cfg, &p)?;
     }
     Ok(grads)
 }

@@ -201,7 +201,9 @@ impl CustomOp3 for FlashAttn {
             p.resize(l * l, 0f32);
             let at = s * hd + h * g.dh;
             // SAFETY: strided views of this sequence's rows of head h within q, k, v.
-            unsafe { gemm_into(l, l, g.dh, p.as_mut_ptr(), l, Mat::rows(q[at..].as_ptr(), hd), Mat::t(k[at..].as_ptr(), hd)) };
+            unsafe {
+                gemm_into(l, l, g.dh, p.as_mut_ptr(), l, Mat::rows(q[at..].as_ptr(), hd), Mat::t(k[at..].as_ptr(), hd))
+            };
             simd(
                 #[inline(always)]
                 || {
@@ -251,7 +253,8 @@ impl CustomOp3 for FlashAttn {
         let lse = match self.lse.lock().unwrap().take() {
             Some(l) => l,
             None => {
-                let again = FlashAttn { lse: Mutex::new(None), cu_host: self.cu_host.clone(), cu: self.cu.clone(), ..*self };
+                let again =
+                    FlashAttn { lse: Mutex::new(None), cu_host: self.cu_host.clone(), cu: self.cu.clone(), ..*self };
                 q.apply_op3_no_bwd(k, v, &again)?;
                 let l = again.lse.lock().unwrap().take();
                 l.ok_or_else(|| candle_core::Error::Msg("attention_varlen: internal error, no log-sum-exp".into()))?
@@ -348,8 +351,8 @@ impl CustomOp1 for FlashAttnBwd {
     fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
         use candle_core::Storage;
         let g = self.geom;
-        let [q, k, v, o, lse, cu] = [&self.q, &self.k, &self.v, &self.out, &self.lse, &self.cu]
-            .map(|t| t.storage_and_layout());
+        let [q, k, v, o, lse, cu] =
+            [&self.q, &self.k, &self.v, &self.out, &self.lse, &self.cu].map(|t| t.storage_and_layout());
         fn cuda(x: &Storage) -> Result<&candle_core::CudaStorage> {
             match x {
                 Storage::Cuda(c) => Ok(c),

@@ -158,9 +158,8 @@ fn attention_varlen_rejects_bad_input(dev: &Device) -> Result<()> {
     let x = |t: usize, w: usize| randn(&[t, w], DType::F32, dev);
     let cu = |v: Vec<u32>| Tensor::new(v, dev);
     let (q, k, v) = (x(6, 64)?, x(6, 64)?, x(6, 64)?);
-    let run = |cu: &Tensor, heads: usize, window: Option<usize>| {
-        ms::nn::attention_varlen(&q, &k, &v, cu, heads, 1.0, window)
-    };
+    let run =
+        |cu: &Tensor, heads: usize, window: Option<usize>| ms::nn::attention_varlen(&q, &k, &v, cu, heads, 1.0, window);
     expect_err(run(&cu(vec![0, 4, 2, 6])?, 2, None), "cu_seqlens");
     expect_err(run(&cu(vec![0, 4, 5])?, 2, None), "cu_seqlens");
     expect_err(run(&cu(vec![1, 6])?, 2, None), "cu_seqlens");

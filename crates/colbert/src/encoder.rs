@@ -86,6 +86,45 @@ fn padding_bias(attention: &Tensor) -> Result<Tensor> {
     attention.where_cond(&zero, &min)?.reshape((b, 1, 1, l))
 }
 
+/// Self-attention of packed rows `[T, H·dh]` within the sequences of
+/// `cu_seqlens`: the fused varlen op for the head dims it is built for,
+/// otherwise the same function composed of candle ops.
+fn attention_packed(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    cu: &Tensor,
+    heads: usize,
+    window: Option<usize>,
+) -> Result<Tensor> {
+    let dh = q.dim(1)? / heads;
+    let scale = (dh as f64).powf(-0.5);
+    if candle_maxsim::nn::ATTENTION_HEAD_DIMS.contains(&dh) {
+        candle_maxsim::nn::attention_varlen(q, k, v, cu, heads, scale, window)
+    } else {
+        candle_maxsim::reference::nn::attention_varlen(q, k, v, cu, heads, scale, window)
+    }
+}
+
+/// The position of each packed row within its sequence (U32 `[T]`), after
+/// checking `cu_seqlens` against `ids [T]` and `max_positions`.
+fn packed_positions(ids: &Tensor, cu: &Tensor, max_positions: usize) -> Result<Tensor> {
+    let t =
+        ids.dims1().map_err(|_| candle_core::Error::Msg(format!("ids: expected packed [T], got {:?}", ids.dims())))?;
+    if cu.dtype() != DType::U32 || cu.rank() != 1 || cu.dim(0)? == 0 {
+        bail!("cu_seqlens: expected U32 [B+1], got {:?} {:?}", cu.dtype(), cu.dims())
+    }
+    let c = cu.to_vec1::<u32>()?;
+    if c[0] != 0 || c.windows(2).any(|w| w[1] < w[0]) || *c.last().unwrap() as usize != t {
+        bail!("cu_seqlens: expected offsets from 0, non-decreasing, ending at the {t} ids")
+    }
+    let pos: Vec<u32> = c.windows(2).flat_map(|w| 0..w[1] - w[0]).collect();
+    if let Some(l) = c.windows(2).map(|w| (w[1] - w[0]) as usize).max().filter(|&l| l > max_positions) {
+        bail!("ids: a sequence of {l} tokens exceeds the {max_positions} positions of the encoder")
+    }
+    Tensor::from_vec(pos, t, ids.device())
+}
+
 fn usize_of(c: &serde_json::Value, key: &str) -> Result<usize> {
     match c.get(key).and_then(|v| v.as_u64()) {
         Some(v) => Ok(v as usize),
@@ -212,6 +251,26 @@ impl Bert {
             let k = linear(&x, &layer.k.0, Some(&layer.k.1))?;
             let v = linear(&x, &layer.v.0, Some(&layer.v.1))?;
             let a = linear(&attention(&q, &k, &v, &bias, self.heads)?, &layer.o.0, Some(&layer.o.1))?;
+            x = layer.attn_norm.forward(&(a + &x)?)?;
+            let m = linear_act(&x, &layer.up.0, Some(&layer.up.1), Some(self.act))?;
+            x = layer.out_norm.forward(&(linear(&m, &layer.down.0, Some(&layer.down.1))? + &x)?)?;
+        }
+        Ok(x)
+    }
+}
+
+impl Bert {
+    /// [`Encoder::forward_packed`] for BERT.
+    fn forward_packed(&self, ids: &Tensor, cu: &Tensor, dt: DType) -> Result<Tensor> {
+        let pos = packed_positions(ids, cu, self.position.dim(0)?)?;
+        let x = (self.word.embedding_rows(ids)? + self.position.embedding_rows(&pos)?)?
+            .broadcast_add(&self.token_type.get(0)?)?;
+        let mut x = self.emb_norm.forward(&x.to_dtype(dt)?)?;
+        for layer in &self.layers {
+            let q = linear(&x, &layer.q.0, Some(&layer.q.1))?;
+            let k = linear(&x, &layer.k.0, Some(&layer.k.1))?;
+            let v = linear(&x, &layer.v.0, Some(&layer.v.1))?;
+            let a = linear(&attention_packed(&q, &k, &v, cu, self.heads, None)?, &layer.o.0, Some(&layer.o.1))?;
             x = layer.attn_norm.forward(&(a + &x)?)?;
             let m = linear_act(&x, &layer.up.0, Some(&layer.up.1), Some(self.act))?;
             x = layer.out_norm.forward(&(linear(&m, &layer.down.0, Some(&layer.down.1))? + &x)?)?;
@@ -391,6 +450,49 @@ impl ModernBert {
     }
 }
 
+impl ModernBert {
+    /// [`Encoder::forward_packed`] for ModernBERT: the rotary tables
+    /// gathered at each row's position, q and k rotated as `[T, H, dh]`, v a
+    /// column slice of the QKV projection.
+    fn forward_packed(&self, ids: &Tensor, cu: &Tensor, dt: DType) -> Result<Tensor> {
+        let pos = packed_positions(ids, cu, usize::MAX)?;
+        let t = ids.dim(0)?;
+        let dev = ids.device();
+        let mut x = self.emb_norm.forward(&self.tok.embedding_rows(ids)?.to_dtype(dt)?)?;
+        let h = x.dim(1)?;
+        let dh = h / self.heads;
+        let longest = pos.max(0).and_then(|m| m.to_scalar::<u32>()).map_or(0, |m| m as usize + 1);
+        let mut tables: Vec<(f64, (Tensor, Tensor))> = Vec::new();
+        for layer in &self.layers {
+            if !tables.iter().any(|c| c.0 == layer.theta) {
+                let (cos, sin) = Self::rotary(layer.theta, longest.max(1), dh, dev)?;
+                let at = |x: Tensor| x.index_select(&pos, 0)?.reshape((t, 1, dh));
+                tables.push((layer.theta, (at(cos)?, at(sin)?)));
+            }
+            let (cos, sin) = &tables.iter().find(|c| c.0 == layer.theta).unwrap().1;
+            let xn = match &layer.attn_norm {
+                Some(n) => n.forward(&x)?,
+                None => x.clone(),
+            };
+            let qkv = linear(&xn, &layer.wqkv, None)?; // [T, 3 H dh]
+            let rot = |k: usize| -> Result<Tensor> {
+                let t32 = qkv.narrow(1, k * h, h)?.reshape((t, self.heads, dh))?.to_dtype(DType::F32)?;
+                let (x1, x2) = (t32.narrow(D::Minus1, 0, dh / 2)?, t32.narrow(D::Minus1, dh / 2, dh / 2)?);
+                let rotated = Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?;
+                (t32.broadcast_mul(cos)? + rotated.broadcast_mul(sin)?)?.to_dtype(dt)?.reshape((t, h))
+            };
+            let v = qkv.narrow(1, 2 * h, h)?;
+            let a = attention_packed(&rot(0)?, &rot(1)?, &v, cu, self.heads, layer.window)?;
+            x = (&x + linear(&a, &layer.wo, None)?)?;
+            let up = linear(&layer.mlp_norm.forward(&x)?, &layer.wi, None)?;
+            let i = up.dim(1)? / 2;
+            let m = (self.act.apply(&up.narrow(1, 0, i)?)? * up.narrow(1, i, i)?)?;
+            x = (&x + linear(&m, &layer.wo_mlp, None)?)?;
+        }
+        self.final_norm.forward(&x)
+    }
+}
+
 // ---------------------------------------------------------------------------
 
 /// A BERT or ModernBERT encoder.
@@ -419,6 +521,19 @@ impl Encoder {
         match self {
             Encoder::Bert(m) => m.forward(ids, attention, dtype),
             Encoder::ModernBert(m) => m.forward(ids, attention, dtype),
+        }
+    }
+
+    /// Contextual token embeddings `[T, H]` in `dtype` of a packed batch:
+    /// `ids [T]` U32 holding the sequences one after another, `cu_seqlens`
+    /// U32 `[B+1]` the first row of each (0, non-decreasing, ending at T).
+    /// No padding anywhere: the rows of [`Encoder::forward`] at its attended
+    /// positions, with attention through `candle_maxsim::nn::attention_varlen`
+    /// (head dims 32, 64 and 128; others composed of candle ops).
+    pub fn forward_packed(&self, ids: &Tensor, cu_seqlens: &Tensor, dtype: DType) -> Result<Tensor> {
+        match self {
+            Encoder::Bert(m) => m.forward_packed(ids, cu_seqlens, dtype),
+            Encoder::ModernBert(m) => m.forward_packed(ids, cu_seqlens, dtype),
         }
     }
 

@@ -47,3 +47,71 @@ fn encoders_match_transformers(dev: &Device) -> Result<()> {
 }
 
 test_device!(encoders_match_transformers, encoders_match_transformers_cpu, encoders_match_transformers_cuda);
+
+/// `forward_packed` of the sequences of a padded batch equals `forward`'s
+/// rows at the attended positions.
+fn check_packed(what: &str, enc: &Encoder, ids: &Tensor, mask: &Tensor, dt: DType, tol: f64) -> Result<()> {
+    let padded = enc.forward(ids, mask, DType::F32)?;
+    let lens: Vec<u32> = mask.to_dtype(DType::U32)?.sum(1)?.to_vec1()?;
+    let mut cu = vec![0u32];
+    let mut rows = Vec::new();
+    for (b, &l) in lens.iter().enumerate() {
+        cu.push(cu[b] + l);
+        rows.push(ids.get(b)?.narrow(0, 0, l as usize)?);
+    }
+    let packed_ids = Tensor::cat(&rows, 0)?;
+    let packed = enc.forward_packed(&packed_ids, &Tensor::new(cu.as_slice(), ids.device())?, dt)?;
+    assert_eq!(packed.dtype(), dt);
+    for (b, &l) in lens.iter().enumerate() {
+        let got = packed.narrow(0, cu[b] as usize, l as usize)?.to_dtype(DType::F32)?;
+        let want = padded.get(b)?.narrow(0, 0, l as usize)?;
+        assert_close(&format!("{what} {dt:?} sequence {b} of {lens:?}"), &got, &want, tol)?;
+    }
+    Ok(())
+}
+
+/// A random encoder of `fixture`'s architecture with 2 heads of 32 (the
+/// fused attention's head dims), every weight random.
+fn wide(name: &str, dev: &Device) -> Result<Encoder> {
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture(name).join("config.json"))?).unwrap();
+    config["hidden_size"] = 64.into();
+    config["intermediate_size"] = 128.into();
+    config["num_attention_heads"] = 2.into();
+    if name == "modernbert" {
+        config["local_attention"] = 16.into();
+    }
+    let vars = candle_nn::VarMap::new();
+    let enc = Encoder::load(VarBuilder::from_varmap(&vars, DType::F32, dev), &config)?;
+    for v in vars.all_vars() {
+        v.set(&(Tensor::randn(0f32, 1., v.shape(), dev)? * 0.3)?)?;
+    }
+    Ok(enc)
+}
+
+/// The packed forward of BERT and ModernBERT against the padded one: the
+/// transformers fixtures (head dim 8: attention composed of candle ops) in
+/// F32, and random encoders with 32-wide heads (the fused varlen attention)
+/// in F32 and, against their F32 padded rows, F16.
+fn packed_forward_matches_padded(dev: &Device) -> Result<()> {
+    for name in ["bert", "modernbert"] {
+        let io = fixture(name).join("io");
+        let ids = Tensor::read_npy(io.join("input_ids.npy"))?.to_dtype(DType::U32)?.to_device(dev)?;
+        let mask = Tensor::read_npy(io.join("attention_mask.npy"))?.to_dtype(DType::U8)?.to_device(dev)?;
+        check_packed(name, &load(name, dev)?, &ids, &mask, DType::F32, 1e-5)?;
+        let enc = wide(name, dev)?;
+        let lens = [40u32, 17, 1];
+        let ids = Tensor::rand(0f32, 100., (3, 40), dev)?.to_dtype(DType::U32)?;
+        let keep: Vec<u8> = lens.iter().flat_map(|&l| (0..40).map(move |i| u8::from(i < l))).collect();
+        let mask = Tensor::from_vec(keep, (3, 40), dev)?;
+        check_packed(&format!("wide {name}"), &enc, &ids, &mask, DType::F32, 1e-5)?;
+        check_packed(&format!("wide {name}"), &enc, &ids, &mask, DType::F16, 2e-2)?;
+    }
+    let enc = load("bert", dev)?;
+    let ids = Tensor::new(&[3u32, 4, 5], dev)?;
+    expect_err(enc.forward_packed(&ids, &Tensor::new(&[0u32, 2], dev)?, DType::F32), "cu_seqlens");
+    expect_err(enc.forward_packed(&ids.unsqueeze(0)?, &Tensor::new(&[0u32, 3], dev)?, DType::F32), "ids");
+    Ok(())
+}
+
+test_device!(packed_forward_matches_padded, packed_forward_matches_padded_cpu, packed_forward_matches_padded_cuda);
