@@ -62,9 +62,9 @@ struct Rows {
 fn rows(s: &CudaStorage, l: &Layout) -> Result<Rows> {
     // A column slice of a wider row-major matrix, rows 16-byte aligned: as is.
     let (dims, st) = (l.dims(), l.stride());
-    if dims.len() == 2 && st[1] == 1 && st[0] % 8 == 0 && l.start_offset() % 8 == 0 {
+    if dims.len() == 2 && st[1] == 1 && st[0] % 8 == 0 && l.start_offset().is_multiple_of(8) {
         let ptr = storage_ptr(s, &Layout::contiguous_with_offset(dims, l.start_offset()))?;
-        if ptr % 16 == 0 {
+        if ptr.is_multiple_of(16) {
             return Ok(Rows { ptr, stride: st[0] as i64, _copy: None });
         }
     }
