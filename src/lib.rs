@@ -147,7 +147,9 @@ pub mod nn {
     //! Encoder building blocks with fused CUDA kernels and a CPU op of the
     //! same semantics, each with a closed-form backward: the attention
     //! softmax (scale, additive mask and softmax in one pass), multi-head
-    //! attention, the linear projection (tiled on all CPU cores), layer norm
+    //! attention, FlashAttention-2 over packed variable-length sequences
+    //! ([`attention_varlen`]: no padding, no `[B, H, L, L]`, a sliding
+    //! window), the linear projection (tiled on all CPU cores), layer norm
     //! with F32 statistics, bias + GELU, embedding lookup, row scatter-add,
     //! and the top-k of each row.
     //!
