@@ -271,16 +271,21 @@ impl ColBert {
         let ids = self.to_tensor(&tok.ids)?;
         let att = self.to_tensor(&tok.attention)?;
         let hidden = self.encoder.forward(&ids, &att, self.dtype)?;
+        let (n, l, h) = hidden.dims3()?;
+        self.head(&hidden.reshape((n * l, h))?)?.reshape((n, l, ()))
+    }
+
+    /// The projection and L2 normalization of hidden rows `[R, H]` → `[R, dim]`.
+    fn head(&self, hidden: &Tensor) -> Result<Tensor> {
         let x = match &self.projection {
             Some(p) => {
-                let (n, l, h) = hidden.dims3()?;
-                let mut y = hidden.reshape((n * l, h))?.matmul(&p.weight.to_dtype(self.dtype)?.t()?)?;
-                if let Some(b) = &p.bias {
-                    y = y.broadcast_add(&b.to_dtype(self.dtype)?)?;
+                let y = hidden.matmul(&p.weight.to_dtype(self.dtype)?.t()?)?;
+                match &p.bias {
+                    Some(b) => y.broadcast_add(&b.to_dtype(self.dtype)?)?,
+                    None => y,
                 }
-                y.reshape((n, l, ()))?
             }
-            None => hidden,
+            None => hidden.clone(),
         };
         l2_normalize(&x)?.to_dtype(self.out_dtype)
     }
@@ -339,15 +344,28 @@ impl ColBert {
 
     /// One batch of documents as an index takes them: the scored tokens only
     /// (padding and skiplist dropped), packed, `(embeddings [T, dim], lengths [N])`.
+    /// The encoder runs on the packed sequences ([`encoder::Encoder::forward_packed`]):
+    /// no padding is computed; the rows equal [`ColBert::encode_documents`]'
+    /// scored rows up to rounding.
     pub fn encode_documents_packed(&self, texts: &[&str]) -> Result<(Tensor, Vec<u32>)> {
-        let (d, dm) = self.encode_documents(texts)?;
-        let (n, l, dim) = d.dims3()?;
-        let keep: Vec<u8> = dm.flatten_all()?.to_vec1()?;
-        let rows: Vec<u32> = (0..(n * l) as u32).filter(|&r| keep[r as usize] != 0).collect();
-        let lens = keep.chunks(l.max(1)).map(|m| m.iter().map(|&v| v as u32).sum()).collect();
-        let nr = rows.len();
-        let rows = Tensor::from_vec(rows, nr, d.device())?;
-        Ok((d.reshape((n * l, dim))?.index_select(&rows, 0)?, lens))
+        let docs = self.ids(texts, self.document_marker, self.config.document_length)?;
+        let (mut cu, mut keep, mut lens) = (vec![0u32], Vec::new(), Vec::with_capacity(docs.len()));
+        for ids in &docs {
+            let start = *cu.last().unwrap();
+            let kept = (0..ids.len() as u32).filter(|&k| !self.skip_ids.contains(&ids[k as usize]));
+            let before = keep.len();
+            keep.extend(kept.map(|k| start + k));
+            lens.push((keep.len() - before) as u32);
+            cu.push(start + ids.len() as u32);
+        }
+        if keep.is_empty() {
+            return Ok((Tensor::zeros((0, self.dim()), self.out_dtype, &self.device)?, lens));
+        }
+        let ids = Tensor::from_vec(docs.concat(), *cu.last().unwrap() as usize, &self.device)?;
+        let cu = Tensor::from_vec(cu, docs.len() + 1, &self.device)?;
+        let hidden = self.encoder.forward_packed(&ids, &cu, self.dtype)?;
+        let n = keep.len();
+        self.head(&hidden.index_select(&Tensor::from_vec(keep, n, &self.device)?, 0)?).map(|x| (x, lens))
     }
 
     /// MaxSim scores of one query against `docs`, encoded `batch` at a time.

@@ -213,7 +213,8 @@ fn cuda_matches_cpu() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `encode_documents_packed` keeps exactly the scored rows of `encode_documents`, in order.
+/// `encode_documents_packed` (the packed encoder, no padding) gives the
+/// scored rows of `encode_documents`, in order, up to rounding.
 #[test]
 fn packed_documents_are_the_scored_rows() -> anyhow::Result<()> {
     let dir = colbert_ai_checkpoint()?;
@@ -228,6 +229,7 @@ fn packed_documents_are_the_scored_rows() -> anyhow::Result<()> {
         .flat_map(|(rows, mask)| rows.iter().zip(mask).filter(|(_, &k)| k != 0).map(|(r, _)| r.clone()))
         .collect();
     assert_eq!(lens, dm.iter().map(|m| m.iter().map(|&k| k as u32).sum::<u32>()).collect::<Vec<_>>());
-    assert_eq!(packed.to_vec2::<f32>()?, want);
+    let want = candle_core::Tensor::new(want, &Device::Cpu)?;
+    candle_maxsim_testing::assert_close("packed documents", &packed, &want, 1e-5)?;
     Ok(())
 }
