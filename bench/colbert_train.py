@@ -335,6 +335,40 @@ def st6_step(a):
                       "peak_allocated_mb": torch.cuda.max_memory_allocated() / 2**20}))
 
 
+def make_modernbert_base(tokenizer_dir, out, seed=0):
+    """A ModernBERT-base-sized encoder with random weights (seeded) in `out`:
+    GTE-ModernColBERT-v1's configuration (22 layers, 768 wide, 12 heads,
+    GeGLU 1152, a 128-token local window every layer but each third, RoPE
+    bases 10 000 local / 160 000 global, vocabulary 50 368) written by
+    transformers, with all-MiniLM-L6-v2's WordPiece tokenizer files (ModernBERT's
+    own tokenizer does not ship in a package; ids stay below the vocabulary).
+    Both stacks start from these same weights."""
+    import shutil
+
+    import torch
+    from transformers import ModernBertConfig, ModernBertModel
+
+    torch.manual_seed(seed)
+    cfg = ModernBertConfig(vocab_size=50368, hidden_size=768, intermediate_size=1152, num_hidden_layers=22,
+                           num_attention_heads=12, global_attn_every_n_layers=3, local_attention=128,
+                           global_rope_theta=160000.0, local_rope_theta=10000.0, max_position_embeddings=8192,
+                           norm_eps=1e-5, hidden_activation="gelu", pad_token_id=0, cls_token_id=101,
+                           sep_token_id=102, bos_token_id=101, eos_token_id=102)
+    ModernBertModel(cfg).save_pretrained(out)
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt"):
+        if os.path.exists(os.path.join(tokenizer_dir, f)):
+            shutil.copy(os.path.join(tokenizer_dir, f), out)
+
+
+def set_document_length(init, n):
+    """Documents of at most `n` tokens in the starting checkpoint, for both stacks."""
+    for f, key in (("config_sentence_transformers.json", "document_length"), ("sentence_bert_config.json", "max_seq_length")):
+        p = os.path.join(init, f)
+        c = json.load(open(p))
+        c[key] = n
+        json.dump(c, open(p, "w"))
+
+
 def make_hard(data, out, k=7, depth=30, seed=0):
     """DATA/train.jsonl with `k` hard negatives per query: drawn (seeded) from
     the `depth` train passages BM25 ranks highest for the query (k1 0.9,
@@ -462,7 +496,13 @@ def run(a):
         train = W("train-bm25.jsonl")
         make_hard(D, train)
     pca = ["--pca-init", "--train", train] if a.projection == "pca" else []
-    step("save_init", [B, "--model-dir", D + "/minilm", "--save-init", W("init"), "--dim", str(a.dim), *pca, "--cuda"])
+    base = D + "/minilm"
+    if a.encoder == "modernbert-base":
+        base = W("modernbert-base")
+        make_modernbert_base(D + "/minilm", base)
+    step("save_init", [B, "--model-dir", base, "--save-init", W("init"), "--dim", str(a.dim), *pca, "--cuda"])
+    if a.document_length:
+        set_document_length(W("init"), a.document_length)
     what = "%s negatives, %d epoch(s), %s projection to %d" % (a.negatives, a.epochs, a.projection, a.dim)
     if "train" in ph or "train-ours" in ph:
         step("train ours " + what, [B, "--train", train, "--model-dir", W("init"), "--out", W("ours"), *flags])
@@ -476,6 +516,7 @@ def run(a):
         if not os.path.exists(t7):
             make_hard(D, t7)
         step("step ours 1+7", [B, "--train", t7, "--model-dir", W("init"), "--profile", "10", *flags])
+        step("step ours 1+7 padded", [B, "--train", t7, "--model-dir", W("init"), "--profile", "10", "--padded", *flags])
         for sc in a.step_scoring.split(","):
             step("step sentence-transformers 1+7 " + sc, me + ["st6-step", "--init", W("init"), "--train", t7, "--scoring", sc])
     if "memory" in ph:
@@ -517,6 +558,9 @@ def main():
     s.add_argument("--projection", choices=("random", "pca"), default="pca",
                    help="the new head: PyTorch's random init, or the principal directions of MiniLM's token states (--pca-init)")
     s.add_argument("--dim", type=int, default=128)
+    s.add_argument("--encoder", choices=("minilm", "modernbert-base"), default="minilm",
+                   help="the encoder to start from: all-MiniLM-L6-v2, or a random ModernBERT-base (make_modernbert_base)")
+    s.add_argument("--document-length", type=int, help="documents truncated at this many tokens (default: the checkpoint's, 180)")
     s = sub.add_parser("st6-train")
     s.add_argument("--init", required=True)
     s.add_argument("--train", required=True)

@@ -177,6 +177,10 @@ pub(crate) struct Args {
     /// Run on CUDA device 0 (needs a build with `--features cuda`).
     #[arg(long)]
     cuda: bool,
+    /// Pad every sequence to its batch's longest instead of running the
+    /// encoder on packed sequences (for comparison).
+    #[arg(long)]
+    padded: bool,
 }
 
 fn main() -> Result<()> {
@@ -217,6 +221,7 @@ fn main() -> Result<()> {
         return Ok(());
     }
     let mut model = TrainableColBert::load(&a.model_dir, &dev, dtype, a.dim, a.seed)?;
+    model.model.set_packed_encoder(!a.padded);
     if a.pca_init {
         let Some(path) = &a.train else { bail!("--pca-init takes its documents from --train") };
         let examples = train::read_triples(path)?;

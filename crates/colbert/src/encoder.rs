@@ -466,7 +466,7 @@ impl ModernBert {
         for layer in &self.layers {
             if !tables.iter().any(|c| c.0 == layer.theta) {
                 let (cos, sin) = Self::rotary(layer.theta, longest.max(1), dh, dev)?;
-                let at = |x: Tensor| x.index_select(&pos, 0)?.reshape((t, 1, dh));
+                let at = |x: Tensor| x.index_select(&pos, 0)?.reshape((t, 1, dh))?.to_dtype(dt);
                 tables.push((layer.theta, (at(cos)?, at(sin)?)));
             }
             let (cos, sin) = &tables.iter().find(|c| c.0 == layer.theta).unwrap().1;
@@ -475,11 +475,14 @@ impl ModernBert {
                 None => x.clone(),
             };
             let qkv = linear(&xn, &layer.wqkv, None)?; // [T, 3 H dh]
+            // Rotated in the compute dtype, as transformers does (the tables are
+            // cast to it): F32 here would keep six F32 copies of q and k per
+            // layer for the backward.
             let rot = |k: usize| -> Result<Tensor> {
-                let t32 = qkv.narrow(1, k * h, h)?.reshape((t, self.heads, dh))?.to_dtype(DType::F32)?;
-                let (x1, x2) = (t32.narrow(D::Minus1, 0, dh / 2)?, t32.narrow(D::Minus1, dh / 2, dh / 2)?);
+                let x = qkv.narrow(1, k * h, h)?.reshape((t, self.heads, dh))?;
+                let (x1, x2) = (x.narrow(D::Minus1, 0, dh / 2)?, x.narrow(D::Minus1, dh / 2, dh / 2)?);
                 let rotated = Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?;
-                (t32.broadcast_mul(cos)? + rotated.broadcast_mul(sin)?)?.to_dtype(dt)?.reshape((t, h))
+                (x.broadcast_mul(cos)? + rotated.broadcast_mul(sin)?)?.reshape((t, h))
             };
             let v = qkv.narrow(1, 2 * h, h)?;
             let a = attention_packed(&rot(0)?, &rot(1)?, &v, cu, self.heads, layer.window)?;

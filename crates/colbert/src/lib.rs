@@ -92,6 +92,8 @@ pub struct ColBert {
     /// The dtype the encoder computes in.
     dtype: DType,
     out_dtype: DType,
+    /// Whether [`ColBert::embed`] runs the encoder on packed sequences where it can.
+    packed: bool,
 }
 
 fn tok_err(e: impl std::fmt::Display) -> candle_core::Error {
@@ -180,6 +182,7 @@ impl ColBert {
             device: device.clone(),
             dtype,
             out_dtype: dtype,
+            packed: true,
         })
     }
 
@@ -267,7 +270,53 @@ impl ColBert {
 
     /// Contextual token embeddings, projected and L2-normalized: `[N, L, dim]`
     /// (differentiable when the weights are `Var`s: see [`train`]).
+    ///
+    /// Where every row attends to a prefix of itself and scores only
+    /// attended positions (documents; queries whose `[MASK]` expansion is
+    /// attended), the encoder runs on the packed sequences
+    /// ([`encoder::Encoder::forward_packed`]): padding costs no compute and
+    /// no memory, forward or backward, and its rows come out as zeros.
+    /// Otherwise (queries with unattended expansion, whose `[MASK]` rows are
+    /// scored) it runs padded. Both compute the same function at the rows
+    /// that are scored; [`ColBert::set_packed_encoder`] chooses.
     pub fn embed(&self, tok: &Tokenized) -> Result<Tensor> {
+        match self.packed.then(|| packed_lengths(tok)).flatten() {
+            Some(lens) => self.embed_packed(tok, &lens),
+            None => self.embed_padded(tok),
+        }
+    }
+
+    /// Whether [`ColBert::embed`] may run the encoder on packed sequences
+    /// (the default) or always pads: for comparisons and measurements.
+    pub fn set_packed_encoder(&mut self, packed: bool) {
+        self.packed = packed;
+    }
+
+    /// [`ColBert::embed`] on packed sequences of `lens` tokens: one gather
+    /// puts the rows back at their padded positions (a zero row at padding).
+    fn embed_packed(&self, tok: &Tokenized, lens: &[usize]) -> Result<Tensor> {
+        let (n, l) = (tok.ids.len(), tok.ids.first().map_or(0, Vec::len));
+        let t: usize = lens.iter().sum();
+        let (mut ids, mut cu, mut at) = (Vec::with_capacity(t), vec![0u32], Vec::with_capacity(n * l));
+        for (row, &len) in tok.ids.iter().zip(lens) {
+            let start = ids.len() as u32;
+            ids.extend_from_slice(&row[..len]);
+            cu.push(ids.len() as u32);
+            at.extend((start..start + len as u32).chain(std::iter::repeat_n(t as u32, l - len)));
+        }
+        let dev = &self.device;
+        let hidden = self.encoder.forward_packed(
+            &Tensor::from_vec(ids, t, dev)?,
+            &Tensor::from_vec(cu, n + 1, dev)?,
+            self.dtype,
+        )?;
+        let rows = self.head(&hidden)?;
+        let rows = Tensor::cat(&[&rows, &Tensor::zeros((1, rows.dim(1)?), rows.dtype(), dev)?], 0)?;
+        rows.index_select(&Tensor::from_vec(at, n * l, dev)?, 0)?.reshape((n, l, ()))
+    }
+
+    /// [`ColBert::embed`] with every row padded to the batch's length.
+    pub fn embed_padded(&self, tok: &Tokenized) -> Result<Tensor> {
         let ids = self.to_tensor(&tok.ids)?;
         let att = self.to_tensor(&tok.attention)?;
         let hidden = self.encoder.forward(&ids, &att, self.dtype)?;
@@ -388,6 +437,20 @@ impl ColBert {
         let scores = self.score(query, docs, 32, &mut |_| {})?;
         Ok(top_k_of(&scores, top_k))
     }
+}
+
+/// Each row's attended length when the batch can run packed: every row
+/// attends to a prefix of itself and scores nothing beyond it.
+fn packed_lengths(tok: &Tokenized) -> Option<Vec<usize>> {
+    tok.attention
+        .iter()
+        .zip(&tok.score_mask)
+        .map(|(a, s)| {
+            let len = a.iter().take_while(|&&x| x != 0).count();
+            (a[len..].iter().all(|&x| x == 0) && s[len..].iter().all(|&x| x == 0)).then_some(len)
+        })
+        .collect::<Option<Vec<usize>>>()
+        .filter(|lens| lens.iter().any(|&l| l > 0))
 }
 
 /// The documents of a text file, one per line: lines trimmed, blank ones

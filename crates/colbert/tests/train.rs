@@ -183,6 +183,61 @@ fn train_save_resume(dev: &Device) -> Result<()> {
 
 test_device!(train_save_resume, train_save_resume_cpu, train_save_resume_cuda);
 
+/// The encoder on packed sequences computes and trains as the padded one:
+/// the documents' scored rows of `embed` equal `embed_padded`'s and its
+/// padding rows are zero; three steps of plain gradient descent from one
+/// start (the documents packed, the queries, whose `[MASK]` expansion is
+/// not attended, padded) reach the same weights. 32-wide heads, so that the
+/// fused attention runs where it is built (CPU F32; CUDA F32 composes it).
+fn packed_and_padded_train_alike(dev: &Device) -> Result<()> {
+    let ckpt = plain_checkpoint_wide_heads().map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+    let ex = examples(12);
+    let m = model(&ckpt, dev)?;
+    let docs: Vec<&str> = ex.iter().flat_map(|e| e.documents.iter().map(String::as_str)).collect();
+    let tok = m.model.tokenize_documents(&docs)?;
+    let (packed, padded) = (m.model.embed(&tok)?, m.model.embed_padded(&tok)?);
+    let att = m.model.mask_tensor(&tok.attention)?.to_dtype(DType::F32)?.unsqueeze(2)?;
+    let pad = (1.0 - &att)?;
+    let at_padding = packed.broadcast_mul(&pad)?;
+    assert_eq!(max_abs_diff(&at_padding, &at_padding.zeros_like()?)?, 0.0, "padding rows of the packed embedding");
+    let e = max_abs_diff(&packed, &padded.broadcast_mul(&att)?)?;
+    assert!(e < 1e-5, "attended rows: packed and padded differ by {e:e}");
+    let lr = 0.5;
+    let mut weights = Vec::new();
+    for on in [true, false] {
+        let mut m = model(&ckpt, dev)?;
+        m.model.set_packed_encoder(on);
+        let start: Vec<Tensor> = m.vars().iter().map(|(_, v)| v.as_tensor().copy()).collect::<Result<_>>()?;
+        for step in 0..3 {
+            let (_, g) = train::loss_and_gradients(&m, &ex[step * 4..step * 4 + 4], Loss::Contrastive { scale: 5.0 })?;
+            for (name, v) in m.vars() {
+                if let Some(g) = g.get(&name) {
+                    v.set(&(v.as_tensor() - (g * lr)?)?)?;
+                }
+            }
+        }
+        let moved: Vec<(String, Tensor, Tensor)> = m
+            .vars()
+            .into_iter()
+            .zip(start)
+            .map(|((n, v), s)| Ok((n, v.as_tensor().copy()?, (v.as_tensor() - s)?)))
+            .collect::<Result<_>>()?;
+        weights.push(moved);
+    }
+    let mut most = 0f64;
+    for (_, _, d) in &weights[1] {
+        most = most.max(max_abs(d)?);
+    }
+    assert!(most > 1e-3, "the steps move the weights ({most:e})");
+    for ((n, a, _), (_, b, d)) in weights[0].iter().zip(&weights[1]) {
+        let e = max_abs_diff(a, b)? / max_abs(d)?.max(1e-2 * most);
+        assert!(e < 2e-3, "{n}: packed and padded training differ by {e:e} of the update");
+    }
+    Ok(())
+}
+
+test_device!(packed_and_padded_train_alike, packed_and_padded_train_alike_cpu, packed_and_padded_train_alike_cuda);
+
 /// Bad data: each error names the file and line; a failed save leaves no
 /// partial checkpoint.
 #[test]

@@ -97,12 +97,13 @@ pub fn tmpdir(name: &str) -> PathBuf {
 
 /// A random tiny BERT encoder in `dir`: config.json and model.safetensors.
 fn random_bert(dir: &Path) -> anyhow::Result<()> {
-    std::fs::write(dir.join("config.json"), bert_config().to_string())?;
+    random_bert_with(dir, bert_config())
+}
+
+fn random_bert_with(dir: &Path, config: serde_json::Value) -> anyhow::Result<()> {
+    std::fs::write(dir.join("config.json"), config.to_string())?;
     let vm = VarMap::new();
-    bert::BertModel::load(
-        VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu),
-        &serde_json::from_value(bert_config())?,
-    )?;
+    bert::BertModel::load(VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu), &serde_json::from_value(config)?)?;
     vm.save(dir.join("model.safetensors"))?;
     Ok(())
 }
@@ -156,6 +157,19 @@ pub fn colbert_ai_checkpoint() -> anyhow::Result<PathBuf> {
 pub fn plain_checkpoint() -> anyhow::Result<PathBuf> {
     let dir = tmpdir("plain");
     random_bert(&dir)?;
+    write_tokenizer(&dir, &[])?;
+    Ok(dir)
+}
+
+/// [`plain_checkpoint`] with 32-wide heads (64 wide, 2 heads), a head dim
+/// the fused attention kernels are built for.
+pub fn plain_checkpoint_wide_heads() -> anyhow::Result<PathBuf> {
+    let dir = tmpdir("plain-wide");
+    let mut c = bert_config();
+    c["hidden_size"] = 64.into();
+    c["num_attention_heads"] = 2.into();
+    c["intermediate_size"] = 128.into();
+    random_bert_with(&dir, c)?;
     write_tokenizer(&dir, &[])?;
     Ok(dir)
 }
