@@ -516,7 +516,8 @@ def run(a):
         if not os.path.exists(t7):
             make_hard(D, t7)
         step("step ours 1+7", [B, "--train", t7, "--model-dir", W("init"), "--profile", "10", *flags])
-        step("step ours 1+7 padded", [B, "--train", t7, "--model-dir", W("init"), "--profile", "10", "--padded", *flags])
+        if "step-padded" in ph:
+            step("step ours 1+7 padded", [B, "--train", t7, "--model-dir", W("init"), "--profile", "10", "--padded", *flags])
         for sc in a.step_scoring.split(","):
             step("step sentence-transformers 1+7 " + sc, me + ["st6-step", "--init", W("init"), "--train", t7, "--scoring", sc])
     if "memory" in ph:
@@ -550,7 +551,7 @@ def main():
     s.add_argument("--train-bin", required=True)
     s.add_argument("--data", required=True)
     s.add_argument("--work", required=True)
-    s.add_argument("--phases", default="train,profile,eval", help="of train, profile, step, memory, eval (or eval-raw, eval-init, eval-ours, eval-st6)")
+    s.add_argument("--phases", default="train,profile,eval", help="of train, profile, step (step-padded: also ours padded), memory, eval (or eval-raw, eval-init, eval-ours, eval-st6)")
     s.add_argument("--step-scoring", default="lik,st6", help="Sentence Transformers' scoring in the step phase: lik, st6 or both")
     s.add_argument("--negatives", choices=("random", "bm25"), default="bm25",
                    help="random: DATA/train.jsonl (1 random negative); bm25: 7 BM25-mined hard negatives (make_hard)")

@@ -1,6 +1,6 @@
 // Layers of the transformer encoders that candle would otherwise run as a
-// chain of elementwise passes and reductions: the attention softmax and the
-// layer norm, each one kernel forward and one (two for the norm) backward,
+// chain of elementwise passes and reductions: the attention softmax, the
+// layer norm and rotary embeddings (one pass each way), each one kernel forward and one (two for the norm) backward,
 // computed in f32 and rounded once to T. A warp per row, a grid-stride loop
 // over rows; a row is read twice, the second time from cache.
 #include "common.cuh"
@@ -29,6 +29,19 @@ struct LayerNormParams {
     long long rows;
     int c;
     float eps;
+};
+
+// Mirrors RotaryParams in src/cuda/encoder.rs: rows [rows, 3 * heads * 2 *
+// half] of x (q, k, v blocks of heads of 2 * half columns), f32 tables
+// [rows, half], out like x; sign +1 rotates, -1 rotates back (the backward).
+struct RotaryParams {
+    const void* x;
+    const float* cos;
+    const float* sin;
+    void* out;
+    long long rows;
+    int heads, half;
+    float sign;
 };
 
 #define WARP_ROWS(r, rows)                                                        \
@@ -155,6 +168,34 @@ __device__ void layer_norm_bwd_wb(const T* x, const T* dy, float* dwb, long long
     for (int j = threadIdx.x; j < 2 * c; j += blockDim.x) atomicAdd(dwb + j, acc[j]);
 }
 
+// Rotary embeddings of the q and k blocks of a fused QKV row (rotate-half
+// convention: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) per head), v
+// copied: one pass over [T, 3 H dh] where candle's composition (slices,
+// negation, concatenation, two broadcast products, a sum) is ten nodes, each
+// a pass forward and one or more backward. One thread per element.
+template <typename T>
+__device__ void rotary_qk(const RotaryParams& p) {
+    const T* x = static_cast<const T*>(p.x);
+    T* out = static_cast<T*>(p.out);
+    const int dh = 2 * p.half, qk = 2 * p.heads * dh, width = 3 * p.heads * dh;
+    const long long n = p.rows * width;
+    for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < n; e += (long long)gridDim.x * blockDim.x) {
+        const long long r = e / width;
+        const int c = (int)(e - r * width);
+        if (c >= qk) {
+            out[e] = x[e];
+            continue;
+        }
+        const int j = c % dh, f = j % p.half;
+        const float cs = p.cos[r * p.half + f], sn = p.sign * p.sin[r * p.half + f];
+        const float a = Elem<T>::to_float(x[e]);
+        // First half: x1 cos - x2 sin; second half: x2 cos + x1 sin.
+        const float y = j < p.half ? a * cs - Elem<T>::to_float(x[e + p.half]) * sn
+                                   : a * cs + Elem<T>::to_float(x[e - p.half]) * sn;
+        out[e] = Elem<T>::from(y);
+    }
+}
+
 #define ENCODER_KERNELS(NAME, T)                                                                           \
     extern "C" __global__ void attn_softmax_fwd_##NAME(const SoftmaxParams p) {                             \
         attn_softmax_fwd(static_cast<const T*>(p.x), p.bias, static_cast<T*>(p.out), p.rows, p.lk, p.lq,   \
@@ -174,7 +215,8 @@ __device__ void layer_norm_bwd_wb(const T* x, const T* dy, float* dwb, long long
     extern "C" __global__ void layer_norm_bwd_wb_##NAME(const LayerNormParams p) {                          \
         layer_norm_bwd_wb(static_cast<const T*>(p.x), static_cast<const T*>(p.dy), static_cast<float*>(p.out), \
                           p.rows, p.c, p.eps);                                                              \
-    }
+    }                                                                                                      \
+    extern "C" __global__ void rotary_qk_##NAME(const RotaryParams p) { rotary_qk<T>(p); }
 ENCODER_KERNELS(f16, __half)
 ENCODER_KERNELS(bf16, __nv_bfloat16)
 ENCODER_KERNELS(f32, float)

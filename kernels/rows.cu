@@ -93,6 +93,42 @@ ADD_BIAS(bf16, __nv_bfloat16)
 ADD_BIAS(f32, float)
 ADD_BIAS(f64, double)
 
+// GeGLU: y[r, c] = GELU(a) * b with a = x[r, c], b = x[r, cols + c] (x is
+// [rows, 2 cols]), and its backward dx = [g * b * GELU'(a), g * GELU(a)]:
+// one pass each way where candle runs two column slices (each a zero-padded
+// copy backward), GELU (six passes backward) and a product.
+template <typename T, bool BWD>
+__device__ void geglu(const T* x, const T* g, T* out, long long rows, int cols) {
+    using A = typename Elem<T>::Acc;
+    const int lane = threadIdx.x % 32;
+    const long long nw = (long long)gridDim.x * blockDim.x / 32;
+    for (long long r = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / 32; r < rows; r += nw)
+        for (int c = lane; c < cols; c += 32) {
+            const long long i = r * 2 * cols + c;
+            const A a = Elem<T>::to_float(x[i]), b = Elem<T>::to_float(x[i + cols]);
+            const A cdf = gelu_cdf(a);
+            if (BWD) {
+                const A gr = Elem<T>::to_float(g[r * cols + c]);
+                out[i] = Elem<T>::from(gr * b * (cdf + a * gelu_pdf(a)));
+                out[i + cols] = Elem<T>::from(gr * a * cdf);
+            } else {
+                out[r * cols + c] = Elem<T>::from(a * cdf * b);
+            }
+        }
+}
+// x, g (geglu_bwd only), out; cols: the output's (forward) or g's columns.
+#define GEGLU(NAME, T)                                                                                       \
+    extern "C" __global__ void geglu_##NAME(const RowsParams p) {                                            \
+        geglu<T, false>(static_cast<const T*>(p.x), nullptr, static_cast<T*>(p.out), p.rows, p.cols);        \
+    }                                                                                                        \
+    extern "C" __global__ void geglu_bwd_##NAME(const RowsParams p) {                                        \
+        geglu<T, true>(static_cast<const T*>(p.x), static_cast<const T*>(p.g), static_cast<T*>(p.out), p.rows, \
+                       p.cols);                                                                              \
+    }
+GEGLU(f16, __half)
+GEGLU(bf16, __nv_bfloat16)
+GEGLU(f32, float)
+
 // out[idx[r], c] += src[r, c] in f32 (out zeroed by the host): the per-row
 // sums of a scatter, e.g. the new centroids of a k-means step. A warp per
 // row; rows whose index is >= n_out are skipped and set *bad. The f32

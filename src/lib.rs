@@ -150,7 +150,8 @@ pub mod nn {
     //! attention, FlashAttention-2 over packed variable-length sequences
     //! ([`attention_varlen`]: no padding, no `[B, H, L, L]`, a sliding
     //! window), the linear projection (tiled on all CPU cores), layer norm
-    //! with F32 statistics, bias + GELU, embedding lookup, row scatter-add,
+    //! with F32 statistics, bias + GELU, GeGLU, rotary embeddings of a fused
+    //! QKV projection, embedding lookup, row scatter-add,
     //! and the top-k of each row.
     //!
     //! ```
@@ -165,10 +166,10 @@ pub mod nn {
     //! assert_eq!((p.dims(), y.dims()), (scores.dims(), x.dims()));
     //! # Ok::<(), candle_core::Error>(())
     //! ```
-    pub use crate::ops::encoder::{attention, attention_softmax, layer_norm};
-    pub use crate::ops::flash_attn::{attention_varlen, ATTENTION_HEAD_DIMS};
+    pub use crate::ops::encoder::{attention, attention_softmax, layer_norm, rotary_qk};
+    pub use crate::ops::flash_attn::{attention_varlen, attention_varlen_qkv, ATTENTION_HEAD_DIMS};
     pub use crate::ops::linear::linear;
-    pub use crate::ops::rows::{add_bias, add_bias_gelu, embedding, scatter_add_rows};
+    pub use crate::ops::rows::{add_bias, add_bias_gelu, embedding, geglu, scatter_add_rows};
     pub use crate::ops::topk::{topk_rows, TOPK_MAX_K};
 }
 

@@ -1,5 +1,5 @@
-//! Launches of kernels/encoder.cu: the attention softmax and the layer norm,
-//! forward and backward.
+//! Launches of kernels/encoder.cu: the attention softmax, the layer norm and
+//! rotary embeddings, forward and backward.
 
 use super::launch::{grid_stride, kernel, kernel_params, launch, Module};
 use super::memory::{alloc_out, storage_ptr};
@@ -37,7 +37,20 @@ struct LayerNormParams {
     c: i32,
     eps: f32,
 }
-kernel_params!(SoftmaxParams, LayerNormParams);
+/// Mirror of `RotaryParams` in kernels/encoder.cu.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+struct RotaryParams {
+    x: u64,
+    cos: u64,
+    sin: u64,
+    out: u64,
+    rows: i64,
+    heads: i32,
+    half: i32,
+    sign: f32,
+}
+kernel_params!(SoftmaxParams, LayerNormParams, RotaryParams);
 
 fn int(what: &str, v: usize) -> Result<i32> {
     i32::try_from(v).or_else(|_| bail!("{what}: {v} exceeds the encoder kernels' 32-bit lengths"))
@@ -201,5 +214,35 @@ pub(crate) fn layer_norm_bwd_wb(
     p.dy = storage_ptr(dy.0, dy.1)?;
     // Two blocks per SM: each block adds 2c atomics at its end.
     run(dev, "layer_norm_bwd_wb", x.0, rows, (2, smem as u32), &p)?;
+    Ok(out)
+}
+
+/// The q and k blocks of `x [T, 3·H·dh]` (contiguous) rotated by the F32
+/// tables `cos`, `sin` `[T, dh/2]` (back when `inverse`), v copied.
+pub(crate) fn rotary_qk(
+    x: (&CudaStorage, &Layout),
+    cos: (&CudaStorage, &Layout),
+    sin: (&CudaStorage, &Layout),
+    heads: usize,
+    inverse: bool,
+) -> Result<CudaStorage> {
+    let dev = &x.0.device;
+    let (t, w) = x.1.shape().dims2()?;
+    let out = alloc_out(dev, x.0.dtype(), t * w)?;
+    if t * w == 0 {
+        return Ok(out);
+    }
+    let p = RotaryParams {
+        x: storage_ptr(x.0, x.1)?,
+        cos: storage_ptr(cos.0, cos.1)?,
+        sin: storage_ptr(sin.0, sin.1)?,
+        out: storage_ptr(&out, &Layout::contiguous(t * w))?,
+        rows: t as i64,
+        heads: int("heads", heads)?,
+        half: int("cos", w / (6 * heads))?,
+        sign: if inverse { -1.0 } else { 1.0 },
+    };
+    let func = kernel(dev, Module::Encoder, &format!("rotary_qk_{}", dtype_tag(x.0.dtype())), 0)?;
+    launch(dev, &func, grid_stride(dev, t * w, 256, 256, 16)?, &p)?;
     Ok(out)
 }

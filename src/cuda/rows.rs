@@ -111,6 +111,37 @@ fn bias_launch(
     Ok(out)
 }
 
+/// GeGLU of `x [R, 2C]` (contiguous, F16/BF16/F32): `GELU(x[:, :C]) ·
+/// x[:, C:]` `[R, C]`; with `g [R, C]`, its backward `[R, 2C]` instead.
+pub(crate) fn geglu(x: (&CudaStorage, &Layout), g: Option<(&CudaStorage, &Layout)>) -> Result<CudaStorage> {
+    let dev = &x.0.device;
+    let (r, c2) = x.1.shape().dims2()?;
+    let c = c2 / 2;
+    if c2 > i32::MAX as usize {
+        bail!("x: {c2} columns exceed the GeGLU kernel's 32-bit column index")
+    }
+    let out = alloc_out(dev, x.0.dtype(), r * if g.is_some() { c2 } else { c })?;
+    if r * c == 0 {
+        return Ok(out);
+    }
+    let gp = match g {
+        Some((g, lg)) if g.dtype() == x.0.dtype() && lg.shape().dims() == [r, c] => storage_ptr(g, lg)?,
+        Some(_) => bail!("g: internal error, the gradient is not [R, C] in x's dtype"),
+        None => 0,
+    };
+    let p = RowsParams {
+        x: storage_ptr(x.0, x.1)?,
+        g: gp,
+        out: storage_ptr(&out, &Layout::contiguous(1))?,
+        rows: r as i64,
+        cols: c as i32,
+        ..Default::default()
+    };
+    let name = if g.is_some() { "geglu_bwd" } else { "geglu" };
+    run_rows(dev, &format!("{name}_{}", dtype_tag(x.0.dtype())), &p)?;
+    Ok(out)
+}
+
 /// `[n_out, C]` F32 sums of the rows of `src` `[R, C]` (contiguous
 /// F16/BF16/F32) by destination `idx` `[R]` U32: one f32 atomic per element.
 pub(crate) fn scatter_add_rows(

@@ -1,7 +1,8 @@
-//! Two layers of the transformer encoders as custom ops with closed-form
-//! backwards: the attention softmax `softmax(scale · s + bias)` and the layer
-//! norm. Composed of candle ops, each is a chain of F32 casts, broadcasts and
-//! reductions (a dozen launches forward, twice that backward, each a pass
+//! Layers of the transformer encoders as custom ops with closed-form
+//! backwards: the attention softmax `softmax(scale · s + bias)`, the layer
+//! norm and the rotary embeddings of a fused QKV projection. Composed of
+//! candle ops, each is a chain of F32 casts, broadcasts and reductions (a
+//! dozen launches forward, twice that backward, each a pass
 //! over `[B, H, L, L]` for the softmax); here each is one kernel forward
 //! (kernels/encoder.cu on CUDA, the same loops on the CPU), computed in F32
 //! and rounded once to the input's dtype.
@@ -47,6 +48,104 @@ pub fn attention_softmax(scores: &Tensor, bias: &Tensor, scale: f64) -> Result<T
         bias_i: if bd[2] == 1 { 0 } else { lk },
     };
     scores.contiguous()?.apply_op2(&bias.contiguous()?, op)
+}
+
+/// Rotary position embeddings of the queries and keys of a fused QKV
+/// projection, in the rotate-half convention of RoFormer / ModernBERT:
+/// `qkv [T, 3·H·dh]` (F16, BF16 or F32; the q, k and v blocks of `heads`
+/// heads of `dh` columns), `cos` and `sin` F32 `[T, dh/2]` (each row's
+/// angles, one per frequency) → `[T, 3·H·dh]` in `qkv`'s dtype with each
+/// head's halves of q and k rotated, `(x₁, x₂) → (x₁ cos − x₂ sin, x₂ cos +
+/// x₁ sin)`, computed in F32 and rounded once, and v unchanged. One op each
+/// way (the backward rotates back), where the composed rotation is ten
+/// graph nodes per block; `cos` and `sin` get no gradient.
+pub fn rotary_qk(qkv: &Tensor, cos: &Tensor, sin: &Tensor, heads: usize) -> Result<Tensor> {
+    let (t, w) =
+        qkv.dims2().map_err(|_| candle_core::Error::Msg(format!("qkv: expected [T, 3·H·dh], got {:?}", qkv.dims())))?;
+    if !matches!(qkv.dtype(), DType::F16 | DType::BF16 | DType::F32) {
+        bail!("qkv: expected F16, BF16 or F32, got {:?}", qkv.dtype())
+    }
+    if heads == 0 || w % (6 * heads) != 0 {
+        bail!("heads: qkv's {w} columns are not 3 blocks of {heads} heads of an even head dim")
+    }
+    let half = w / (6 * heads);
+    for (arg, x) in [("cos", cos), ("sin", sin)] {
+        if x.dtype() != DType::F32 || x.dims() != [t, half] {
+            bail!("{arg}: expected F32 [{t}, {half}] (rows, half the head dim), got {:?} {:?}", x.dtype(), x.dims())
+        }
+        crate::layout::check_device(arg, x, qkv.device())?;
+    }
+    qkv.contiguous()?.apply_op3(&cos.contiguous()?, &sin.contiguous()?, RotaryQk { heads, inverse: false })
+}
+
+/// [`rotary_qk`] (or its inverse, the backward) as one op.
+struct RotaryQk {
+    heads: usize,
+    inverse: bool,
+}
+
+impl CustomOp3 for RotaryQk {
+    fn name(&self) -> &'static str {
+        "rotary_qk"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        lx: &Layout,
+        cos: &CpuStorage,
+        lc: &Layout,
+        sin: &CpuStorage,
+        ls: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (x32, cs, sn) = (f32s("qkv", x, lx)?, f32s("cos", cos, lc)?, f32s("sin", sin, ls)?);
+        let w = lx.shape().dims2()?.1;
+        let half = w / (6 * self.heads);
+        let (dh, qk) = (2 * half, 2 * self.heads * 2 * half);
+        let sign = if self.inverse { -1.0 } else { 1.0 };
+        let mut out = vec![0f32; x32.len()];
+        out.par_chunks_mut(w.max(1)).zip(x32.par_chunks(w.max(1))).enumerate().with_min_len(ROWS_PER_TASK).for_each(
+            |(r, (o, xr))| {
+                let (c_r, s_r) = (&cs[r * half..(r + 1) * half], &sn[r * half..(r + 1) * half]);
+                for h in (0..qk).step_by(dh.max(1)) {
+                    for f in 0..half {
+                        let (x1, x2) = (xr[h + f], xr[h + half + f]);
+                        let (c, s) = (c_r[f], sign * s_r[f]);
+                        o[h + f] = x1 * c - x2 * s;
+                        o[h + half + f] = x2 * c + x1 * s;
+                    }
+                }
+                o[qk..].copy_from_slice(&xr[qk..]);
+            },
+        );
+        Ok((store(out, x.dtype())?, lx.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        lx: &Layout,
+        cos: &candle_core::CudaStorage,
+        lc: &Layout,
+        sin: &candle_core::CudaStorage,
+        ls: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let out = crate::cuda::encoder::rotary_qk((x, lx), (cos, lc), (sin, ls), self.heads, self.inverse)?;
+        Ok((out, lx.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        _x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        _y: &Tensor,
+        g: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let back = RotaryQk { heads: self.heads, inverse: !self.inverse };
+        Ok((Some(g.contiguous()?.apply_op3_no_bwd(cos, sin, &back)?), None, None))
+    }
 }
 
 /// Multi-head attention `softmax(scale · q_h k_hᵀ + bias) v_h` of every head

@@ -40,6 +40,67 @@ pub fn attention_varlen(
     scale: f64,
     window: Option<usize>,
 ) -> Result<Tensor> {
+    match plan(q, k, v, cu_seqlens, heads, scale, window)? {
+        Some(op) => {
+            // Rows with a unit column stride pass as they are (CUDA reads strided rows).
+            let rows = |x: &Tensor| -> Result<Tensor> {
+                if x.device().is_cuda() && x.layout().stride()[1] == 1 {
+                    Ok(x.clone())
+                } else {
+                    x.contiguous()
+                }
+            };
+            rows(q)?.apply_op3(&rows(k)?, &rows(v)?, op)
+        }
+        None => crate::reference::nn::attention_varlen(q, k, v, cu_seqlens, heads, scale, window),
+    }
+}
+
+/// [`attention_varlen`] of the q, k and v column blocks of one fused
+/// projection `qkv [T, 3·H·dh]` → `[T, H·dh]`: one graph node whose
+/// gradient is one `[T, 3·H·dh]` tensor. (Three column slices passed to
+/// [`attention_varlen`] are three nodes, and candle's backward of each is
+/// a zero-padded copy of the whole `[T, 3·H·dh]` gradient and an add.)
+/// Arguments and errors as [`attention_varlen`]'s, `qkv` named for q.
+pub fn attention_varlen_qkv(
+    qkv: &Tensor,
+    cu_seqlens: &Tensor,
+    heads: usize,
+    scale: f64,
+    window: Option<usize>,
+) -> Result<Tensor> {
+    let w =
+        qkv.dims2().map_err(|_| candle_core::Error::Msg(format!("qkv: expected [T, 3·H·dh], got {:?}", qkv.dims())))?.1;
+    if w % 3 != 0 {
+        bail!("qkv: expected three blocks [T, 3·H·dh], got {:?}", qkv.dims())
+    }
+    let hd = w / 3;
+    let (q, k, v) = (qkv.narrow(1, 0, hd)?, qkv.narrow(1, hd, hd)?, qkv.narrow(1, 2 * hd, hd)?);
+    match plan(&q, &k, &v, cu_seqlens, heads, scale, window).map_err(|e| rename_q(e))? {
+        Some(op) => qkv.contiguous()?.apply_op1(FlashAttnQkv(op)),
+        None => crate::reference::nn::attention_varlen(&q, &k, &v, cu_seqlens, heads, scale, window),
+    }
+}
+
+/// An error of [`plan`] about `q` as one about `qkv`.
+fn rename_q(e: candle_core::Error) -> candle_core::Error {
+    match e.to_string().strip_prefix("q: ") {
+        Some(rest) => candle_core::Error::Msg(format!("qkv: {rest}")),
+        None => e,
+    }
+}
+
+/// The fused op for these arguments after checking them, or `None` where
+/// the composed reference runs (F32 on CUDA, GPUs below sm_80).
+fn plan(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    cu_seqlens: &Tensor,
+    heads: usize,
+    scale: f64,
+    window: Option<usize>,
+) -> Result<Option<FlashAttn>> {
     let (t, hd) =
         q.dims2().map_err(|_| candle_core::Error::Msg(format!("q: expected [T, H·dh], got {:?}", q.dims())))?;
     if !matches!(q.dtype(), DType::F16 | DType::BF16 | DType::F32) {
@@ -75,7 +136,7 @@ pub fn attention_varlen(
     let max_len = cu.windows(2).map(|w| (w[1] - w[0]) as usize).max().unwrap_or(0);
     let geom = Geom { batch: cu.len() - 1, heads, dh, total: t, max_len, window, scale: scale as f32 };
     if q.device().is_cuda() && q.dtype() == DType::F32 {
-        return crate::reference::nn::attention_varlen(q, k, v, cu_seqlens, heads, scale, window);
+        return Ok(None);
     }
     #[cfg(feature = "cuda")]
     if let candle_core::Device::Cuda(_) = q.device() {
@@ -85,20 +146,10 @@ pub fn attention_varlen(
             _ => false,
         };
         if !ok {
-            return crate::reference::nn::attention_varlen(q, k, v, cu_seqlens, heads, scale, window);
+            return Ok(None);
         }
     }
-    // Rows with a unit column stride pass as they are (CUDA reads strided rows).
-    let rows = |x: &Tensor| -> Result<Tensor> {
-        let l = x.layout();
-        if x.device().is_cuda() && l.stride()[1] == 1 {
-            Ok(x.clone())
-        } else {
-            x.contiguous()
-        }
-    };
-    let op = FlashAttn { geom, cu: cu_seqlens.clone(), cu_host: cu, lse: Mutex::new(None) };
-    rows(q)?.apply_op3(&rows(k)?, &rows(v)?, op)
+    Ok(Some(FlashAttn { geom, cu: cu_seqlens.clone(), cu_host: cu, lse: Mutex::new(None) }))
 }
 
 /// The problem: `batch` sequences of at most `max_len` rows, `total` in all.
@@ -272,6 +323,50 @@ impl CustomOp3 for FlashAttn {
         };
         let g = grad.to_dtype(q.dtype())?.contiguous()?.apply_op1_no_bwd(&op)?;
         Ok((Some(g.get(0)?), Some(g.get(1)?), Some(g.get(2)?)))
+    }
+}
+
+/// [`FlashAttn`] over the three column blocks of one `[T, 3·H·dh]` tensor.
+struct FlashAttnQkv(FlashAttn);
+
+/// The q, k and v column blocks of a contiguous `[T, 3·H·dh]` layout.
+fn qkv_blocks(l: &Layout) -> Result<[Layout; 3]> {
+    let hd = l.dims()[1] / 3;
+    Ok([l.narrow(1, 0, hd)?, l.narrow(1, hd, hd)?, l.narrow(1, 2 * hd, hd)?])
+}
+
+impl CustomOp1 for FlashAttnQkv {
+    fn name(&self) -> &'static str {
+        "attention-varlen-qkv"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        // The CPU loops take contiguous blocks: each copied out in F32.
+        let x = f32s("qkv", s, l)?;
+        let (t, w) = l.shape().dims2()?;
+        let hd = w / 3;
+        let block = |b: usize| -> CpuStorage {
+            CpuStorage::F32(x.chunks(w.max(1)).flat_map(|r| r[b * hd..(b + 1) * hd].iter().copied()).collect())
+        };
+        let lb = Layout::contiguous((t, hd));
+        let out = self.0.cpu_fwd(&block(0), &lb, &block(1), &lb, &block(2), &lb)?;
+        let y = f32s("out", &out.0, &Layout::contiguous(out.1.clone()))?.into_owned();
+        Ok((round_to(s.dtype(), y), out.1))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
+        let [lq, lk, lv] = qkv_blocks(l)?;
+        self.0.cuda_fwd(s, &lq, s, &lk, s, &lv)
+    }
+
+    fn bwd(&self, qkv: &Tensor, out: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        let hd = qkv.dim(1)? / 3;
+        let (q, k, v) = (qkv.narrow(1, 0, hd)?, qkv.narrow(1, hd, hd)?, qkv.narrow(1, 2 * hd, hd)?);
+        let (dq, dk, dv) = self.0.bwd(&q, &k, &v, out, grad)?;
+        let grads = [dq, dk, dv].map(|g| g.expect("the attention backward gives every gradient"));
+        // [T, 3·H·dh]: one copy of the three blocks side by side.
+        Ok(Some(Tensor::cat(&grads, 1)?))
     }
 }
 

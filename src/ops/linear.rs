@@ -44,7 +44,9 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
     let mut shape = x.dims().to_vec();
     *shape.last_mut().expect("rank ≥ 1") = n;
     let m = x.elem_count() / k.max(1);
-    let x2 = x.reshape((m, k))?;
+    // A reshape is a graph node even to the same shape, and every node costs
+    // the backward a zero-filled gradient and an add over the activations.
+    let x2 = if x.rank() == 2 { x.clone() } else { x.reshape((m, k))? };
     if x.device().is_cpu() && matches!(x.dtype(), DType::F16 | DType::BF16) {
         // candle's CPU matmul has no fast 16-bit path (BF16 ran at a quarter
         // of F32's speed in the encoder): compute in F32, round once.
@@ -61,7 +63,11 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
         Some(b) => crate::ops::rows::add_bias(&y, b)?,
         None => y,
     };
-    y.reshape(shape)
+    if y.dims() == shape.as_slice() {
+        Ok(y)
+    } else {
+        y.reshape(shape)
+    }
 }
 
 /// `x [M, K] · w [N, K]ᵀ` in F32 on the CPU, tiled (see the module docs).

@@ -33,7 +33,13 @@ pub fn embedding(table: &Tensor, ids: &Tensor) -> Result<Tensor> {
     crate::layout::check_device("ids", ids, table.device())?;
     let mut shape = ids.dims().to_vec();
     shape.push(table.dim(1)?);
-    table.contiguous()?.apply_op2(&ids.flatten_all()?.contiguous()?, GatherRows)?.reshape(shape)
+    let y = table.contiguous()?.apply_op2(&ids.flatten_all()?.contiguous()?, GatherRows)?;
+    // No reshape node for 1-D ids (a node costs the backward a pass).
+    if y.dims() == shape.as_slice() {
+        Ok(y)
+    } else {
+        y.reshape(shape)
+    }
 }
 
 /// `x + b` for `x` `[R, C]` (a float dtype), `b` `[C]`: added in F32 (F64
@@ -64,6 +70,98 @@ fn bias_op(x: &Tensor, b: &Tensor, op: AddBias) -> Result<Tensor> {
     crate::layout::check_device("b", b, x.device())?;
     let acc = if x.dtype() == DType::F64 { DType::F64 } else { DType::F32 };
     x.contiguous()?.apply_op2(&b.to_dtype(acc)?.contiguous()?, op)
+}
+
+/// GeGLU, the gated MLP activation of ModernBERT: `GELU(a) · b` for `x =
+/// [a, b]` `[R, 2C]` (F16, BF16 or F32; GELU with the exact erf) →
+/// `[R, C]`, computed in F32 and rounded once. One op each way: composed
+/// of candle ops it is two column slices (each a zero-padded copy of the
+/// whole `[R, 2C]` gradient backward), GELU (six passes backward) and a
+/// product, each a graph node whose gradient costs another pass.
+pub fn geglu(x: &Tensor) -> Result<Tensor> {
+    crate::layout::check_rank("x", x, &[2], "rank 2 [R, 2C]")?;
+    if !matches!(x.dtype(), DType::F16 | DType::BF16 | DType::F32) {
+        bail!("x: expected F16, BF16 or F32, got {:?}", x.dtype())
+    }
+    if x.dim(1)? % 2 != 0 {
+        bail!("x: expected an even number of columns [R, 2C] (gate, then value), got {:?}", x.dims())
+    }
+    x.contiguous()?.apply_op1(GeGlu)
+}
+
+/// [`geglu`]'s backward from `x` and the output's gradient `g [R, C]`: `[R, 2C]`.
+fn geglu_bwd(x: &Tensor, g: &Tensor) -> Result<Tensor> {
+    x.contiguous()?.apply_op2_no_bwd(&g.to_dtype(x.dtype())?.contiguous()?, &GeGluBwd)
+}
+
+/// The CPU loops of [`geglu`] (no `g`) and of its backward (with `g`).
+fn geglu_cpu(x: &[f32], g: Option<&[f32]>, c: usize) -> Vec<f32> {
+    let rows = x.len() / (2 * c).max(1);
+    let mut out = vec![0f32; rows * if g.is_some() { 2 * c } else { c }];
+    let w = out.len() / rows.max(1);
+    out.par_chunks_mut(w.max(1)).enumerate().with_min_len(64).for_each(|(r, o)| {
+        let xr = &x[r * 2 * c..(r + 1) * 2 * c];
+        for j in 0..c {
+            let (a, b) = (xr[j], xr[c + j]);
+            match g {
+                None => o[j] = gelu_f32(a) * b,
+                Some(g) => {
+                    let gr = g[r * c + j];
+                    o[j] = gr * b * gelu_grad_f32(a);
+                    o[c + j] = gr * gelu_f32(a);
+                }
+            }
+        }
+    });
+    out
+}
+
+struct GeGlu;
+struct GeGluBwd;
+
+impl candle_core::CustomOp1 for GeGlu {
+    fn name(&self) -> &'static str {
+        "geglu"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (r, c2) = l.shape().dims2()?;
+        let y = geglu_cpu(&f32s("x", s, l)?, None, c2 / 2);
+        Ok((crate::cpu::storage::store(y, s.dtype())?, Shape::from((r, c2 / 2))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
+        let (r, c2) = l.shape().dims2()?;
+        Ok((crate::cuda::geglu((s, l), None)?, Shape::from((r, c2 / 2))))
+    }
+
+    fn bwd(&self, x: &Tensor, _y: &Tensor, g: &Tensor) -> Result<Option<Tensor>> {
+        Ok(Some(geglu_bwd(x, g)?))
+    }
+}
+
+impl CustomOp2 for GeGluBwd {
+    fn name(&self) -> &'static str {
+        "geglu_bwd"
+    }
+
+    fn cpu_fwd(&self, x: &CpuStorage, lx: &Layout, g: &CpuStorage, lg: &Layout) -> Result<(CpuStorage, Shape)> {
+        let c = lx.shape().dims2()?.1 / 2;
+        let dx = geglu_cpu(&f32s("x", x, lx)?, Some(&f32s("g", g, lg)?), c);
+        Ok((crate::cpu::storage::store(dx, x.dtype())?, lx.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        lx: &Layout,
+        g: &candle_core::CudaStorage,
+        lg: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        Ok((crate::cuda::geglu((x, lx), Some((g, lg)))?, lx.shape().clone()))
+    }
 }
 
 /// `dz = g · GELU'(x + b)` in `x`'s dtype (the gradient of `add_bias_gelu`

@@ -110,6 +110,31 @@ pub fn layer_norm(x: &Tensor, w: &Tensor, b: Option<&Tensor>, eps: f64) -> Resul
     y.to_dtype(x.dtype())
 }
 
+/// Naive [`crate::nn::rotary_qk`]: each head's halves of q and k rotated
+/// by slices, products and a concatenation in F64, v passed through,
+/// rounded to `qkv`'s dtype (differentiable).
+pub fn rotary_qk(qkv: &Tensor, cos: &Tensor, sin: &Tensor, heads: usize) -> Result<Tensor> {
+    let (t, w) = qkv.dims2()?;
+    let half = w / (6 * heads);
+    let x = qkv.to_dtype(DType::F64)?;
+    let (c, s) = (cos.to_dtype(DType::F64)?, sin.to_dtype(DType::F64)?);
+    let qk = x.narrow(1, 0, 4 * heads * half)?.reshape((t, 2 * heads, 2 * half))?;
+    let (x1, x2) = (qk.narrow(2, 0, half)?, qk.narrow(2, half, half)?);
+    let (c, s) = (c.unsqueeze(1)?, s.unsqueeze(1)?);
+    let y1 = (x1.broadcast_mul(&c)? - x2.broadcast_mul(&s)?)?;
+    let y2 = (x2.broadcast_mul(&c)? + x1.broadcast_mul(&s)?)?;
+    let qk = Tensor::cat(&[&y1, &y2], 2)?.reshape((t, 4 * heads * half))?;
+    Tensor::cat(&[&qk, &x.narrow(1, 4 * heads * half, 2 * heads * half)?], 1)?.to_dtype(qkv.dtype())
+}
+
+/// Naive [`crate::nn::geglu`]: column halves, `gelu_erf` and a product in
+/// F64, rounded to `x`'s dtype (differentiable).
+pub fn geglu(x: &Tensor) -> Result<Tensor> {
+    let c = x.dim(1)? / 2;
+    let x64 = x.to_dtype(DType::F64)?;
+    (x64.narrow(1, 0, c)?.gelu_erf()? * x64.narrow(1, c, c)?)?.to_dtype(x.dtype())
+}
+
 /// Naive [`crate::nn::embedding`]: candle's `index_select` (differentiable).
 pub fn embedding(table: &Tensor, ids: &Tensor) -> Result<Tensor> {
     let mut shape = ids.dims().to_vec();

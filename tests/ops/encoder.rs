@@ -1,4 +1,4 @@
-//! `attention_softmax`, `attention`, `linear`, `layer_norm` and `embedding`
+//! `attention_softmax`, `attention`, `linear`, `layer_norm`, `embedding` and `rotary_qk`
 //! (src/ops/encoder.rs, src/ops/linear.rs, src/ops/rows.rs) against their naive versions in `reference`: forward
 //! values and, through candle's autograd of the naive side in F64, every
 //! gradient.
@@ -271,3 +271,38 @@ fn linear_cases(dev: &Device) -> Result<()> {
 }
 
 test_device!(linear_matches_reference, linear_matches_reference_cpu, linear_matches_reference_cuda);
+
+/// `rotary_qk`, forward and the gradient of qkv, against the composed F64
+/// reference on fresh random rows and angles: head dims 8, 32 and 64,
+/// every dtype, more elements than the CUDA grid; bad shapes name the argument.
+fn rotary_qk_matches_reference(dev: &Device) -> Result<()> {
+    let cpu = Device::Cpu;
+    for (dt, tol) in [(DType::F32, 1e-6), (DType::F16, 2e-3), (DType::BF16, 1e-2)] {
+        for (t, heads, dh) in [(1, 1, 8), (37, 3, 32), (2000, 12, 64)] {
+            let qkv = randn(&[t, 3 * heads * dh], dt, &cpu)?;
+            let angle = (Tensor::rand(0f32, 1., (t, dh / 2), &cpu)? * 40.0)?;
+            let (cos, sin) = (angle.cos()?, angle.sin()?);
+            let up = randn(&[t, 3 * heads * dh], dt, &cpu)?.to_dtype(DType::F64)?;
+            let xv = Var::from_tensor(&qkv.to_device(dev)?)?;
+            let y = ms::nn::rotary_qk(xv.as_tensor(), &cos.to_device(dev)?, &sin.to_device(dev)?, heads)?;
+            assert_eq!((y.dtype(), y.dims()), (dt, qkv.dims()));
+            let g = y.to_dtype(DType::F64)?.mul(&up.to_device(dev)?)?.sum_all()?.backward()?;
+            let xn = Var::from_tensor(&qkv.to_dtype(DType::F64)?)?;
+            let yn = reference::nn::rotary_qk(xn.as_tensor(), &cos, &sin, heads)?;
+            let gn = yn.mul(&up)?.sum_all()?.backward()?;
+            let what = format!("rotary_qk {t}x{heads}x{dh} {dt:?} on {dev:?}");
+            assert_close(&format!("{what} forward"), &y, &yn, tol)?;
+            let dx = g.get(xv.as_tensor()).expect("grad").to_device(&cpu)?;
+            assert_close(&format!("{what} dqkv"), &dx, gn.get(xn.as_tensor()).expect("grad"), tol)?;
+        }
+    }
+    let x = randn(&[4, 3 * 2 * 8], DType::F32, dev)?;
+    let tab = Tensor::zeros((4, 4), DType::F32, dev)?;
+    expect_err(ms::nn::rotary_qk(&x, &tab, &tab, 3), "heads");
+    expect_err(ms::nn::rotary_qk(&x, &tab.narrow(1, 0, 3)?, &tab, 2), "cos");
+    expect_err(ms::nn::rotary_qk(&x, &tab, &tab.to_dtype(DType::F16)?, 2), "sin");
+    expect_err(ms::nn::rotary_qk(&x.flatten_all()?, &tab, &tab, 2), "qkv");
+    Ok(())
+}
+
+test_device!(rotary_qk_matches_reference, rotary_qk_matches_reference_cpu, rotary_qk_matches_reference_cuda);

@@ -124,26 +124,44 @@ fn attention_varlen_equals_padded(dev: &Device) -> Result<()> {
 
 test_device!(attention_varlen_equals_padded, attention_varlen_equals_padded_cpu, attention_varlen_equals_padded_cuda);
 
-/// q, k and v as column slices of one `[T, 3·H·dh]` projection give the
-/// same values and, through the slices, the same gradient as contiguous
-/// copies.
+/// q, k and v as column slices of one `[T, 3·H·dh]` projection, and the
+/// whole projection through `attention_varlen_qkv`, give the same values
+/// and the same gradient of the projection as contiguous copies.
 fn attention_varlen_takes_fused_qkv(dev: &Device) -> Result<()> {
-    let dt = if dev.is_cuda() { DType::BF16 } else { DType::F32 };
-    let (heads, dh) = (2, 64);
-    let hd = heads * dh;
-    let (cu, t) = offsets(&[9, 70, 3], dev)?;
-    let qkv = Var::from_tensor(&randn(&[t, 3 * hd], dt, dev)?)?;
-    let w = randn(&[t, hd], DType::F32, dev)?;
-    let part = |i: usize| qkv.as_tensor().narrow(1, i * hd, hd);
-    let out = ms::nn::attention_varlen(&part(0)?, &part(1)?, &part(2)?, &cu, heads, 0.125, Some(8))?;
-    let g = out.to_dtype(DType::F32)?.mul(&w)?.sum_all()?.backward()?;
-    let dense = Var::from_tensor(&qkv.as_tensor().detach().copy()?)?;
-    let dpart = |i: usize| dense.as_tensor().narrow(1, i * hd, hd)?.contiguous();
-    let want = ms::nn::attention_varlen(&dpart(0)?, &dpart(1)?, &dpart(2)?, &cu, heads, 0.125, Some(8))?;
-    let gw = want.to_dtype(DType::F32)?.mul(&w)?.sum_all()?.backward()?;
-    assert_close(&format!("fused QKV forward on {dev:?}"), &out, &want, 1e-6)?;
-    let (a, e) = (g.get(qkv.as_tensor()).expect("a gradient"), gw.get(dense.as_tensor()).expect("a gradient"));
-    assert_close(&format!("fused QKV gradient on {dev:?}"), a, e, 1e-6)?;
+    for dt in [DType::F32, DType::BF16, DType::F16] {
+        let (heads, dh) = (2, 64);
+        let hd = heads * dh;
+        let (cu, t) = offsets(&[9, 70, 3], dev)?;
+        let w = randn(&[t, hd], DType::F32, dev)?;
+        let x = randn(&[t, 3 * hd], dt, dev)?;
+        let run = |how: usize| -> Result<(Tensor, Tensor)> {
+            let qkv = Var::from_tensor(&x.copy()?)?;
+            let part = |i: usize| -> Result<Tensor> {
+                let p = qkv.as_tensor().narrow(1, i * hd, hd)?;
+                if how == 1 {
+                    p.contiguous()
+                } else {
+                    Ok(p)
+                }
+            };
+            let out = if how == 2 {
+                ms::nn::attention_varlen_qkv(qkv.as_tensor(), &cu, heads, 0.125, Some(8))?
+            } else {
+                ms::nn::attention_varlen(&part(0)?, &part(1)?, &part(2)?, &cu, heads, 0.125, Some(8))?
+            };
+            let g = out.to_dtype(DType::F32)?.mul(&w)?.sum_all()?.backward()?;
+            Ok((out, g.get(qkv.as_tensor()).expect("a gradient").clone()))
+        };
+        let (want, gw) = run(1)?;
+        for (how, what) in [(0, "column slices"), (2, "attention_varlen_qkv")] {
+            let (out, g) = run(how)?;
+            assert_close(&format!("{what} forward {dt:?} on {dev:?}"), &out, &want, 1e-6)?;
+            assert_close(&format!("{what} gradient {dt:?} on {dev:?}"), &g, &gw, 1e-6)?;
+        }
+    }
+    let ok = Tensor::new(&[0u32, 6], dev)?;
+    expect_err(ms::nn::attention_varlen_qkv(&randn(&[6, 64], DType::F32, dev)?, &ok, 2, 1.0, None), "qkv");
+    expect_err(ms::nn::attention_varlen_qkv(&randn(&[6, 3 * 48], DType::F32, dev)?, &ok, 2, 1.0, None), "qkv");
     Ok(())
 }
 

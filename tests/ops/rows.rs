@@ -72,3 +72,33 @@ fn add_bias_matches_broadcast_add(dev: &Device) -> Result<()> {
 }
 
 test_device!(add_bias_matches_broadcast_add, add_bias_matches_broadcast_add_cpu, add_bias_matches_broadcast_add_cuda);
+
+/// `geglu`, forward and gradient, against the composed F64 reference on
+/// fresh random rows (more rows than the CUDA grid); bad shapes name `x`.
+fn geglu_matches_reference(dev: &Device) -> Result<()> {
+    let cpu = Device::Cpu;
+    // F32: the polynomial erf of the F32 path is good to a few 1e-7, and a
+    // single-element case normalizes by that element alone.
+    for (dt, tol) in [(DType::F32, 1e-5), (DType::F16, 2e-3), (DType::BF16, 1e-2)] {
+        for (r, c) in [(1, 1), (70, 37), (20_000, 96)] {
+            let x = (randn(&[r, 2 * c], dt, &cpu)? * 2.0)?.to_dtype(dt)?;
+            let up = randn(&[r, c], dt, &cpu)?.to_dtype(DType::F64)?;
+            let xv = Var::from_tensor(&x.to_device(dev)?)?;
+            let y = ms::nn::geglu(xv.as_tensor())?;
+            assert_eq!((y.dtype(), y.dims()), (dt, &[r, c][..]));
+            let g = y.to_dtype(DType::F64)?.mul(&up.to_device(dev)?)?.sum_all()?.backward()?;
+            let xn = Var::from_tensor(&x.to_dtype(DType::F64)?)?;
+            let yn = ms::reference::nn::geglu(xn.as_tensor())?;
+            let gn = yn.mul(&up)?.sum_all()?.backward()?;
+            let what = format!("geglu {r}x{c} {dt:?} on {dev:?}");
+            assert_close(&format!("{what} forward"), &y, &yn, tol)?;
+            let dx = g.get(xv.as_tensor()).expect("grad").to_device(&cpu)?;
+            assert_close(&format!("{what} dx"), &dx, gn.get(xn.as_tensor()).expect("grad"), tol)?;
+        }
+    }
+    expect_err(ms::nn::geglu(&randn(&[4, 3], DType::F32, dev)?), "x");
+    expect_err(ms::nn::geglu(&randn(&[4], DType::F32, dev)?), "x");
+    Ok(())
+}
+
+test_device!(geglu_matches_reference, geglu_matches_reference_cpu, geglu_matches_reference_cuda);

@@ -27,7 +27,10 @@ fn linear_act(x: &Tensor, w: &Tensor, b: Option<&Tensor>, act: Option<Act>) -> R
     let (inner, out) = (dims[dims.len() - 1], w.dim(0)?);
     let rows = x.elem_count() / inner.max(1);
     // The product alone: tiled on all cores on the CPU (F32), cuBLAS on CUDA.
-    let mut y = candle_maxsim::nn::linear(&x.reshape((rows, inner))?, &w, None)?;
+    // Reshapes only where the rank changes: each is a graph node, and each
+    // node costs the backward a zero-filled gradient and an add.
+    let x2 = if x.rank() == 2 { x.clone() } else { x.reshape((rows, inner))? };
+    let mut y = candle_maxsim::nn::linear(&x2, &w, None)?;
     match (b, act) {
         (Some(b), Some(Act::Gelu)) => y = candle_maxsim::nn::add_bias_gelu(&y, b)?,
         (b, act) => {
@@ -42,7 +45,11 @@ fn linear_act(x: &Tensor, w: &Tensor, b: Option<&Tensor>, act: Option<Act>) -> R
     }
     let mut shape = dims;
     *shape.last_mut().unwrap() = out;
-    y.reshape(shape)
+    if y.dims() == shape.as_slice() {
+        Ok(y)
+    } else {
+        y.reshape(shape)
+    }
 }
 
 /// A layer-norm's weight (and bias), named `weight`/`bias` or, in older
@@ -86,23 +93,19 @@ fn padding_bias(attention: &Tensor) -> Result<Tensor> {
     attention.where_cond(&zero, &min)?.reshape((b, 1, 1, l))
 }
 
-/// Self-attention of packed rows `[T, H·dh]` within the sequences of
-/// `cu_seqlens`: the fused varlen op for the head dims it is built for,
-/// otherwise the same function composed of candle ops.
-fn attention_packed(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    cu: &Tensor,
-    heads: usize,
-    window: Option<usize>,
-) -> Result<Tensor> {
-    let dh = q.dim(1)? / heads;
+/// Self-attention of packed rows within the sequences of `cu_seqlens`,
+/// from one fused projection `qkv [T, 3·H·dh]`: the fused varlen op (one
+/// graph node) for the head dims it is built for, otherwise the same
+/// function composed of candle ops.
+fn attention_packed(qkv: &Tensor, cu: &Tensor, heads: usize, window: Option<usize>) -> Result<Tensor> {
+    let hd = qkv.dim(1)? / 3;
+    let dh = hd / heads;
     let scale = (dh as f64).powf(-0.5);
     if candle_maxsim::nn::ATTENTION_HEAD_DIMS.contains(&dh) {
-        candle_maxsim::nn::attention_varlen(q, k, v, cu, heads, scale, window)
+        candle_maxsim::nn::attention_varlen_qkv(qkv, cu, heads, scale, window)
     } else {
-        candle_maxsim::reference::nn::attention_varlen(q, k, v, cu, heads, scale, window)
+        let part = |i: usize| qkv.narrow(1, i * hd, hd);
+        candle_maxsim::reference::nn::attention_varlen(&part(0)?, &part(1)?, &part(2)?, cu, heads, scale, window)
     }
 }
 
@@ -146,7 +149,7 @@ fn gelu_kind(c: &serde_json::Value, key: &str) -> Result<Act> {
     }
 }
 
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 enum Act {
     Gelu,
     GeluTanh,
@@ -267,10 +270,12 @@ impl Bert {
             .broadcast_add(&self.token_type.get(0)?)?;
         let mut x = self.emb_norm.forward(&x.to_dtype(dt)?)?;
         for layer in &self.layers {
-            let q = linear(&x, &layer.q.0, Some(&layer.q.1))?;
-            let k = linear(&x, &layer.k.0, Some(&layer.k.1))?;
-            let v = linear(&x, &layer.v.0, Some(&layer.v.1))?;
-            let a = linear(&attention_packed(&q, &k, &v, cu, self.heads, None)?, &layer.o.0, Some(&layer.o.1))?;
+            // One QKV projection (its weights stacked, a small copy): one
+            // node feeding the attention, whose gradient comes back whole.
+            let w = Tensor::cat(&[&layer.q.0, &layer.k.0, &layer.v.0], 0)?;
+            let b = Tensor::cat(&[&layer.q.1, &layer.k.1, &layer.v.1], 0)?;
+            let qkv = linear(&x, &w, Some(&b))?;
+            let a = linear(&attention_packed(&qkv, cu, self.heads, None)?, &layer.o.0, Some(&layer.o.1))?;
             x = layer.attn_norm.forward(&(a + &x)?)?;
             let m = linear_act(&x, &layer.up.0, Some(&layer.up.1), Some(self.act))?;
             x = layer.out_norm.forward(&(linear(&m, &layer.down.0, Some(&layer.down.1))? + &x)?)?;
@@ -452,11 +457,11 @@ impl ModernBert {
 
 impl ModernBert {
     /// [`Encoder::forward_packed`] for ModernBERT: the rotary tables
-    /// gathered at each row's position, q and k rotated as `[T, H, dh]`, v a
-    /// column slice of the QKV projection.
+    /// gathered at each row's position, q and k rotated in the QKV
+    /// projection ([`candle_maxsim::nn::rotary_qk`]), the attention on it
+    /// whole, the GeGLU one op: each block a few graph nodes, not tens.
     fn forward_packed(&self, ids: &Tensor, cu: &Tensor, dt: DType) -> Result<Tensor> {
         let pos = packed_positions(ids, cu, usize::MAX)?;
-        let t = ids.dim(0)?;
         let dev = ids.device();
         let mut x = self.emb_norm.forward(&self.tok.embedding_rows(ids)?.to_dtype(dt)?)?;
         let h = x.dim(1)?;
@@ -465,8 +470,9 @@ impl ModernBert {
         let mut tables: Vec<(f64, (Tensor, Tensor))> = Vec::new();
         for layer in &self.layers {
             if !tables.iter().any(|c| c.0 == layer.theta) {
+                // [T, dh/2] F32: the angle of each row's position per frequency.
                 let (cos, sin) = Self::rotary(layer.theta, longest.max(1), dh, dev)?;
-                let at = |x: Tensor| x.index_select(&pos, 0)?.reshape((t, 1, dh))?.to_dtype(dt);
+                let at = |x: Tensor| x.narrow(1, 0, dh / 2)?.contiguous()?.index_select(&pos, 0);
                 tables.push((layer.theta, (at(cos)?, at(sin)?)));
             }
             let (cos, sin) = &tables.iter().find(|c| c.0 == layer.theta).unwrap().1;
@@ -474,22 +480,16 @@ impl ModernBert {
                 Some(n) => n.forward(&x)?,
                 None => x.clone(),
             };
-            let qkv = linear(&xn, &layer.wqkv, None)?; // [T, 3 H dh]
-            // Rotated in the compute dtype, as transformers does (the tables are
-            // cast to it): F32 here would keep six F32 copies of q and k per
-            // layer for the backward.
-            let rot = |k: usize| -> Result<Tensor> {
-                let x = qkv.narrow(1, k * h, h)?.reshape((t, self.heads, dh))?;
-                let (x1, x2) = (x.narrow(D::Minus1, 0, dh / 2)?, x.narrow(D::Minus1, dh / 2, dh / 2)?);
-                let rotated = Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?;
-                (x.broadcast_mul(cos)? + rotated.broadcast_mul(sin)?)?.reshape((t, h))
-            };
-            let v = qkv.narrow(1, 2 * h, h)?;
-            let a = attention_packed(&rot(0)?, &rot(1)?, &v, cu, self.heads, layer.window)?;
+            let qkv = candle_maxsim::nn::rotary_qk(&linear(&xn, &layer.wqkv, None)?, cos, sin, self.heads)?;
+            let a = attention_packed(&qkv, cu, self.heads, layer.window)?;
             x = (&x + linear(&a, &layer.wo, None)?)?;
             let up = linear(&layer.mlp_norm.forward(&x)?, &layer.wi, None)?;
-            let i = up.dim(1)? / 2;
-            let m = (self.act.apply(&up.narrow(1, 0, i)?)? * up.narrow(1, i, i)?)?;
+            let m = if self.act == Act::Gelu {
+                candle_maxsim::nn::geglu(&up)?
+            } else {
+                let i = up.dim(1)? / 2;
+                (self.act.apply(&up.narrow(1, 0, i)?)? * up.narrow(1, i, i)?)?
+            };
             x = (&x + linear(&m, &layer.wo_mlp, None)?)?;
         }
         self.final_norm.forward(&x)

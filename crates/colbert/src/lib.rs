@@ -312,7 +312,9 @@ impl ColBert {
         )?;
         let rows = self.head(&hidden)?;
         let rows = Tensor::cat(&[&rows, &Tensor::zeros((1, rows.dim(1)?), rows.dtype(), dev)?], 0)?;
-        rows.index_select(&Tensor::from_vec(at, n * l, dev)?, 0)?.reshape((n, l, ()))
+        // A row gather whose backward is a row scatter-add (candle's
+        // `index_select` backward took 27 ms for 34 000 rows on an H200).
+        candle_maxsim::nn::embedding(&rows, &Tensor::from_vec(at, (n, l), dev)?)
     }
 
     /// [`ColBert::embed`] with every row padded to the batch's length.

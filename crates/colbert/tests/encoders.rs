@@ -70,9 +70,54 @@ fn check_packed(what: &str, enc: &Encoder, ids: &Tensor, mask: &Tensor, dt: DTyp
     Ok(())
 }
 
+/// The gradients of every weight of `vars` through `forward_packed` (in
+/// `dt`) equal those through the padded `forward` (F32) of a random
+/// weighting of the attended rows.
+fn check_packed_grads(
+    what: &str,
+    enc: &Encoder,
+    vars: &candle_nn::VarMap,
+    ids: &Tensor,
+    lens: &[u32],
+    dt: DType,
+    tol: f64,
+) -> Result<()> {
+    let (b, l) = ids.dims2()?;
+    let dev = ids.device();
+    let keep: Vec<u8> = lens.iter().flat_map(|&n| (0..l).map(move |i| u8::from(i < n as usize))).collect();
+    let mask = Tensor::from_vec(keep, (b, l), dev)?;
+    let h = enc.token_embeddings().dim(1)?;
+    let up = Tensor::randn(0f32, 1., (b, l, h), dev)?.broadcast_mul(&mask.to_dtype(DType::F32)?.unsqueeze(2)?)?;
+    let padded = (enc.forward(ids, &mask, DType::F32)? * &up)?.sum_all()?.backward()?;
+    let mut cu = vec![0u32];
+    let (mut rows, mut ups) = (Vec::new(), Vec::new());
+    for (i, &n) in lens.iter().enumerate() {
+        cu.push(cu[i] + n);
+        rows.push(ids.get(i)?.narrow(0, 0, n as usize)?);
+        ups.push(up.get(i)?.narrow(0, 0, n as usize)?);
+    }
+    let out = enc.forward_packed(&Tensor::cat(&rows, 0)?, &Tensor::new(cu.as_slice(), dev)?, dt)?;
+    let packed = (out.to_dtype(DType::F32)? * Tensor::cat(&ups, 0)?)?.sum_all()?.backward()?;
+    // Relative to the larger of the gradient's own largest entry and 1 % of
+    // the largest of all: sums that cancel (a query bias's) keep F32 noise.
+    let data = vars.data().lock().unwrap();
+    let mut most = 0f64;
+    for v in data.values() {
+        most = most.max(max_abs(padded.get(v.as_tensor()).expect("a gradient"))?);
+    }
+    for (name, v) in data.iter() {
+        let (Some(a), Some(e)) = (packed.get(v.as_tensor()), padded.get(v.as_tensor())) else {
+            panic!("{what}: {name} has a gradient on both sides")
+        };
+        let err = max_abs_diff(a, e)? / max_abs(e)?.max(1e-2 * most);
+        assert!(err < tol, "{what} {dt:?}: gradient of {name} differs by {err:e}");
+    }
+    Ok(())
+}
+
 /// A random encoder of `fixture`'s architecture with 2 heads of 32 (the
 /// fused attention's head dims), every weight random.
-fn wide(name: &str, dev: &Device) -> Result<Encoder> {
+fn wide(name: &str, dev: &Device) -> Result<(Encoder, candle_nn::VarMap)> {
     let mut config: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(fixture(name).join("config.json"))?).unwrap();
     config["hidden_size"] = 64.into();
@@ -86,7 +131,7 @@ fn wide(name: &str, dev: &Device) -> Result<Encoder> {
     for v in vars.all_vars() {
         v.set(&(Tensor::randn(0f32, 1., v.shape(), dev)? * 0.3)?)?;
     }
-    Ok(enc)
+    Ok((enc, vars))
 }
 
 /// The packed forward of BERT and ModernBERT against the padded one: the
@@ -99,13 +144,15 @@ fn packed_forward_matches_padded(dev: &Device) -> Result<()> {
         let ids = Tensor::read_npy(io.join("input_ids.npy"))?.to_dtype(DType::U32)?.to_device(dev)?;
         let mask = Tensor::read_npy(io.join("attention_mask.npy"))?.to_dtype(DType::U8)?.to_device(dev)?;
         check_packed(name, &load(name, dev)?, &ids, &mask, DType::F32, 1e-5)?;
-        let enc = wide(name, dev)?;
+        let (enc, vars) = wide(name, dev)?;
         let lens = [40u32, 17, 1];
         let ids = Tensor::rand(0f32, 100., (3, 40), dev)?.to_dtype(DType::U32)?;
         let keep: Vec<u8> = lens.iter().flat_map(|&l| (0..40).map(move |i| u8::from(i < l))).collect();
         let mask = Tensor::from_vec(keep, (3, 40), dev)?;
         check_packed(&format!("wide {name}"), &enc, &ids, &mask, DType::F32, 1e-5)?;
         check_packed(&format!("wide {name}"), &enc, &ids, &mask, DType::F16, 2e-2)?;
+        check_packed_grads(&format!("wide {name}"), &enc, &vars, &ids, &lens, DType::F32, 1e-4)?;
+        check_packed_grads(&format!("wide {name}"), &enc, &vars, &ids, &lens, DType::F16, 5e-2)?;
     }
     let enc = load("bert", dev)?;
     let ids = Tensor::new(&[3u32, 4, 5], dev)?;
