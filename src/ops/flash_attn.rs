@@ -76,7 +76,7 @@ pub fn attention_varlen_qkv(
     }
     let hd = w / 3;
     let (q, k, v) = (qkv.narrow(1, 0, hd)?, qkv.narrow(1, hd, hd)?, qkv.narrow(1, 2 * hd, hd)?);
-    match plan(&q, &k, &v, cu_seqlens, heads, scale, window).map_err(|e| rename_q(e))? {
+    match plan(&q, &k, &v, cu_seqlens, heads, scale, window).map_err(rename_q)? {
         Some(op) => qkv.contiguous()?.apply_op1(FlashAttnQkv(op)),
         None => crate::reference::nn::attention_varlen(&q, &k, &v, cu_seqlens, heads, scale, window),
     }
@@ -330,6 +330,7 @@ impl CustomOp3 for FlashAttn {
 struct FlashAttnQkv(FlashAttn);
 
 /// The q, k and v column blocks of a contiguous `[T, 3·H·dh]` layout.
+#[cfg(feature = "cuda")]
 fn qkv_blocks(l: &Layout) -> Result<[Layout; 3]> {
     let hd = l.dims()[1] / 3;
     Ok([l.narrow(1, 0, hd)?, l.narrow(1, hd, hd)?, l.narrow(1, 2 * hd, hd)?])

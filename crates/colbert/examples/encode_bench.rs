@@ -73,7 +73,10 @@ fn main() -> Result<()> {
         Some(d) => d.clone(),
         None => cli::default_model()?,
     };
-    let model = ColBert::load(&dir, &device, dtype)?;
+    let mut model = ColBert::load(&dir, &device, dtype)?;
+    // Without --packed, every batch padded to its longest passage (`embed`
+    // would otherwise run the documents packed too).
+    model.set_packed_encoder(args.packed);
     // Warm-up: the first batch (kernel loads, allocations), untimed.
     model.encode_documents(&docs[..args.batch.min(docs.len())])?.0.to_device(&candle_core::Device::Cpu)?;
     let threads = candle_core::utils::get_num_threads();
