@@ -362,12 +362,14 @@ impl PlaidIndex {
     /// documents are decompressed and L2-normalized as fast-plaid does, and
     /// so are the query tokens (ColBERT query embeddings already are unit
     /// vectors). Equal scores keep the lower document id first. Documents are
-    /// scored a bounded number of tokens at a time.
+    /// scored a bounded number of tokens at a time. A query with a NaN or an
+    /// infinite entry is an `Err` naming `q`.
     pub fn search_exact(&self, q: &Tensor, k: usize, subset: Option<&[u32]>) -> Result<(Tensor, Tensor)> {
         if k == 0 {
             bail!("k: must be at least 1")
         }
         self.check_queries(q)?;
+        Self::check_finite(&nonfinite_queries(q)?.flatten_all()?.to_vec1()?, 0)?;
         let n = self.num_documents();
         let ids: Vec<u32> = match subset {
             None => (0..n as u32).collect(),
@@ -398,6 +400,15 @@ impl PlaidIndex {
             start = end;
         }
         top.finish(q.device())
+    }
+
+    /// `Err` naming the first query of `q` with a NaN or infinite entry,
+    /// from the per-query flags of [`nonfinite_queries`] (on the host).
+    pub(crate) fn check_finite(flags: &[f32], first: usize) -> Result<()> {
+        match flags.iter().position(|&f| f != 0.0) {
+            Some(i) => bail!("q: query {} has a NaN or infinite entry", first + i),
+            None => Ok(()),
+        }
     }
 
     /// `Err` unless `q` is float `[Nq, Lq, dim]` on the index's device.
@@ -453,4 +464,13 @@ impl PlaidIndex {
         let cu = Tensor::from_vec(cu, docs.len() + 1, self.device())?;
         maxsim_residual_varlen(q, &codes, &residuals, &cu, max_len, &self.codec, true)
     }
+}
+
+/// `[Nq, 1]` F32: 1 where query `i` of `q [Nq, Lq, dim]` has a NaN or an
+/// infinite entry, else 0 (computed on `q`'s device, read with the results).
+pub(crate) fn nonfinite_queries(q: &Tensor) -> Result<Tensor> {
+    let nq = q.dim(0)?;
+    let x = q.reshape((nq, ()))?.to_dtype(DType::F32)?;
+    let bad = (x.ne(&x)?.to_dtype(DType::F32)? + x.abs()?.gt(f32::MAX as f64)?.to_dtype(DType::F32)?)?;
+    bad.max_keepdim(1)
 }

@@ -1,6 +1,6 @@
 //! The PLAID search pipeline (the steps are in the crate docs).
 
-use crate::index::PlaidIndex;
+use crate::index::{nonfinite_queries, PlaidIndex};
 use candle_core::{bail, DType, Result, Tensor};
 use candle_maxsim::{
     nn::{topk_rows, TOPK_MAX_K},
@@ -123,14 +123,16 @@ impl PlaidIndex {
                 Some(Subset::PerQuery(s)) => Some(Subset::PerQuery(&s[start..start + n])),
                 s => s,
             };
-            out.extend(self.search_batch(&q.narrow(0, start, n)?, params, sub, mark)?);
+            out.extend(self.search_batch(&q.narrow(0, start, n)?, start, params, sub, mark)?);
         }
         Ok(out)
     }
 
+    /// One batch of queries, the first of them query `first` of the call.
     fn search_batch(
         &self,
         q: &Tensor,
+        first: usize,
         params: &SearchParams,
         subset: Option<Subset>,
         mark: &mut dyn FnMut(&'static str) -> Result<()>,
@@ -148,6 +150,7 @@ impl PlaidIndex {
             q.clone()
         };
         let m = nq * lqp;
+        let bad = nonfinite_queries(&q)?;
         // 1. Query-centroid scores in the centroids' dtype (F16: as fast-plaid), then F32.
         let cents = &self.codec.centroids;
         let qf = q.reshape((m, dim))?.to_dtype(cents.dtype())?;
@@ -203,8 +206,12 @@ impl PlaidIndex {
         mark("exact scores")?;
         let (ev, ei) = topk_rows(&exact, params.top_k.min(k1))?;
         let ids = ai.gather(&ei.contiguous()?, 1)?;
-        // The one host copy: the final top-k.
-        let (ev, ids): (Vec<Vec<f32>>, Vec<Vec<u32>>) = (ev.to_vec2()?, ids.to_vec2()?);
+        // The one host copy: the final top-k, each query's non-finite flag
+        // riding along as one more score column.
+        let ev = Tensor::cat(&[&ev, &bad], 1)?;
+        let (mut ev, ids): (Vec<Vec<f32>>, Vec<Vec<u32>>) = (ev.to_vec2()?, ids.to_vec2()?);
+        let flags: Vec<f32> = ev.iter_mut().map(|r| r.pop().unwrap_or(0.0)).collect();
+        PlaidIndex::check_finite(&flags, first)?;
         mark("top-k")?;
         Ok(ev
             .into_iter()

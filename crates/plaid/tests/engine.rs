@@ -223,6 +223,15 @@ fn engine_errors(dev: &Device) -> Result<()> {
     expect_err(b.index.search(&randn(&[2, 8, 32], DType::F32, dev)?, &SearchParams::default(), None), "q");
     expect_err(b.index.search(&randn(&[2, 70, 64], DType::F32, dev)?, &SearchParams::default(), None), "q");
     expect_err(b.index.search(&q, &SearchParams { top_k: 0, ..Default::default() }, None), "params");
+    // A NaN or an infinity in any query (here the second of three) is an error naming q.
+    for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+        let mut v: Vec<f32> = randn(&[3, 8, 64], DType::F32, &Device::Cpu)?.flatten_all()?.to_vec1()?;
+        v[8 * 64 + 5] = bad;
+        let qb = Tensor::from_vec(v, (3, 8, 64), dev)?;
+        let e = b.index.search(&qb, &SearchParams::default(), None).expect_err("a non-finite query");
+        assert!(e.to_string().starts_with("q: query 1 "), "{e}");
+        expect_err(b.index.search_exact(&qb, 3, None), "q");
+    }
     expect_err(b.index.search(&q, &Default::default(), Some(Subset::Shared(&[5, 500]))), "subset");
     expect_err(b.index.search(&q, &Default::default(), Some(Subset::PerQuery(&[vec![1]]))), "subset");
     expect_err(b.index.delete(&[120]), "ids");
