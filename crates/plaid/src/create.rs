@@ -124,9 +124,13 @@ impl PlaidIndex {
         Ok(first as u32..contents.documents as u32)
     }
 
-    /// Deletes documents `ids`: they are never returned again and are
-    /// dropped from the inverted file (so fast-plaid does not find them
-    /// either); every other document keeps its id. Recorded in `deleted.json`.
+    /// Deletes documents `ids`: they are never returned again; every other
+    /// document keeps its id. Costs what it changes: the ids are recorded in
+    /// `deleted.json` (written atomically) and the live-document mask
+    /// updated in place; nothing else is rewritten or reloaded. The inverted
+    /// file still lists them (search skips them) until [`PlaidIndex::compact`]
+    /// drops them, so that fast-plaid, which does not read `deleted.json`,
+    /// stops finding them too.
     pub fn delete(&mut self, ids: &[u32]) -> Result<()> {
         let n = self.num_documents();
         if let Some((i, &d)) = ids.iter().enumerate().find(|(_, &d)| d as usize >= n) {
@@ -137,10 +141,24 @@ impl PlaidIndex {
         deleted.sort_unstable();
         deleted.dedup();
         let st = Staging::new(&self.dir, false)?;
-        self.ivf_lists()?.write(&st, &deleted)?;
         write_json(&st.file(DELETED)?, &serde_json::json!({"deleted": deleted}))?;
         st.commit()?;
-        *self = PlaidIndex::load(&self.dir, self.device())?;
+        self.set_deleted(deleted)
+    }
+
+    /// Folds the deletions into the inverted file: the deleted documents'
+    /// entries dropped from `ivf.npy` / `ivf_lengths.npy` (written
+    /// atomically, the old ones intact on failure), which leaves a plain
+    /// fast-plaid layout that fast-plaid searches without them. Search
+    /// results do not change.
+    pub fn compact(&mut self) -> Result<()> {
+        if self.deleted.is_empty() {
+            return Ok(());
+        }
+        let st = Staging::new(&self.dir, false)?;
+        self.ivf_lists()?.write(&st, &self.deleted)?;
+        st.commit()?;
+        self.ivf = PlaidIndex::load_ivf(&self.dir, self.num_centroids(), self.num_documents(), self.device())?;
         Ok(())
     }
 

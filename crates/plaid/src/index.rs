@@ -236,7 +236,7 @@ impl PlaidIndex {
     }
 
     /// `ivf.npy` and `ivf_lengths.npy` as U32 ids and offsets, checked; `None` without them.
-    fn load_ivf(dir: &Path, n_c: usize, n_docs: usize, device: &Device) -> Result<Option<(Tensor, Tensor)>> {
+    pub(crate) fn load_ivf(dir: &Path, n_c: usize, n_docs: usize, device: &Device) -> Result<Option<(Tensor, Tensor)>> {
         let (ip, lp) = (dir.join("ivf.npy"), dir.join("ivf_lengths.npy"));
         if !ip.exists() && !lp.exists() {
             return Ok(None);

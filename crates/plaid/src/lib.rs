@@ -16,7 +16,7 @@
 //! | `doclens.{i}.json`, `{i}.metadata.json` | token count of each document of chunk `i`; its offsets |
 //! | `{i}.codes.npy`, `{i}.residuals.npy` | `[T_i]` I64 centroid codes, `[T_i, dim·nbits/8]` U8 packed residuals ([`BitOrder::ColBert`](candle_maxsim::residual::BitOrder)) |
 //! | `merged_codes.npy`, `merged_residuals.npy` | fast-plaid ≥ 1.7: all chunks back to back (plus padding rows), in place of the per-chunk files |
-//! | `deleted.json` | this crate's: deleted document ids (dropped from the inverted file too) |
+//! | `deleted.json` | this crate's: deleted document ids (dropped from the inverted file by `compact`) |
 //!
 //! ## Search
 //!

@@ -132,7 +132,10 @@ fn add_and_delete(dev: &Device) -> Result<()> {
     // Delete every other target, and an old document.
     let gone: Vec<u32> = targets.iter().step_by(2).map(|&t| 200 + t as u32).chain([3]).collect();
     let before = b.index.search_exact(&q, 20, None)?;
+    let ivf_before = std::fs::read(b.dir.join("ivf.npy"))?;
+    let listed_before: Vec<i64> = Tensor::read_npy(b.dir.join("ivf.npy"))?.to_dtype(DType::I64)?.to_vec1()?;
     b.index.delete(&gone)?;
+    assert_eq!(std::fs::read(b.dir.join("ivf.npy"))?, ivf_before, "delete rewrites only deleted.json");
     let reopened = PlaidIndex::load(&b.dir, dev)?;
     assert_eq!(reopened.deleted(), {
         let mut g = gone.clone();
@@ -154,6 +157,17 @@ fn add_and_delete(dev: &Device) -> Result<()> {
             assert_eq!(&i[qi][..n], &kept.iter().map(|k| k.0).collect::<Vec<_>>()[..], "query {qi} after delete");
             assert!(s[qi][..n].iter().zip(&kept).all(|(a, b)| (a - b.1).abs() <= 1e-5 * b.1.abs().max(1.0)));
         }
+    }
+    // Compaction drops the deleted documents from the inverted file on disk
+    // and changes no search result.
+    let params = SearchParams { top_k: 20, ..Default::default() };
+    let pre = b.index.search(&q, &params, None)?;
+    b.index.compact()?;
+    let listed: Vec<i64> = Tensor::read_npy(b.dir.join("ivf.npy"))?.to_dtype(DType::I64)?.to_vec1()?;
+    let want: Vec<i64> = listed_before.into_iter().filter(|&d| !gone.contains(&(d as u32))).collect();
+    assert_eq!(listed, want, "compact drops exactly the deleted documents' entries");
+    for idx in [&b.index, &PlaidIndex::load(&b.dir, dev)?] {
+        assert_eq!(idx.search(&q, &params, None)?, pre, "search after compact");
     }
     Ok(())
 }
