@@ -119,8 +119,12 @@ impl PlaidIndex {
     /// (on the CPU the tensors themselves are the one copy). Every file is
     /// validated against the others (shapes, chunk sizes, code and id
     /// ranges); a missing, truncated or inconsistent file is an `Err` naming it.
+    /// An update cut short by a killed process is finished or dropped first
+    /// (the index opens as it was before the update or as after, never in
+    /// between), and what that process left beside the index is removed.
     pub fn load(dir: impl AsRef<Path>, device: &Device) -> Result<Self> {
         let dir = dir.as_ref();
+        crate::store::recover(dir)?;
         let meta_path = dir.join("metadata.json");
         let meta = read_json(&meta_path)?;
         let Some(n_chunks) = json_usize(&meta, "num_chunks", &meta_path)? else {

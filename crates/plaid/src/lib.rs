@@ -18,6 +18,16 @@
 //! | `merged_codes.npy`, `merged_residuals.npy` | fast-plaid ≥ 1.7: all chunks back to back (plus padding rows), in place of the per-chunk files |
 //! | `deleted.json` | this crate's: deleted document ids (dropped from the inverted file by `compact`) |
 //!
+//! ## Updates
+//!
+//! [`create`], [`PlaidIndex::add`], [`PlaidIndex::delete`] and
+//! [`PlaidIndex::compact`] write a new version of the directory beside it
+//! (unchanged files hard-linked) and rename it into place: a process killed
+//! at any moment leaves the index as it was before the update or as after,
+//! and the next open finishes a commit cut between its renames and removes
+//! what the dead process left. `delete` rewrites only `deleted.json`;
+//! `compact` drops the deleted documents from the inverted file.
+//!
 //! ## Search
 //!
 //! [`PlaidIndex::search`] runs the PLAID pipeline on the index's device for a batch of queries

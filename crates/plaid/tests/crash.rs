@@ -1,0 +1,150 @@
+//! Updates that survive being killed. A child process (this test binary,
+//! run again on its entry point) adds, deletes and compacts in a sequence;
+//! the parent kills it (SIGKILL) at random moments and opens the index: it
+//! must open in one of the states the sequence passes through (before or
+//! after each update, never in between), search, and keep nothing the dead
+//! process left beside it.
+
+mod support;
+
+use candle_core::{Device, Result};
+use candle_maxsim_plaid::{create, IndexConfig, PackedDocuments, PlaidIndex, SearchParams};
+use rand::{Rng, SeedableRng};
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+use support::*;
+
+/// The index directory a child process updates.
+const DIR_VAR: &str = "CANDLE_MAXSIM_PLAID_CRASH_DIR";
+const BASE_DOCS: usize = 200;
+
+enum Op {
+    Add(usize, u64),
+    Delete(Vec<u32>),
+    Compact,
+}
+
+/// The child's updates, in order.
+fn ops() -> Vec<Op> {
+    vec![
+        Op::Add(30, 1),
+        Op::Delete(vec![3, 205]),
+        Op::Compact,
+        Op::Add(30, 2),
+        Op::Delete(vec![0, 1, 250]),
+        Op::Compact,
+        Op::Delete(vec![100]),
+    ]
+}
+
+/// `(documents, deleted ids)` before the first update and after each.
+fn states() -> Vec<(usize, Vec<u32>)> {
+    let mut s = vec![(BASE_DOCS, Vec::new())];
+    for op in ops() {
+        let (mut n, mut del) = s.last().unwrap().clone();
+        match op {
+            Op::Add(k, _) => n += k,
+            Op::Delete(ids) => {
+                del.extend(ids);
+                del.sort_unstable();
+            }
+            Op::Compact => {}
+        }
+        s.push((n, del));
+    }
+    s
+}
+
+/// The child process's entry point (not a check): with `$CANDLE_MAXSIM_PLAID_CRASH_DIR`
+/// set, runs [`ops`] on the index there; without it, nothing.
+#[test]
+fn child_entry_point() -> Result<()> {
+    let Ok(dir) = std::env::var(DIR_VAR) else { return Ok(()) };
+    let mut index = PlaidIndex::load(&dir, &Device::Cpu)?;
+    for op in ops() {
+        match op {
+            Op::Add(n, seed) => {
+                let (x, lens, _) = clustered(n, 32, 8, seed)?;
+                index.add(&PackedDocuments::new(x, &lens)?, 10)?;
+            }
+            Op::Delete(ids) => index.delete(&ids)?,
+            Op::Compact => index.compact()?,
+        }
+    }
+    Ok(())
+}
+
+fn copy_dir(from: &Path, to: &Path) -> std::io::Result<()> {
+    std::fs::create_dir_all(to)?;
+    for e in std::fs::read_dir(from)? {
+        let e = e?;
+        std::fs::copy(e.path(), to.join(e.file_name()))?;
+    }
+    Ok(())
+}
+
+/// The index in `dir` opens in one of [`states`] (returned), searches
+/// without returning a deleted document, and nothing named after it is
+/// left in its parent directory.
+fn check_opens(dir: &Path, q: &candle_core::Tensor) -> anyhow::Result<usize> {
+    let index = PlaidIndex::load(dir, &Device::Cpu)?;
+    let state = (index.num_documents(), index.deleted().to_vec());
+    let Some(at) = states().iter().position(|s| *s == state) else {
+        anyhow::bail!("{}: opened in state {state:?}, not one the updates pass through", dir.display())
+    };
+    for hits in index.search(q, &SearchParams::default(), None)? {
+        assert!(hits.iter().all(|(d, _)| index.deleted().binary_search(d).is_err()), "a deleted document returned");
+    }
+    let name = dir.file_name().unwrap().to_string_lossy().into_owned();
+    for e in std::fs::read_dir(dir.parent().unwrap())? {
+        let n = e?.file_name().to_string_lossy().into_owned();
+        assert!(!n.starts_with(&format!(".{name}.")), "{n} left beside {name}");
+    }
+    Ok(at)
+}
+
+/// 60 children killed at random moments of the update sequence (and one
+/// left to finish): every index opens before or after an update.
+#[test]
+fn killed_updates_leave_the_index_before_or_after() -> anyhow::Result<()> {
+    let root = temp_dir("crash");
+    let base = root.join("base");
+    let (x, lens, _) = clustered(BASE_DOCS, 32, 8, 0)?;
+    let config = IndexConfig { n_centroids: Some(32), chunk_documents: 70, ..Default::default() };
+    create(&base, &PackedDocuments::new(x.clone(), &lens)?, &config, &Device::Cpu)?;
+    let q = queries_from(&x, &lens, &[0, 50, 150], 16, 3)?;
+    let exe = std::env::current_exe()?;
+    let child = |dir: &Path| {
+        Command::new(&exe)
+            .args(["--exact", "child_entry_point", "--test-threads", "1"])
+            .env(DIR_VAR, dir)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+    };
+    // Uninterrupted: the end state, and how long the sequence takes.
+    let full = root.join("full");
+    copy_dir(&base, &full)?;
+    let t = Instant::now();
+    assert!(child(&full)?.wait()?.success(), "the update sequence runs");
+    let span = t.elapsed();
+    assert_eq!(check_opens(&full, &q)?, states().len() - 1, "the uninterrupted run ends after the last update");
+    let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+    let mut seen = vec![0usize; states().len()];
+    for trial in 0..60 {
+        let dir = root.join(format!("t{trial}"));
+        copy_dir(&base, &dir)?;
+        let mut c = child(&dir)?;
+        std::thread::sleep(Duration::from_secs_f64(span.as_secs_f64() * rng.random_range(0.0..1.1)));
+        let _ = c.kill();
+        c.wait()?;
+        seen[check_opens(&dir, &q)?] += 1;
+        std::fs::remove_dir_all(&dir)?;
+    }
+    let reached = seen.iter().filter(|&&n| n > 0).count();
+    eprintln!("states reached: {seen:?}");
+    assert!(reached >= 3, "kills landed in {reached} distinct states: {seen:?}");
+    std::fs::remove_dir_all(&root)?;
+    Ok(())
+}
