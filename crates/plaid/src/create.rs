@@ -89,8 +89,9 @@ impl PlaidIndex {
     /// Adds `docs` to the index: compressed against its codec (centroids and
     /// bucket cutoffs unchanged, as fast-plaid's update), written as new
     /// chunks, their documents appended to the inverted lists. The new
-    /// documents get the ids after the last one, returned as a range; the
-    /// index is reopened.
+    /// documents get the ids after the last one, returned as a range. The
+    /// documents already there are not read again: only the new chunks and
+    /// the inverted file are written, and the index in memory is extended.
     pub fn add(&mut self, docs: &dyn Documents, chunk_documents: usize) -> Result<std::ops::Range<u32>> {
         if docs.is_empty() {
             let n = self.num_documents() as u32;
@@ -117,10 +118,13 @@ impl PlaidIndex {
             ivf: self.ivf_lists()?,
         };
         contents.append(&st, docs, &self.codec, &cutoffs, chunk_documents, &ProgressBar::hidden())?;
+        if contents.embeddings >= u32::MAX as usize {
+            bail!("docs: {} tokens in all would exceed the 32-bit offsets of the residual kernels", contents.embeddings)
+        }
         contents.ivf.write(&st, &self.deleted)?;
         contents.write_metadata(&st, self.codec.nbits)?;
         st.commit()?;
-        *self = PlaidIndex::load(&self.dir, self.device())?;
+        self.append_chunks(n_chunks, contents.chunks, contents.ivf.csr(&self.deleted))?;
         Ok(first as u32..contents.documents as u32)
     }
 
@@ -162,8 +166,13 @@ impl PlaidIndex {
         Ok(())
     }
 
-    /// The inverted lists rebuilt from the codes (deleted documents included).
+    /// The inverted lists: the index's own (copied from the device; it lacks
+    /// only documents already deleted), or, for an index without one,
+    /// rebuilt from every token's code.
     fn ivf_lists(&self) -> Result<Ivf> {
+        if let Some((ids, offsets)) = &self.ivf {
+            return Ok(Ivf::from_csr(&ids.to_vec1()?, &offsets.to_vec1()?));
+        }
         let codes = self.host_codes()?;
         let mut ivf = Ivf::new(self.num_centroids());
         for d in 0..self.num_documents() {

@@ -105,6 +105,47 @@ impl Payload<'_> {
     }
 }
 
+/// Chunk `i`'s codes and residuals (each with the file it came from)
+/// checked against its `rows` tokens, `n_c` centroids and the residual
+/// `width`: the codes as U32.
+fn checked_chunk(
+    i: usize,
+    rows: usize,
+    (c, cpath): (Tensor, PathBuf),
+    (r, rpath): (Tensor, PathBuf),
+    n_c: usize,
+    width: usize,
+) -> Result<(Tensor, Tensor)> {
+    if c.rank() != 1 || !matches!(c.dtype(), DType::I64 | DType::I32 | DType::U32) {
+        bail!("dir: {} (chunk {i}) must hold integer codes [T], got {:?} {:?}", cpath.display(), c.dtype(), c.dims())
+    }
+    if rows > 0 {
+        let (lo, hi) = int_range(&c)?;
+        if lo < 0 || hi >= n_c as i64 {
+            bail!(
+                "dir: {} (chunk {i}) codes range over [{lo}, {hi}], out of range for {n_c} centroids",
+                cpath.display()
+            )
+        }
+    }
+    if r.dtype() != DType::U8 || r.dims() != [rows, width] {
+        bail!(
+            "dir: {} (chunk {i}) must hold U8 [{rows}, {width}] residuals (dim·nbits/8), got {:?} {:?}",
+            rpath.display(),
+            r.dtype(),
+            r.dims()
+        )
+    }
+    Ok((c.to_dtype(DType::U32)?, r))
+}
+
+/// The document lengths of chunk `i` (`doclens.{i}.json`).
+fn chunk_lens(dir: &Path, i: usize) -> Result<Vec<usize>> {
+    let path = dir.join(format!("doclens.{i}.json"));
+    serde_json::from_value(read_json(&path)?)
+        .map_err(|e| Error::Msg(format!("dir: {} must be a list of document lengths: {e}", path.display())))
+}
+
 /// The largest and smallest value of an integer tensor, on its device.
 fn int_range(t: &Tensor) -> Result<(i64, i64)> {
     let t = t.to_dtype(DType::I64)?;
@@ -148,9 +189,7 @@ impl PlaidIndex {
         let mut lens: Vec<usize> = Vec::new();
         let mut chunk_rows = Vec::with_capacity(n_chunks);
         for i in 0..n_chunks {
-            let path = dir.join(format!("doclens.{i}.json"));
-            let chunk: Vec<usize> = serde_json::from_value(read_json(&path)?)
-                .map_err(|e| Error::Msg(format!("dir: {} must be a list of document lengths: {e}", path.display())))?;
+            let chunk = chunk_lens(dir, i)?;
             chunk_rows.push(chunk.iter().sum());
             lens.extend(chunk);
         }
@@ -171,34 +210,10 @@ impl PlaidIndex {
         let mut res_p = Payload { dir, suffix: "residuals", merged: None };
         let (mut codes, mut residuals) = (Vec::with_capacity(n_chunks), Vec::with_capacity(n_chunks));
         for (i, &rows) in chunk_rows.iter().enumerate() {
-            let (c, path) = codes_p.chunk(i, rows, &chunk_rows, device)?;
-            if c.rank() != 1 || !matches!(c.dtype(), DType::I64 | DType::I32 | DType::U32) {
-                bail!(
-                    "dir: {} (chunk {i}) must hold integer codes [T], got {:?} {:?}",
-                    path.display(),
-                    c.dtype(),
-                    c.dims()
-                )
-            }
-            if rows > 0 {
-                let (lo, hi) = int_range(&c)?;
-                if lo < 0 || hi >= n_c as i64 {
-                    bail!(
-                        "dir: {} (chunk {i}) codes range over [{lo}, {hi}], out of range for {n_c} centroids",
-                        path.display()
-                    )
-                }
-            }
-            let (r, path) = res_p.chunk(i, rows, &chunk_rows, device)?;
-            if r.dtype() != DType::U8 || r.dims() != [rows, width] {
-                bail!(
-                    "dir: {} (chunk {i}) must hold U8 [{rows}, {width}] residuals (dim·nbits/8), got {:?} {:?}",
-                    path.display(),
-                    r.dtype(),
-                    r.dims()
-                )
-            }
-            codes.push(c.to_dtype(DType::U32)?);
+            let c = codes_p.chunk(i, rows, &chunk_rows, device)?;
+            let r = res_p.chunk(i, rows, &chunk_rows, device)?;
+            let (c, r) = checked_chunk(i, rows, c, r, n_c, width)?;
+            codes.push(c);
             residuals.push(r);
         }
         let (codes, residuals) = match total {
@@ -290,6 +305,47 @@ impl PlaidIndex {
             bail!("dir: {}: deleted id {d} is out of range for {n_docs} documents", path.display())
         }
         Ok(ids)
+    }
+
+    /// Extends the index in memory with chunks `from..to`, just written by
+    /// an update as per-chunk files (read back and checked as [`Self::load`]
+    /// does), and the update's inverted file `(ids, offsets)`: nothing
+    /// loaded before is read again. The codes and residuals are
+    /// concatenated on the device (old and new side by side for a moment).
+    pub(crate) fn append_chunks(&mut self, from: usize, to: usize, (ids, offsets): (Vec<u32>, Vec<u32>)) -> Result<()> {
+        let device = self.device().clone();
+        let (n_c, width) = (self.num_centroids(), self.residuals.dim(1)?);
+        let (mut codes, mut residuals) = (vec![self.codes.clone()], vec![self.residuals.clone()]);
+        let mut offs = self.offsets.clone();
+        let mut max_len = self.max_len;
+        for i in from..to {
+            let lens = chunk_lens(&self.dir, i)?;
+            let rows = lens.iter().sum();
+            let read = |suffix: &str| -> Result<(Tensor, PathBuf)> {
+                let path = self.dir.join(format!("{i}.{suffix}.npy"));
+                let f = MappedNpy::open(&path)?;
+                if f.shape.first() != Some(&rows) {
+                    bail!("dir: {} has shape {:?}, but doclens.{i}.json sums to {rows} tokens", path.display(), f.shape)
+                }
+                Ok((f.tensor(&device)?, path))
+            };
+            let (c, r) = checked_chunk(i, rows, read("codes")?, read("residuals")?, n_c, width)?;
+            codes.push(c);
+            residuals.push(r);
+            for l in lens {
+                offs.push(offs.last().unwrap() + l as u32);
+                max_len = max_len.max(l);
+            }
+        }
+        let e = ids.len();
+        let ivf = (Tensor::from_vec(ids, e, &device)?, Tensor::new(offsets.as_slice(), &device)?);
+        self.codes = Tensor::cat(&codes, 0)?;
+        self.residuals = Tensor::cat(&residuals, 0)?;
+        self.cu = Tensor::new(offs.as_slice(), &device)?;
+        self.offsets = offs;
+        self.max_len = max_len;
+        self.ivf = Some(ivf);
+        self.set_deleted(self.deleted.clone())
     }
 
     /// Records `deleted` (any order, repeats allowed) and builds the live-document mask.

@@ -137,15 +137,29 @@ impl Ivf {
         }
     }
 
+    /// The lists of an inverted file held as document ids `ids` and list
+    /// offsets `offsets` (`[C + 1]`).
+    pub fn from_csr(ids: &[u32], offsets: &[u32]) -> Self {
+        Self { lists: offsets.windows(2).map(|w| ids[w[0] as usize..w[1] as usize].to_vec()).collect() }
+    }
+
+    /// The lists, less the documents `skip` (ascending), as `(ids, offsets [C + 1])`.
+    pub fn csr(&self, skip: &[u32]) -> (Vec<u32>, Vec<u32>) {
+        let mut ids = Vec::new();
+        let mut offsets = Vec::with_capacity(self.lists.len() + 1);
+        offsets.push(0u32);
+        for l in &self.lists {
+            ids.extend(l.iter().filter(|d| skip.binary_search(d).is_err()));
+            offsets.push(ids.len() as u32);
+        }
+        (ids, offsets)
+    }
+
     /// Writes `ivf.npy` and `ivf_lengths.npy`, less the documents `skip` (ascending).
     pub fn write(&self, st: &Staging, skip: &[u32]) -> Result<()> {
-        let mut ids = Vec::new();
-        let mut lens = Vec::with_capacity(self.lists.len());
-        for l in &self.lists {
-            let before = ids.len();
-            ids.extend(l.iter().filter(|d| skip.binary_search(d).is_err()).map(|&d| d as i64));
-            lens.push((ids.len() - before) as i32);
-        }
+        let (ids, offsets) = self.csr(skip);
+        let ids: Vec<i64> = ids.into_iter().map(i64::from).collect();
+        let lens: Vec<i32> = offsets.windows(2).map(|w| (w[1] - w[0]) as i32).collect();
         let n = ids.len();
         npy::write(&st.file("ivf.npy")?, &Tensor::from_vec(ids, n, &Device::Cpu)?)?;
         let k = lens.len();

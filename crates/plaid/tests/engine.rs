@@ -129,6 +129,21 @@ fn add_and_delete(dev: &Device) -> Result<()> {
     let res = b.index.search(&q, &SearchParams::default(), None)?;
     let hits = res.iter().zip(&targets).filter(|(r, &t)| r.first().map(|x| x.0) == Some(200 + t as u32)).count();
     assert!(hits * 10 >= targets.len() * 8, "{hits}/{} added documents found first", targets.len());
+    // The index extended in memory is the one on disk.
+    let fresh = PlaidIndex::load(&b.dir, dev)?;
+    assert_eq!(b.index.doc_lens(), fresh.doc_lens());
+    for (a, f) in [(&b.index.codes, &fresh.codes), (&b.index.residuals, &fresh.residuals)] {
+        assert_eq!(a.dims(), f.dims());
+        assert_eq!(
+            a.to_dtype(DType::F32)?
+                .ne(&f.to_dtype(DType::F32)?)?
+                .to_dtype(DType::F32)?
+                .sum_all()?
+                .to_scalar::<f32>()?,
+            0.0
+        );
+    }
+    assert_eq!(fresh.search(&q, &SearchParams::default(), None)?, res, "search in memory and after reopening");
     // Delete every other target, and an old document.
     let gone: Vec<u32> = targets.iter().step_by(2).map(|&t| 200 + t as u32).chain([3]).collect();
     let before = b.index.search_exact(&q, 20, None)?;
