@@ -1,7 +1,8 @@
 //! Benchmark of the PLAID engine, one phase per run (so that each phase's
 //! peak memory is its own): build an index, search it in batches, break a
-//! search down by stage, or compute the exhaustive exact top-k on the
-//! uncompressed embeddings (the ground truth of recall). Prints one JSON
+//! search down by stage, compute the exhaustive exact top-k on the
+//! uncompressed embeddings (the ground truth of recall), or time updates
+//! (an add, a delete, a compaction) of an index. Prints one JSON
 //! line per measurement; `bench/plaid_engine.py` drives it next to fast-plaid.
 //!
 //!   cargo run --release --features cuda -p candle-maxsim-plaid --example plaid_bench -- \
@@ -9,13 +10,14 @@
 //!   ... search --index DIR --queries q.npy [--batch 1 --batch 32 --batch 256] [--out ids.json] [--cuda]
 //!   ... stages --index DIR --queries q.npy [--batch 1 --batch 256] [--cuda]
 //!   ... exact --docs emb.npy --lens lens.npy --queries q.npy --out exact.json [--cuda]
+//!   ... update --index DIR --docs emb.npy --lens lens.npy [--add 1000] [--delete 100] [--cuda]
 //!
 //! `--help` lists every flag.
 
 use anyhow::{Context, Result};
 use candle_core::{DType, Device, Tensor};
 use candle_maxsim::{maxsim_varlen, TopK};
-use candle_maxsim_plaid::{create, IndexConfig, NpyDocuments, PlaidIndex, SearchParams};
+use candle_maxsim_plaid::{create, Documents, IndexConfig, NpyDocuments, PackedDocuments, PlaidIndex, SearchParams};
 use clap::{Parser, Subcommand};
 use std::path::PathBuf;
 use std::time::Instant;
@@ -113,6 +115,21 @@ enum Phase {
         #[command(flatten)]
         params: Params,
     },
+    /// Time updates of the index (which they change): adding the first
+    /// `--add` documents of the collection again (new ids), deleting
+    /// `--delete` documents spread over the index, and the compaction.
+    Update {
+        #[command(flatten)]
+        docs: Collection,
+        #[arg(long)]
+        index: PathBuf,
+        /// Documents to add (the first ones of the collection).
+        #[arg(long, default_value_t = 1000)]
+        add: usize,
+        /// Documents to delete.
+        #[arg(long, default_value_t = 100)]
+        delete: usize,
+    },
     /// The exhaustive exact top-k of every query on the uncompressed embeddings.
     Exact {
         #[command(flatten)]
@@ -171,6 +188,36 @@ fn main() -> Result<()> {
                 "{}",
                 serde_json::json!({"phase": "build", "seconds": s, "documents": idx.num_documents(),
                     "centroids": idx.num_centroids(), "nbits": nbits, "peak_rss_mb": peak_rss_mb()})
+            );
+        }
+        Phase::Update { docs, index, add, delete } => {
+            let lens = read_lens(&docs.lens)?;
+            let collection = NpyDocuments::open(&docs.docs, &lens)?;
+            let t = Instant::now();
+            let mut idx = PlaidIndex::load(&index, &dev)?;
+            dev.synchronize()?;
+            let load_s = t.elapsed().as_secs_f64();
+            let n = idx.num_documents();
+            let k = add.min(lens.len());
+            let first: Vec<u32> = (0..k as u32).collect();
+            let few = PackedDocuments::new(collection.embeddings(&first)?, &lens[..k])?;
+            let t = Instant::now();
+            let added = idx.add(&few, 25_000)?;
+            dev.synchronize()?;
+            let add_s = t.elapsed().as_secs_f64();
+            let step = (n / delete.max(1)).max(1);
+            let ids: Vec<u32> = (0..n).step_by(step).take(delete).map(|d| d as u32).collect();
+            let t = Instant::now();
+            idx.delete(&ids)?;
+            let delete_s = t.elapsed().as_secs_f64();
+            let t = Instant::now();
+            idx.compact()?;
+            dev.synchronize()?;
+            println!(
+                "{}",
+                serde_json::json!({"phase": "update", "documents": n, "added": added.len(), "add_seconds": add_s,
+                    "deleted": ids.len(), "delete_seconds": delete_s, "compact_seconds": t.elapsed().as_secs_f64(),
+                    "load_seconds": load_s, "peak_rss_mb": peak_rss_mb()})
             );
         }
         Phase::Search { index, queries, batches, params, repeats, out } => {
