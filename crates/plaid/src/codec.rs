@@ -32,6 +32,33 @@ impl Codec {
     }
 }
 
+impl Codec {
+    /// The codec [`crate::writer::write_codec`] wrote into `dir` (exactly:
+    /// F16 centroids, F32 cutoffs, weights and calibration), on `device`.
+    pub fn read(dir: &std::path::Path, nbits: usize, device: &Device) -> Result<Self> {
+        let f32s = |name: &str| -> Result<Vec<f32>> {
+            crate::npy::read(&dir.join(name), &Device::Cpu)?.to_dtype(DType::F32)?.flatten_all()?.to_vec1()
+        };
+        let centroids = crate::npy::read(&dir.join("centroids.npy"), device)?;
+        let dim = centroids.dim(1)?;
+        let cal = Calibration {
+            cutoffs: f32s("bucket_cutoffs.npy")?,
+            weights: f32s("bucket_weights.npy")?,
+            avg_residual: f32s("avg_residual.npy")?,
+            cluster_threshold: *f32s("cluster_threshold.npy")?.first().unwrap_or(&0.0),
+        };
+        let codec = ResidualCodec {
+            centroids,
+            bucket_weights: Tensor::new(cal.weights.as_slice(), device)?,
+            nbits,
+            bit_order: BitOrder::ColBert,
+        };
+        codec.check(dim)?;
+        let cutoffs = Tensor::new(cal.cutoffs.as_slice(), device)?;
+        Ok(Self { codec, cutoffs, cal })
+    }
+}
+
 /// Statistics of held-out residuals: the bucket cutoffs and weights, and
 /// the calibration an index stores for fast-plaid's update.
 pub(crate) struct Calibration {

@@ -70,6 +70,15 @@ impl Default for IndexConfig {
 
 /// Builds an index of `docs` in `dir` on `device` (replacing an index
 /// there; refusing a non-empty directory that is not one) and opens it.
+///
+/// The build survives being stopped: it is written in `.NAME.building`
+/// beside `dir` (the trained codec first, then chunk after chunk, its
+/// progress in `build.json`), renamed into place at the end. A build that
+/// failed or was killed is resumed by the next `create` of the same
+/// documents with the same configuration, from its last completed chunk,
+/// and gives the same index as an uninterrupted one; another collection or
+/// configuration starts afresh. Until the rename, an index already in
+/// `dir` stays as it was.
 pub fn create(
     dir: impl AsRef<Path>,
     docs: &dyn Documents,
@@ -79,10 +88,68 @@ pub fn create(
     let dir = dir.as_ref();
     check_target(dir)?;
     let bar = progress(config.show_progress, docs.len() as u64, "sampling");
-    let c = train(docs, config, device, &bar)?;
-    write_index(dir, docs, &c, config.chunk_documents, &bar)?;
+    let fingerprint = fingerprint(docs, config)?;
+    let (st, existed) = Staging::building(dir, false)?;
+    let state = st.dir.join(BUILD_STATE);
+    // Resumed: the same fingerprint, the codec readable, chunks 0..done written.
+    let resumed = match existed.then(|| read_json(&state).ok()).flatten() {
+        Some(s) if s["fingerprint"] == fingerprint => {
+            match (s["chunks_done"].as_u64(), Codec::read(&st.dir, config.nbits, device)) {
+                (Some(done), Ok(c)) => Some((c, done as usize)),
+                _ => None,
+            }
+        }
+        _ => None,
+    };
+    let (st, c, done) = match resumed {
+        Some((c, done)) => (st, c, done),
+        None => {
+            drop(st);
+            let (st, _) = Staging::building(dir, true)?;
+            let c = train(docs, config, device, &bar)?;
+            write_codec(&st, &c)?;
+            write_state(&state, &fingerprint, 0)?;
+            (st, c, 0)
+        }
+    };
+    bar.inc((done * config.chunk_documents).min(docs.len()) as u64);
+    finish(st, docs, &c, config.chunk_documents, done, &bar, &mut |n| write_state(&state, &fingerprint, n))?;
     bar.finish_and_clear();
     PlaidIndex::load(dir, device)
+}
+
+/// The progress file of a build in `.NAME.building`.
+const BUILD_STATE: &str = "build.json";
+
+/// What a resumed build must share with the one it continues: the
+/// configuration, the collection's size and shape, and a hash of its
+/// first, middle and last documents' embeddings.
+fn fingerprint(docs: &dyn Documents, config: &IndexConfig) -> Result<serde_json::Value> {
+    use std::hash::Hasher;
+    let n = docs.len();
+    let tokens: usize = (0..n).map(|d| docs.doc_len(d)).sum();
+    // SipHash with fixed keys: the same value in every process.
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    if n > 0 {
+        let mut probe: Vec<u32> = vec![0, (n / 2) as u32, (n - 1) as u32];
+        probe.dedup();
+        for v in docs.embeddings(&probe)?.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()? {
+            h.write_u32(v.to_bits());
+        }
+    }
+    Ok(serde_json::json!({
+        "documents": n, "tokens": tokens, "dim": docs.dim(), "sample_hash": format!("{:016x}", h.finish()), "nbits": config.nbits,
+        "kmeans_niters": config.kmeans_niters, "max_points_per_centroid": config.max_points_per_centroid,
+        "n_centroids": config.n_centroids, "seed": config.seed, "chunk_documents": config.chunk_documents,
+        "spherical_kmeans": config.spherical_kmeans,
+    }))
+}
+
+/// Records `done` chunks written (atomically: a new file renamed over the old).
+fn write_state(path: &Path, fingerprint: &serde_json::Value, done: usize) -> Result<()> {
+    let tmp = path.with_extension("json.tmp");
+    write_json(&tmp, &serde_json::json!({"fingerprint": fingerprint, "chunks_done": done}))?;
+    std::fs::rename(&tmp, path).map_err(|e| crate::store::io_err(path, "replace", e))
 }
 
 impl PlaidIndex {
@@ -254,14 +321,32 @@ pub(crate) fn write_index(
     bar: &ProgressBar,
 ) -> Result<()> {
     check_target(dir)?;
-    let k = c.codec.centroids.dim(0)?;
     let st = Staging::new(dir, true)?;
-    bar.set_message("compressing");
-    let mut contents = Contents { chunks: 0, documents: 0, embeddings: 0, ivf: Ivf::new(k) };
-    contents.append(&st, docs, &c.codec, &c.cutoffs, chunk_documents, bar)?;
-    contents.ivf.write(&st, &[])?;
     write_codec(&st, c)?;
+    finish(st, docs, c, chunk_documents, 0, bar, &mut |_| Ok(()))
+}
+
+/// Steps 4-5 into `st` (holding the codec and chunks `0..done`), calling
+/// `on_chunk` with the chunks written after each, then the commit.
+fn finish(
+    st: Staging,
+    docs: &dyn Documents,
+    c: &Codec,
+    chunk_documents: usize,
+    done: usize,
+    bar: &ProgressBar,
+    on_chunk: &mut dyn FnMut(usize) -> Result<()>,
+) -> Result<()> {
+    bar.set_message("compressing");
+    let mut contents = Contents { chunks: 0, documents: 0, embeddings: 0, ivf: Ivf::new(c.codec.centroids.dim(0)?) };
+    contents.count_written(&st, done)?;
+    contents.append_from(&st, docs, &c.codec, &c.cutoffs, chunk_documents, done, bar, on_chunk)?;
+    contents.ivf.write(&st, &[])?;
     contents.write_metadata(&st, c.codec.nbits)?;
+    let state = st.dir.join(BUILD_STATE);
+    if state.exists() {
+        std::fs::remove_file(&state).map_err(|e| crate::store::io_err(&state, "remove", e))?;
+    }
     st.commit()
 }
 

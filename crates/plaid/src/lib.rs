@@ -26,7 +26,11 @@
 //! at any moment leaves the index as it was before the update or as after,
 //! and the next open finishes a commit cut between its renames and removes
 //! what the dead process left. `delete` rewrites only `deleted.json`;
-//! `compact` drops the deleted documents from the inverted file.
+//! `compact` drops the deleted documents from the inverted file; `add`
+//! writes new chunks and the inverted file and extends the index in memory.
+//! A build is written in `.NAME.building` with its progress: stopped at any
+//! moment, the next `create` of the same documents and configuration
+//! resumes from its last completed chunk and gives the same index.
 //!
 //! ## Search
 //!

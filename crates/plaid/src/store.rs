@@ -39,6 +39,8 @@ pub(crate) struct Staging {
     live: PathBuf,
     pub dir: PathBuf,
     committed: bool,
+    /// Kept when dropped without a commit (a build to resume).
+    keep: bool,
 }
 
 impl Staging {
@@ -51,7 +53,7 @@ impl Staging {
         let dir = parent.join(format!("{prefix}{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir(&dir).map_err(|e| io_err(&dir, "create", e))?;
-        let staging = Self { live: live.to_path_buf(), dir, committed: false };
+        let staging = Self { live: live.to_path_buf(), dir, committed: false, keep: false };
         if !fresh {
             for entry in std::fs::read_dir(live).map_err(|e| io_err(live, "list", e))? {
                 let entry = entry.map_err(|e| io_err(live, "list", e))?;
@@ -65,6 +67,24 @@ impl Staging {
             }
         }
         Ok(staging)
+    }
+
+    /// The directory of a new index for `live` built over several runs,
+    /// `.NAME.building` beside it: kept when dropped without a commit (a
+    /// failed or killed build leaves it for the next run to resume), made
+    /// empty when `fresh`. Returns it and whether it held anything.
+    pub fn building(live: &Path, fresh: bool) -> Result<(Self, bool)> {
+        let (parent, _) = staging_prefix(live)?;
+        std::fs::create_dir_all(&parent).map_err(|e| io_err(&parent, "create", e))?;
+        recover(live)?;
+        let name = live.file_name().expect("staging_prefix checked").to_string_lossy().into_owned();
+        let dir = parent.join(format!(".{name}.building"));
+        if fresh {
+            let _ = std::fs::remove_dir_all(&dir);
+        }
+        let existed = dir.exists();
+        std::fs::create_dir_all(&dir).map_err(|e| io_err(&dir, "create", e))?;
+        Ok((Self { live: live.to_path_buf(), dir, committed: false, keep: true }, existed))
     }
 
     /// The path of `name` in the staging directory, its old link removed, so
@@ -82,9 +102,8 @@ impl Staging {
     /// renamed aside, the staging one into its place, then the old removed.
     pub fn commit(mut self) -> Result<()> {
         // `.NAME.staging-PID.old` (what `recover` looks for).
-        let mut old = self.dir.clone().into_os_string();
-        old.push(".old");
-        let old = PathBuf::from(old);
+        let (parent, prefix) = staging_prefix(&self.live)?;
+        let old = parent.join(format!("{prefix}{}.old", std::process::id()));
         let _ = std::fs::remove_dir_all(&old);
         let had_live = self.live.exists();
         if had_live {
@@ -161,7 +180,7 @@ pub(crate) fn recover(live: &Path) -> Result<()> {
 
 impl Drop for Staging {
     fn drop(&mut self) {
-        if !self.committed {
+        if !self.committed && !self.keep {
             let _ = std::fs::remove_dir_all(&self.dir);
         }
     }

@@ -7,7 +7,7 @@ use crate::codec::{work_dtype, Codec};
 use crate::documents::Documents;
 use crate::npy;
 use crate::store::{write_json, Staging};
-use candle_core::{bail, Device, Result, Tensor};
+use candle_core::{bail, DType, Device, Result, Tensor};
 use candle_maxsim::residual::{nearest_centroids, ResidualCodec};
 use indicatif::ProgressBar;
 
@@ -33,21 +33,66 @@ impl Contents {
         chunk_documents: usize,
         bar: &ProgressBar,
     ) -> Result<()> {
+        self.append_from(st, docs, codec, cutoffs, chunk_documents, 0, bar, &mut |_| Ok(()))
+    }
+
+    /// [`Self::append`] from chunk `skip` of `docs` on (the earlier ones
+    /// already counted in `self`), calling `done` with the number of chunks
+    /// of `docs` written after each.
+    #[allow(clippy::too_many_arguments)]
+    pub fn append_from(
+        &mut self,
+        st: &Staging,
+        docs: &dyn Documents,
+        codec: &ResidualCodec,
+        cutoffs: &Tensor,
+        chunk_documents: usize,
+        skip: usize,
+        bar: &ProgressBar,
+        done: &mut dyn FnMut(usize) -> Result<()>,
+    ) -> Result<()> {
         let n = docs.len();
-        for ch in 0..n.div_ceil(chunk_documents) {
+        let base = self.documents - (skip * chunk_documents).min(n);
+        for ch in skip..n.div_ceil(chunk_documents) {
             let ids: Vec<u32> = (ch * chunk_documents..((ch + 1) * chunk_documents).min(n)).map(|d| d as u32).collect();
             let (t, codes) = write_chunk(st, self.chunks, docs, &ids, codec, cutoffs, self.embeddings)?;
             let mut at = 0;
             for &d in &ids {
                 let l = docs.doc_len(d as usize);
-                self.ivf.add((self.documents + d as usize) as u32, &codes[at..at + l]);
+                self.ivf.add((base + d as usize) as u32, &codes[at..at + l]);
                 at += l;
             }
             self.chunks += 1;
             self.embeddings += t;
+            self.documents += ids.len();
             bar.inc(ids.len() as u64);
+            done(ch + 1)?;
         }
-        self.documents += n;
+        Ok(())
+    }
+
+    /// The chunks `0..k` already in `st`'s directory, counted and their
+    /// documents put in the inverted lists (from their codes files).
+    pub fn count_written(&mut self, st: &Staging, k: usize) -> Result<()> {
+        for i in 0..k {
+            let lens_path = st.dir.join(format!("doclens.{i}.json"));
+            let lens: Vec<usize> = serde_json::from_value(crate::store::read_json(&lens_path)?)
+                .map_err(|e| candle_core::Error::Msg(format!("dir: {}: {e}", lens_path.display())))?;
+            let codes: Vec<i64> =
+                npy::read(&st.dir.join(format!("{i}.codes.npy")), &Device::Cpu)?.to_dtype(DType::I64)?.to_vec1()?;
+            if codes.len() != lens.iter().sum::<usize>() {
+                bail!("dir: chunk {i} of the build in {} is inconsistent", st.dir.display())
+            }
+            let mut at = 0;
+            for l in lens {
+                let c: Vec<u32> = codes[at..at + l].iter().map(|&c| c as u32).collect();
+                self.ivf.add(self.documents as u32, &c);
+                self.documents += 1;
+                at += l;
+            }
+            self.chunks += 1;
+            self.embeddings += at;
+        }
         Ok(())
     }
 

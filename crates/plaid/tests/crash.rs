@@ -1,9 +1,10 @@
-//! Updates that survive being killed. A child process (this test binary,
-//! run again on its entry point) adds, deletes and compacts in a sequence;
-//! the parent kills it (SIGKILL) at random moments and opens the index: it
-//! must open in one of the states the sequence passes through (before or
-//! after each update, never in between), search, and keep nothing the dead
-//! process left beside it.
+//! Builds and updates that survive being killed. A child process (this
+//! test binary, run again on its entry point) builds an index, or adds,
+//! deletes and compacts in a sequence; the parent kills it (SIGKILL) at
+//! random moments. An update leaves the index in one of the states the
+//! sequence passes through (before or after each update, never in
+//! between), searchable, with nothing of the dead process left beside it;
+//! a build, run again, resumes and gives the uninterrupted build's files.
 
 mod support;
 
@@ -17,6 +18,8 @@ use support::*;
 
 /// The index directory a child process updates.
 const DIR_VAR: &str = "CANDLE_MAXSIM_PLAID_CRASH_DIR";
+/// The index directory a child process builds.
+const BUILD_VAR: &str = "CANDLE_MAXSIM_PLAID_CRASH_BUILD";
 const BASE_DOCS: usize = 200;
 
 enum Op {
@@ -56,10 +59,25 @@ fn states() -> Vec<(usize, Vec<u32>)> {
     s
 }
 
-/// The child process's entry point (not a check): with `$CANDLE_MAXSIM_PLAID_CRASH_DIR`
-/// set, runs [`ops`] on the index there; without it, nothing.
+/// The build the child runs: the collection its parent wrote beside `dir`
+/// (`coll.npy`, `lens.npy`), in chunks of 20 documents.
+fn build(dir: &Path) -> Result<PlaidIndex> {
+    let root = dir.parent().expect("a directory in the test's root");
+    let x = candle_core::Tensor::read_npy(root.join("coll.npy"))?;
+    let lens: Vec<u32> = candle_core::Tensor::read_npy(root.join("lens.npy"))?.to_vec1()?;
+    let config = IndexConfig { n_centroids: Some(32), chunk_documents: 20, ..Default::default() };
+    create(dir, &PackedDocuments::new(x, &lens)?, &config, &Device::Cpu)
+}
+
+/// The child process's entry point (not a check): with `$CANDLE_MAXSIM_PLAID_CRASH_BUILD`
+/// set, builds there; with `$CANDLE_MAXSIM_PLAID_CRASH_DIR`, runs [`ops`] on
+/// the index there; without either, nothing.
 #[test]
 fn child_entry_point() -> Result<()> {
+    if let Ok(dir) = std::env::var(BUILD_VAR) {
+        build(Path::new(&dir))?;
+        return Ok(());
+    }
     let Ok(dir) = std::env::var(DIR_VAR) else { return Ok(()) };
     let mut index = PlaidIndex::load(&dir, &Device::Cpu)?;
     for op in ops() {
@@ -145,6 +163,75 @@ fn killed_updates_leave_the_index_before_or_after() -> anyhow::Result<()> {
     let reached = seen.iter().filter(|&&n| n > 0).count();
     eprintln!("states reached: {seen:?}");
     assert!(reached >= 3, "kills landed in {reached} distinct states: {seen:?}");
+    std::fs::remove_dir_all(&root)?;
+    Ok(())
+}
+
+/// Every file of `dir` by name, with its bytes.
+fn files(dir: &Path) -> std::io::Result<Vec<(String, Vec<u8>)>> {
+    let mut v = Vec::new();
+    for e in std::fs::read_dir(dir)? {
+        let e = e?;
+        v.push((e.file_name().to_string_lossy().into_owned(), std::fs::read(e.path())?));
+    }
+    v.sort();
+    Ok(v)
+}
+
+/// 30 builds killed at random moments, each run again to the end: the
+/// index is the uninterrupted build's, file for file, byte for byte (the
+/// codec and chunks written before the kill reused, the rest continued).
+#[test]
+fn killed_builds_resume_to_the_same_index() -> anyhow::Result<()> {
+    let root = temp_dir("crash_build");
+    let exe = std::env::current_exe()?;
+    let child = |dir: &Path| {
+        Command::new(&exe)
+            .args(["--exact", "child_entry_point", "--test-threads", "1"])
+            .env(BUILD_VAR, dir)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+    };
+    let (x, lens, _) = clustered(BASE_DOCS, 32, 8, 0)?;
+    x.write_npy(root.join("coll.npy"))?;
+    candle_core::Tensor::new(lens.as_slice(), &Device::Cpu)?.write_npy(root.join("lens.npy"))?;
+    let full = root.join("full");
+    let t = Instant::now();
+    assert!(child(&full)?.wait()?.success(), "the build runs");
+    let span = t.elapsed();
+    let want = files(&full)?;
+    assert!(want.iter().any(|(n, _)| n == "9.codes.npy"), "ten chunks written");
+    let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+    let (mut resumed, mut finished) = (0, 0);
+    for trial in 0..30 {
+        let dir = root.join(format!("b{trial}"));
+        let mut c = child(&dir)?;
+        std::thread::sleep(Duration::from_secs_f64(span.as_secs_f64() * rng.random_range(0.0..1.1)));
+        let _ = c.kill();
+        c.wait()?;
+        let building = root.join(format!(".b{trial}.building"));
+        if dir.exists() {
+            // Killed after the rename: the whole index, loadable.
+            PlaidIndex::load(&dir, &Device::Cpu)?;
+            finished += 1;
+        } else if building.join("build.json").exists() {
+            resumed += 1;
+        }
+        build(&dir)?;
+        assert!(!building.exists(), "trial {trial}: the build directory is gone after the build");
+        let got = files(&dir)?;
+        let differ: Vec<&String> = got.iter().zip(&want).filter(|(a, b)| a != b).map(|(a, _)| &a.0).collect();
+        assert!(
+            got.len() == want.len() && differ.is_empty(),
+            "trial {trial}: the resumed build differs from the uninterrupted one in {differ:?} ({} vs {} files)",
+            got.len(),
+            want.len()
+        );
+        std::fs::remove_dir_all(&dir)?;
+    }
+    eprintln!("builds killed with progress to resume: {resumed}, after finishing: {finished}");
+    assert!(resumed >= 5, "only {resumed} kills left a build to resume");
     std::fs::remove_dir_all(&root)?;
     Ok(())
 }
