@@ -52,23 +52,57 @@ impl Contents {
         done: &mut dyn FnMut(usize) -> Result<()>,
     ) -> Result<()> {
         let n = docs.len();
-        let base = self.documents - (skip * chunk_documents).min(n);
-        for ch in skip..n.div_ceil(chunk_documents) {
-            let ids: Vec<u32> = (ch * chunk_documents..((ch + 1) * chunk_documents).min(n)).map(|d| d as u32).collect();
-            let (t, codes) = write_chunk(st, self.chunks, docs, &ids, codec, cutoffs, self.embeddings)?;
-            let mut at = 0;
-            for &d in &ids {
-                let l = docs.doc_len(d as usize);
-                self.ivf.add((base + d as usize) as u32, &codes[at..at + l]);
-                at += l;
+        let base = (self.documents - (skip * chunk_documents).min(n)) as u32;
+        // A pipeline of two stages: this thread reads and codes chunk after
+        // chunk (on the codec's device), a writer thread copies each one's
+        // codes and residuals back, writes its files and adds its documents
+        // to the inverted lists, at most two chunks behind.
+        let mut ivf = std::mem::replace(&mut self.ivf, Ivf::new(0));
+        let (tx, rx) = std::sync::mpsc::sync_channel::<Coded>(2);
+        let (written_tx, written_rx) = std::sync::mpsc::channel::<usize>();
+        std::thread::scope(|s| -> Result<()> {
+            let writer = s.spawn(move || -> Result<Ivf> {
+                for c in rx {
+                    let codes = write_coded(st, &c)?;
+                    let mut at = 0;
+                    for (k, &l) in c.lens.iter().enumerate() {
+                        ivf.add(base + c.first + k as u32, &codes[at..at + l]);
+                        at += l;
+                    }
+                    // The receiver outlives the writer: a failed send only means it stopped early.
+                    let _ = written_tx.send(c.ch + 1);
+                }
+                Ok(ivf)
+            });
+            let mut coded = || -> Result<()> {
+                for ch in skip..n.div_ceil(chunk_documents) {
+                    let ids: Vec<u32> =
+                        (ch * chunk_documents..((ch + 1) * chunk_documents).min(n)).map(|d| d as u32).collect();
+                    let c = code_chunk(docs, &ids, codec, cutoffs, ch, self.chunks, self.embeddings)?;
+                    let (t, docs_in) = (c.codes.dim(0)?, ids.len());
+                    if tx.send(c).is_err() {
+                        break; // the writer failed: its error is reported below
+                    }
+                    self.chunks += 1;
+                    self.embeddings += t;
+                    self.documents += docs_in;
+                    bar.inc(docs_in as u64);
+                    while let Ok(w) = written_rx.try_recv() {
+                        done(w)?;
+                    }
+                }
+                Ok(())
+            };
+            let read = coded();
+            drop(tx);
+            let ivf = writer.join().map_err(|_| candle_core::Error::Msg("writer thread panicked".into()))??;
+            read?;
+            for w in written_rx.try_iter() {
+                done(w)?;
             }
-            self.chunks += 1;
-            self.embeddings += t;
-            self.documents += ids.len();
-            bar.inc(ids.len() as u64);
-            done(ch + 1)?;
-        }
-        Ok(())
+            self.ivf = ivf;
+            Ok(())
+        })
     }
 
     /// The chunks `0..k` already in `st`'s directory, counted and their
@@ -111,18 +145,30 @@ impl Contents {
     }
 }
 
-/// Writes chunk `i` (documents `ids`, consecutive) of `docs` coded against
-/// `codec`: its codes, residuals, document lengths and metadata; returns
-/// (tokens, every token's code) for the inverted file.
-fn write_chunk(
-    st: &Staging,
-    i: usize,
+/// A chunk coded on the codec's device, on its way to the writer.
+struct Coded {
+    /// Its index among the chunks of the documents being appended, and of the index's files.
+    ch: usize,
+    file: usize,
+    /// Its first document, counted from the first appended.
+    first: u32,
+    lens: Vec<usize>,
+    embedding_offset: usize,
+    codes: Tensor,
+    residuals: Tensor,
+}
+
+/// Documents `ids` (consecutive) of `docs` coded against `codec`: chunk
+/// `ch` of them, file index `file`, its first token `embedding_offset`.
+fn code_chunk(
     docs: &dyn Documents,
     ids: &[u32],
     codec: &ResidualCodec,
     cutoffs: &Tensor,
+    ch: usize,
+    file: usize,
     embedding_offset: usize,
-) -> Result<(usize, Vec<u32>)> {
+) -> Result<Coded> {
     let dev = codec.centroids.device();
     let x = docs.embeddings(ids)?.to_device(dev)?.to_dtype(work_dtype(dev))?;
     let lens: Vec<usize> = ids.iter().map(|&d| docs.doc_len(d as usize)).collect();
@@ -137,16 +183,23 @@ fn write_chunk(
     }
     let codes = nearest_centroids(&x, &codec.centroids.to_dtype(x.dtype())?)?;
     let residuals = codec.compress(&x, &codes, cutoffs)?;
-    let host_codes: Vec<u32> = codes.to_vec1()?;
+    Ok(Coded { ch, file, first: ids.first().copied().unwrap_or(0), lens, embedding_offset, codes, residuals })
+}
+
+/// Writes a coded chunk's files: its codes, residuals, document lengths and
+/// metadata; returns every token's code, for the inverted file.
+fn write_coded(st: &Staging, c: &Coded) -> Result<Vec<u32>> {
+    let (i, t) = (c.file, c.codes.dim(0)?);
+    let host_codes: Vec<u32> = c.codes.to_vec1()?;
     let codes_i64 = Tensor::from_vec(host_codes.iter().map(|&c| c as i64).collect::<Vec<i64>>(), t, &Device::Cpu)?;
     npy::write(&st.file(&format!("{i}.codes.npy"))?, &codes_i64)?;
-    npy::write(&st.file(&format!("{i}.residuals.npy"))?, &residuals)?;
-    write_json(&st.file(&format!("doclens.{i}.json"))?, &serde_json::json!(lens))?;
+    npy::write(&st.file(&format!("{i}.residuals.npy"))?, &c.residuals)?;
+    write_json(&st.file(&format!("doclens.{i}.json"))?, &serde_json::json!(c.lens))?;
     write_json(
         &st.file(&format!("{i}.metadata.json"))?,
-        &serde_json::json!({"embedding_offset": embedding_offset, "num_documents": ids.len(), "num_embeddings": t}),
+        &serde_json::json!({"embedding_offset": c.embedding_offset, "num_documents": c.lens.len(), "num_embeddings": t}),
     )?;
-    Ok((t, host_codes))
+    Ok(host_codes)
 }
 
 /// Writes the codec's files: centroids, bucket cutoffs and weights, and the
