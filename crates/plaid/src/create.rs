@@ -20,11 +20,11 @@
 
 use crate::codec::{work_dtype, Codec};
 use crate::documents::Documents;
-use crate::index::{PlaidIndex, DELETED};
+use crate::index::{PlaidIndex, DELETED, DELTA_IVF};
 use crate::kmeans::{kmeans, random_rows};
 use crate::store::{json_usize, read_json, write_json, Staging};
 use crate::writer::{write_codec, Contents, Ivf};
-use candle_core::{bail, DType, Device, Result};
+use candle_core::{bail, DType, Device, Result, Tensor};
 use indicatif::{ProgressBar, ProgressStyle};
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
@@ -156,9 +156,14 @@ impl PlaidIndex {
     /// Adds `docs` to the index: compressed against its codec (centroids and
     /// bucket cutoffs unchanged, as fast-plaid's update), written as new
     /// chunks, their documents appended to the inverted lists. The new
-    /// documents get the ids after the last one, returned as a range. The
-    /// documents already there are not read again: only the new chunks and
-    /// the inverted file are written, and the index in memory is extended.
+    /// documents get the ids after the last one, returned as a range.
+    ///
+    /// Costs what it changes: the documents already there are not read
+    /// again; the new chunks are written, and the inverted lists of the
+    /// documents added since the last [`PlaidIndex::compact`] (this crate's
+    /// `delta_ivf.npy`, searched with `ivf.npy`); the index in memory is
+    /// extended. fast-plaid, which reads `ivf.npy` alone, finds the added
+    /// documents after the compaction.
     pub fn add(&mut self, docs: &dyn Documents, chunk_documents: usize) -> Result<std::ops::Range<u32>> {
         if docs.is_empty() {
             let n = self.num_documents() as u32;
@@ -178,20 +183,27 @@ impl PlaidIndex {
         let n_chunks = json_usize(&meta, "num_chunks", &meta_path)?.unwrap_or(0);
         let first = self.num_documents();
         let st = Staging::new(&self.dir, false)?;
+        // The delta lists grow; without an inverted file at all, the whole one is written.
+        let delta = self.ivf.is_some();
+        let lists = match (&self.delta_ivf, delta) {
+            (Some((ids, offsets)), true) => Ivf::from_csr(&ids.to_vec1()?, &offsets.to_vec1()?),
+            (None, true) => Ivf::new(self.num_centroids()),
+            (_, false) => self.ivf_lists()?,
+        };
         let mut contents = Contents {
             chunks: n_chunks,
             documents: first,
             embeddings: *self.offsets.last().unwrap() as usize,
-            ivf: self.ivf_lists()?,
+            ivf: lists,
         };
         contents.append(&st, docs, &self.codec, &cutoffs, chunk_documents, &ProgressBar::hidden())?;
         if contents.embeddings >= u32::MAX as usize {
             bail!("docs: {} tokens in all would exceed the 32-bit offsets of the residual kernels", contents.embeddings)
         }
-        contents.ivf.write(&st, &self.deleted)?;
+        contents.ivf.write_as(&st, if delta { DELTA_IVF } else { "ivf" }, &self.deleted)?;
         contents.write_metadata(&st, self.codec.nbits)?;
         st.commit()?;
-        self.append_chunks(n_chunks, contents.chunks, contents.ivf.csr(&self.deleted))?;
+        self.append_chunks(n_chunks, contents.chunks, contents.ivf.csr(&self.deleted), delta)?;
         Ok(first as u32..contents.documents as u32)
     }
 
@@ -217,28 +229,44 @@ impl PlaidIndex {
         self.set_deleted(deleted)
     }
 
-    /// Folds the deletions into the inverted file: the deleted documents'
-    /// entries dropped from `ivf.npy` / `ivf_lengths.npy` (written
-    /// atomically, the old ones intact on failure), which leaves a plain
-    /// fast-plaid layout that fast-plaid searches without them. Search
-    /// results do not change.
+    /// Folds the updates into the inverted file: the documents added since
+    /// the last compaction merged into `ivf.npy` / `ivf_lengths.npy` (the
+    /// delta files removed) and the deleted documents' entries dropped,
+    /// written atomically (the old files intact on failure). That leaves a
+    /// plain fast-plaid layout, which fast-plaid searches as this crate
+    /// does. Search results do not change.
     pub fn compact(&mut self) -> Result<()> {
-        if self.deleted.is_empty() {
+        if self.deleted.is_empty() && self.delta_ivf.is_none() {
             return Ok(());
         }
+        let lists = self.ivf_lists()?;
         let st = Staging::new(&self.dir, false)?;
-        self.ivf_lists()?.write(&st, &self.deleted)?;
+        lists.write(&st, &self.deleted)?;
+        for stem in [DELTA_IVF.to_string(), format!("{DELTA_IVF}_lengths")] {
+            st.file(&format!("{stem}.npy"))?; // its link removed: gone after the commit
+        }
         st.commit()?;
-        self.ivf = PlaidIndex::load_ivf(&self.dir, self.num_centroids(), self.num_documents(), self.device())?;
+        let (ids, offsets) = lists.csr(&self.deleted);
+        let e = ids.len();
+        self.ivf = Some((Tensor::from_vec(ids, e, self.device())?, Tensor::new(offsets.as_slice(), self.device())?));
+        self.delta_ivf = None;
         Ok(())
     }
 
-    /// The inverted lists: the index's own (copied from the device; it lacks
-    /// only documents already deleted), or, for an index without one,
-    /// rebuilt from every token's code.
+    /// The inverted lists of every document: the index's own (copied from
+    /// the device; they lack only documents already deleted), the delta
+    /// lists after the base ones, or, for an index without any, rebuilt
+    /// from every token's code.
     fn ivf_lists(&self) -> Result<Ivf> {
-        if let Some((ids, offsets)) = &self.ivf {
-            return Ok(Ivf::from_csr(&ids.to_vec1()?, &offsets.to_vec1()?));
+        let csr = |(ids, offsets): &(Tensor, Tensor)| -> Result<Ivf> {
+            Ok(Ivf::from_csr(&ids.to_vec1()?, &offsets.to_vec1()?))
+        };
+        if let Some(base) = &self.ivf {
+            let lists = csr(base)?;
+            return match &self.delta_ivf {
+                Some(d) => Ok(lists.then(csr(d)?)),
+                None => Ok(lists),
+            };
         }
         let codes = self.host_codes()?;
         let mut ivf = Ivf::new(self.num_centroids());

@@ -18,6 +18,9 @@ const CHUNK_TOKENS: usize = 1 << 18;
 
 /// The file of deleted document ids (this crate's; fast-plaid does not read it).
 pub(crate) const DELETED: &str = "deleted.json";
+/// The stem of the inverted file of documents added since the last
+/// compaction (this crate's: `delta_ivf.npy`, `delta_ivf_lengths.npy`).
+pub(crate) const DELTA_IVF: &str = "delta_ivf";
 
 /// A fast-plaid / ColBERTv2 index in device memory.
 #[derive(Clone, Debug)]
@@ -41,6 +44,9 @@ pub struct PlaidIndex {
     /// The inverted file: `[E]` U32 document ids and `[C + 1]` U32 offsets
     /// of each centroid's list; `None` for an index without one (fast-plaid's `compress_only`).
     pub(crate) ivf: Option<(Tensor, Tensor)>,
+    /// The inverted lists of the documents added since the last compaction
+    /// (`delta_ivf.npy`, this crate's), in the same form; searched with `ivf`.
+    pub(crate) delta_ivf: Option<(Tensor, Tensor)>,
     /// Deleted document ids, ascending.
     pub(crate) deleted: Vec<u32>,
     /// `[1, ⌈Nd/32⌉]` U32 bitmap of the live documents, when some are deleted.
@@ -226,7 +232,8 @@ impl PlaidIndex {
             offsets.push(offsets.last().unwrap() + *l as u32);
         }
         let n_docs = lens.len();
-        let ivf = Self::load_ivf(dir, n_c, n_docs, device)?;
+        let ivf = Self::load_ivf(dir, "ivf", n_c, n_docs, device)?;
+        let delta_ivf = Self::load_ivf(dir, DELTA_IVF, n_c, n_docs, device)?;
         let deleted = Self::load_deleted(dir, n_docs)?;
         let optional = |name: &str| -> Result<Option<Tensor>> {
             let p = dir.join(name);
@@ -247,6 +254,7 @@ impl PlaidIndex {
             max_len: lens.iter().copied().max().unwrap_or(0),
             offsets,
             ivf,
+            delta_ivf,
             deleted: Vec::new(),
             live: None,
         };
@@ -254,9 +262,16 @@ impl PlaidIndex {
         Ok(index)
     }
 
-    /// `ivf.npy` and `ivf_lengths.npy` as U32 ids and offsets, checked; `None` without them.
-    pub(crate) fn load_ivf(dir: &Path, n_c: usize, n_docs: usize, device: &Device) -> Result<Option<(Tensor, Tensor)>> {
-        let (ip, lp) = (dir.join("ivf.npy"), dir.join("ivf_lengths.npy"));
+    /// `STEM.npy` and `STEM_lengths.npy` (the inverted file `ivf`, or the
+    /// delta one) as U32 ids and offsets, checked; `None` without them.
+    pub(crate) fn load_ivf(
+        dir: &Path,
+        stem: &str,
+        n_c: usize,
+        n_docs: usize,
+        device: &Device,
+    ) -> Result<Option<(Tensor, Tensor)>> {
+        let (ip, lp) = (dir.join(format!("{stem}.npy")), dir.join(format!("{stem}_lengths.npy")));
         if !ip.exists() && !lp.exists() {
             return Ok(None);
         }
@@ -309,10 +324,17 @@ impl PlaidIndex {
 
     /// Extends the index in memory with chunks `from..to`, just written by
     /// an update as per-chunk files (read back and checked as [`Self::load`]
-    /// does), and the update's inverted file `(ids, offsets)`: nothing
-    /// loaded before is read again. The codes and residuals are
-    /// concatenated on the device (old and new side by side for a moment).
-    pub(crate) fn append_chunks(&mut self, from: usize, to: usize, (ids, offsets): (Vec<u32>, Vec<u32>)) -> Result<()> {
+    /// does), and the update's inverted lists `(ids, offsets)` (the delta
+    /// ones when `delta`, else the whole inverted file): nothing loaded
+    /// before is read again. The codes and residuals are concatenated on the
+    /// device (old and new side by side for a moment).
+    pub(crate) fn append_chunks(
+        &mut self,
+        from: usize,
+        to: usize,
+        (ids, offsets): (Vec<u32>, Vec<u32>),
+        delta: bool,
+    ) -> Result<()> {
         let device = self.device().clone();
         let (n_c, width) = (self.num_centroids(), self.residuals.dim(1)?);
         let (mut codes, mut residuals) = (vec![self.codes.clone()], vec![self.residuals.clone()]);
@@ -344,7 +366,11 @@ impl PlaidIndex {
         self.cu = Tensor::new(offs.as_slice(), &device)?;
         self.offsets = offs;
         self.max_len = max_len;
-        self.ivf = Some(ivf);
+        if delta {
+            self.delta_ivf = Some(ivf);
+        } else {
+            self.ivf = Some(ivf);
+        }
         self.set_deleted(self.deleted.clone())
     }
 

@@ -17,6 +17,7 @@
 //! | `{i}.codes.npy`, `{i}.residuals.npy` | `[T_i]` I64 centroid codes, `[T_i, dim·nbits/8]` U8 packed residuals ([`BitOrder::ColBert`](candle_maxsim::residual::BitOrder)) |
 //! | `merged_codes.npy`, `merged_residuals.npy` | fast-plaid ≥ 1.7: all chunks back to back (plus padding rows), in place of the per-chunk files |
 //! | `deleted.json` | this crate's: deleted document ids (dropped from the inverted file by `compact`) |
+//! | `delta_ivf.npy`, `delta_ivf_lengths.npy` | this crate's: the inverted lists of documents added since the last `compact` (which merges them into `ivf.npy`) |
 //!
 //! ## Updates
 //!
@@ -26,8 +27,9 @@
 //! at any moment leaves the index as it was before the update or as after,
 //! and the next open finishes a commit cut between its renames and removes
 //! what the dead process left. `delete` rewrites only `deleted.json`;
-//! `compact` drops the deleted documents from the inverted file; `add`
-//! writes new chunks and the inverted file and extends the index in memory.
+//! `add` writes the new chunks and the delta inverted lists and extends the
+//! index in memory; `compact` merges the delta lists into the inverted file
+//! and drops the deleted documents from it (what fast-plaid reads).
 //! A build is written in `.NAME.building` with its progress: stopped at any
 //! moment, the next `create` of the same documents and configuration
 //! resumes from its last completed chunk and gives the same index.

@@ -175,7 +175,12 @@ impl PlaidIndex {
         let probes = keep.where_cond(&probes, &none)?.reshape((nq, lqp * params.n_ivf_probe.min(n_c)))?;
         mark("probe")?;
         // 3-4. Candidates and their approximate scores.
-        let cand = plaid_candidates(&probes, ivf, ivf_off, nd)?;
+        let mut cand = plaid_candidates(&probes, ivf, ivf_off, nd)?;
+        if let Some((delta, delta_off)) = &self.delta_ivf {
+            // The delta lists hold other documents than the base ones: the
+            // two bitmaps have no bit in common, so their sum is their union.
+            cand = (cand + plaid_candidates(&probes, delta, delta_off, nd)?)?;
+        }
         mark("candidates")?;
         let mask = match (&allowed, &self.live) {
             (Some(Allowed { docs, .. }), _) => Some(docs.clone()),

@@ -253,14 +253,28 @@ impl Ivf {
         (ids, offsets)
     }
 
+    /// Each list of `self` followed by the same list of `later` (whose
+    /// documents all come after `self`'s).
+    pub fn then(mut self, later: Ivf) -> Self {
+        for (l, m) in self.lists.iter_mut().zip(later.lists) {
+            l.extend(m);
+        }
+        self
+    }
+
     /// Writes `ivf.npy` and `ivf_lengths.npy`, less the documents `skip` (ascending).
     pub fn write(&self, st: &Staging, skip: &[u32]) -> Result<()> {
+        self.write_as(st, "ivf", skip)
+    }
+
+    /// Writes `STEM.npy` and `STEM_lengths.npy`, less the documents `skip`.
+    pub fn write_as(&self, st: &Staging, stem: &str, skip: &[u32]) -> Result<()> {
         let (ids, offsets) = self.csr(skip);
         let ids: Vec<i64> = ids.into_iter().map(i64::from).collect();
         let lens: Vec<i32> = offsets.windows(2).map(|w| (w[1] - w[0]) as i32).collect();
         let n = ids.len();
-        npy::write(&st.file("ivf.npy")?, &Tensor::from_vec(ids, n, &Device::Cpu)?)?;
+        npy::write(&st.file(&format!("{stem}.npy"))?, &Tensor::from_vec(ids, n, &Device::Cpu)?)?;
         let k = lens.len();
-        npy::write(&st.file("ivf_lengths.npy")?, &Tensor::from_vec(lens, k, &Device::Cpu)?)
+        npy::write(&st.file(&format!("{stem}_lengths.npy"))?, &Tensor::from_vec(lens, k, &Device::Cpu)?)
     }
 }

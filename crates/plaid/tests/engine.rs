@@ -121,7 +121,10 @@ test_device!(build_and_search, build_and_search_cpu, build_and_search_cuda);
 fn add_and_delete(dev: &Device) -> Result<()> {
     let mut b = build("life", dev, 200, 4)?;
     let (x2, lens2, _) = clustered(40, 64, 40, 999)?;
+    let base_ivf = std::fs::read(b.dir.join("ivf.npy"))?;
     let added = b.index.add(&PackedDocuments::new(x2.clone(), &lens2)?, 15)?;
+    assert_eq!(std::fs::read(b.dir.join("ivf.npy"))?, base_ivf, "add leaves ivf.npy as it was");
+    assert!(b.dir.join("delta_ivf.npy").exists(), "add writes the delta lists");
     assert_eq!(added, 200..240);
     assert_eq!(b.index.num_documents(), 240);
     let targets: Vec<usize> = (0..40).step_by(4).collect();
@@ -148,7 +151,6 @@ fn add_and_delete(dev: &Device) -> Result<()> {
     let gone: Vec<u32> = targets.iter().step_by(2).map(|&t| 200 + t as u32).chain([3]).collect();
     let before = b.index.search_exact(&q, 20, None)?;
     let ivf_before = std::fs::read(b.dir.join("ivf.npy"))?;
-    let listed_before: Vec<i64> = Tensor::read_npy(b.dir.join("ivf.npy"))?.to_dtype(DType::I64)?.to_vec1()?;
     b.index.delete(&gone)?;
     assert_eq!(std::fs::read(b.dir.join("ivf.npy"))?, ivf_before, "delete rewrites only deleted.json");
     let reopened = PlaidIndex::load(&b.dir, dev)?;
@@ -178,9 +180,24 @@ fn add_and_delete(dev: &Device) -> Result<()> {
     let params = SearchParams { top_k: 20, ..Default::default() };
     let pre = b.index.search(&q, &params, None)?;
     b.index.compact()?;
+    // The inverted file is every live document under each of its codes, ascending.
     let listed: Vec<i64> = Tensor::read_npy(b.dir.join("ivf.npy"))?.to_dtype(DType::I64)?.to_vec1()?;
-    let want: Vec<i64> = listed_before.into_iter().filter(|&d| !gone.contains(&(d as u32))).collect();
-    assert_eq!(listed, want, "compact drops exactly the deleted documents' entries");
+    let lengths: Vec<i64> = Tensor::read_npy(b.dir.join("ivf_lengths.npy"))?.to_dtype(DType::I64)?.to_vec1()?;
+    let codes: Vec<u32> = b.index.codes.to_vec1()?;
+    let mut want = vec![Vec::<i64>::new(); b.index.num_centroids()];
+    let mut at = 0;
+    for (d, &l) in b.index.doc_lens().iter().enumerate() {
+        for &c in &codes[at..at + l as usize] {
+            let list = &mut want[c as usize];
+            if !gone.contains(&(d as u32)) && list.last() != Some(&(d as i64)) {
+                list.push(d as i64);
+            }
+        }
+        at += l as usize;
+    }
+    assert_eq!(lengths, want.iter().map(|l| l.len() as i64).collect::<Vec<_>>(), "compacted list lengths");
+    assert_eq!(listed, want.concat(), "compact merges the added documents and drops exactly the deleted ones");
+    assert!(!b.dir.join("delta_ivf.npy").exists(), "compact folds the delta lists in");
     for idx in [&b.index, &PlaidIndex::load(&b.dir, dev)?] {
         assert_eq!(idx.search(&q, &params, None)?, pre, "search after compact");
     }
