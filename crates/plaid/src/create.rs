@@ -300,7 +300,7 @@ pub(crate) fn train(docs: &dyn Documents, config: &IndexConfig, device: &Device,
     ids.truncate(n_sample);
     // Read in id order (sequential reads); the held-out tokens are drawn at random below.
     ids.sort_unstable();
-    let sample = docs.embeddings(&ids)?.to_device(device)?.to_dtype(wd)?;
+    let sample = gather(docs, &ids, device, wd)?;
     let s = sample.dim(0)?;
     if s == 0 || sample.dim(1)? != dim {
         bail!("docs: the sampled documents have no tokens of dim {dim} (shape {:?})", sample.dims())
@@ -335,9 +335,36 @@ pub(crate) fn train(docs: &dyn Documents, config: &IndexConfig, device: &Device,
         held_docs.push(d);
     }
     held_docs.sort_unstable();
-    let heldout = docs.embeddings(&held_docs)?.to_device(device)?.to_dtype(wd)?;
+    let heldout = gather(docs, &held_docs, device, wd)?;
     let heldout = heldout.narrow(0, 0, h.min(heldout.dim(0)?))?;
     Codec::calibrated(centroids, &heldout, config.nbits, dim, device)
+}
+
+/// The embeddings of documents `ids` (ascending) on `device` in `dtype`,
+/// read a few million tokens at a time: the host holds one piece, not the
+/// whole sample (gigabytes at tens of millions of tokens).
+fn gather(docs: &dyn Documents, ids: &[u32], device: &Device, dtype: DType) -> Result<Tensor> {
+    gather_in(docs, ids, device, dtype, 1 << 22)
+}
+
+/// [`gather`] in pieces of at most `piece_tokens` tokens (or one document).
+fn gather_in(docs: &dyn Documents, ids: &[u32], device: &Device, dtype: DType, piece_tokens: usize) -> Result<Tensor> {
+    let mut parts = Vec::new();
+    let mut start = 0;
+    while start < ids.len() {
+        let (mut end, mut tokens) = (start, 0);
+        while end < ids.len() && (end == start || tokens + docs.doc_len(ids[end] as usize) <= piece_tokens) {
+            tokens += docs.doc_len(ids[end] as usize);
+            end += 1;
+        }
+        parts.push(docs.embeddings(&ids[start..end])?.to_device(device)?.to_dtype(dtype)?);
+        start = end;
+    }
+    match parts.len() {
+        0 => docs.embeddings(ids)?.to_device(device)?.to_dtype(dtype),
+        1 => Ok(parts.pop().expect("one part")),
+        _ => Tensor::cat(&parts, 0),
+    }
 }
 
 /// Writes the index of `docs` coded by `c` into `dir` (steps 4-5), replacing what is there.
@@ -402,4 +429,28 @@ pub(crate) fn progress(show: bool, len: u64, what: &str) -> ProgressBar {
     );
     bar.set_message(what.to_string());
     bar
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::PackedDocuments;
+
+    /// Gathered in pieces (of 7 tokens: most documents alone) or whole, the same rows.
+    #[test]
+    fn gather_in_pieces_equals_one_read() -> Result<()> {
+        let lens: Vec<u32> = (0..30).map(|i| 1 + (i * 7 % 11)).collect();
+        let t: u32 = lens.iter().sum();
+        let x = Tensor::randn(0f32, 1., (t as usize, 8), &Device::Cpu)?;
+        let docs = PackedDocuments::new(x, &lens)?;
+        let ids: Vec<u32> = (0..30).filter(|i| i % 3 != 1).collect();
+        let whole = docs.embeddings(&ids)?;
+        for piece in [1, 7, 1 << 20] {
+            let got = gather_in(&docs, &ids, &Device::Cpu, DType::F32, piece)?;
+            assert_eq!(got.dims(), whole.dims());
+            let diff = (got - &whole)?.abs()?.sum_all()?.to_scalar::<f32>()?;
+            assert_eq!(diff, 0.0, "pieces of {piece} tokens");
+        }
+        Ok(())
+    }
 }
