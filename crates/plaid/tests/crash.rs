@@ -122,8 +122,9 @@ fn check_opens(dir: &Path, q: &candle_core::Tensor) -> anyhow::Result<usize> {
     Ok(at)
 }
 
-/// 60 children killed at random moments of the update sequence (and one
-/// left to finish): every index opens before or after an update.
+/// 60 children (`$CRASH_TRIALS` for more) killed at random moments of the
+/// update sequence (and one left to finish): every index opens before or
+/// after an update.
 #[test]
 fn killed_updates_leave_the_index_before_or_after() -> anyhow::Result<()> {
     let root = temp_dir("crash");
@@ -150,7 +151,8 @@ fn killed_updates_leave_the_index_before_or_after() -> anyhow::Result<()> {
     assert_eq!(check_opens(&full, &q)?, states().len() - 1, "the uninterrupted run ends after the last update");
     let mut rng = rand::rngs::StdRng::seed_from_u64(11);
     let mut seen = vec![0usize; states().len()];
-    for trial in 0..60 {
+    let trials: usize = std::env::var("CRASH_TRIALS").ok().and_then(|v| v.parse().ok()).unwrap_or(60);
+    for trial in 0..trials {
         let dir = root.join(format!("t{trial}"));
         copy_dir(&base, &dir)?;
         let mut c = child(&dir)?;
@@ -178,7 +180,7 @@ fn files(dir: &Path) -> std::io::Result<Vec<(String, Vec<u8>)>> {
     Ok(v)
 }
 
-/// 30 builds killed at random moments, each run again to the end: the
+/// 30 builds (half of `$CRASH_TRIALS`) killed at random moments, each run again to the end: the
 /// index is the uninterrupted build's, file for file, byte for byte (the
 /// codec and chunks written before the kill reused, the rest continued).
 #[test]
@@ -204,7 +206,8 @@ fn killed_builds_resume_to_the_same_index() -> anyhow::Result<()> {
     assert!(want.iter().any(|(n, _)| n == "9.codes.npy"), "ten chunks written");
     let mut rng = rand::rngs::StdRng::seed_from_u64(5);
     let (mut resumed, mut finished) = (0, 0);
-    for trial in 0..30 {
+    let trials: usize = std::env::var("CRASH_TRIALS").ok().and_then(|v| v.parse().ok()).unwrap_or(60) / 2;
+    for trial in 0..trials {
         let dir = root.join(format!("b{trial}"));
         let mut c = child(&dir)?;
         std::thread::sleep(Duration::from_secs_f64(span.as_secs_f64() * rng.random_range(0.0..1.1)));
