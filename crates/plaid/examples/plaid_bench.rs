@@ -11,7 +11,12 @@
 //!   ... stages --index DIR --queries q.npy [--batch 1 --batch 256] [--cuda]
 //!   ... exact --docs emb.npy --lens lens.npy --queries q.npy --out exact.json [--cuda]
 //!   ... update --index DIR --docs emb.npy --lens lens.npy [--add 1000] [--delete 100] [--cuda]
+//!   ... queries --generate 8000000 --out q.npy [--n 256] [--lq 32] [--cuda]
 //!
+//! Each `--docs emb.npy --lens lens.npy` may be `--generate N_DOCS
+//! [--seed-collection S]` instead: a collection generated document by
+//! document from the seed on the device (`Generated`), of any size and
+//! with no input file.
 //! `--help` lists every flag.
 
 use anyhow::{Context, Result};
@@ -35,11 +40,115 @@ struct Args {
 #[derive(clap::Args)]
 struct Collection {
     /// Packed token embeddings `[Td, dim]` F16 or F32 (.npy).
-    #[arg(long)]
-    docs: PathBuf,
+    #[arg(long, required_unless_present = "generate")]
+    docs: Option<PathBuf>,
     /// Document lengths `[Nd]` integers (.npy).
-    #[arg(long)]
-    lens: PathBuf,
+    #[arg(long, required_unless_present = "generate")]
+    lens: Option<PathBuf>,
+    /// Instead of files: this many documents generated from `--seed-collection` (see `Generated`).
+    #[arg(long, conflicts_with_all = ["docs", "lens"])]
+    generate: Option<usize>,
+    /// The generated collection's seed.
+    #[arg(long = "seed-collection", default_value_t = 0)]
+    seed_collection: u64,
+}
+
+impl Collection {
+    /// The documents: the .npy files memory-mapped, or the generated collection on `dev`.
+    fn open(&self, dev: &Device) -> Result<Box<dyn Documents>> {
+        match (self.generate, &self.docs, &self.lens) {
+            (Some(n), _, _) => Ok(Box::new(Generated::new(n, 128, self.seed_collection, dev)?)),
+            (None, Some(docs), Some(lens)) => Ok(Box::new(NpyDocuments::open(docs, &read_lens(lens)?)?)),
+            _ => anyhow::bail!("--docs and --lens, or --generate"),
+        }
+    }
+}
+
+/// SplitMix64's finalizer: a well-mixed 64-bit hash of `z`.
+fn mix(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// A collection generated from a seed and never stored, so that a build of
+/// any size needs no input file: document `i`'s length (60-190 tokens) and
+/// topic are hashes of (seed, i); 70 % of its tokens are words of its topic,
+/// the rest any word, each plus a noise row, picked by hashes of (seed, i,
+/// position); the embeddings are rows of fixed seeded tables (4 096 topic
+/// directions, 12 words near each, 65 536 noise rows) gathered on the
+/// device, summed and normalized. The same ids give the same embeddings in
+/// every run (build, update, exact ground truth, queries).
+struct Generated {
+    lens: Vec<u32>,
+    seed: u64,
+    words: Tensor,
+    noise: Tensor,
+    dim: usize,
+}
+
+const TOPICS: usize = 4096;
+const WORDS_PER_TOPIC: usize = 12;
+const NOISE_ROWS: usize = 65_536;
+
+impl Generated {
+    fn new(n: usize, dim: usize, seed: u64, dev: &Device) -> Result<Self> {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(mix(seed));
+        let mut table = |rows: usize, scale: f32| -> Result<Tensor> {
+            // Standard normal values by Box-Muller.
+            let v: Vec<f32> = (0..rows * dim)
+                .map(|_| {
+                    let (u, v): (f32, f32) = (rng.random_range(f32::EPSILON..1.0), rng.random());
+                    scale * (-2.0 * u.ln()).sqrt() * (std::f32::consts::TAU * v).cos()
+                })
+                .collect();
+            Ok(Tensor::from_vec(v, (rows, dim), dev)?)
+        };
+        let topics = candle_maxsim::l2_normalize(&table(TOPICS, 1.0)?)?;
+        let spread =
+            table(TOPICS * WORDS_PER_TOPIC, 0.5 / (dim as f32).sqrt())?.reshape((TOPICS, WORDS_PER_TOPIC, dim))?;
+        let words = candle_maxsim::l2_normalize(&topics.unsqueeze(1)?.broadcast_add(&spread)?)?
+            .reshape((TOPICS * WORDS_PER_TOPIC, dim))?;
+        let noise = table(NOISE_ROWS, 0.3 / (dim as f32).sqrt())?;
+        let lens = (0..n as u64).map(|i| 60 + (mix(seed ^ mix(i)) % 131) as u32).collect();
+        Ok(Self { lens, seed, words, noise, dim })
+    }
+}
+
+impl Documents for Generated {
+    fn len(&self) -> usize {
+        self.lens.len()
+    }
+    fn dim(&self) -> usize {
+        self.dim
+    }
+    fn doc_len(&self, i: usize) -> usize {
+        self.lens[i] as usize
+    }
+    fn embeddings(&self, ids: &[u32]) -> candle_core::Result<Tensor> {
+        let t: usize = ids.iter().map(|&i| self.lens[i as usize] as usize).sum();
+        let (mut word, mut noise) = (Vec::with_capacity(t), Vec::with_capacity(t));
+        for &i in ids {
+            let h = mix(self.seed ^ mix(i as u64 ^ (1 << 40)));
+            let topic = (h % TOPICS as u64) as u32;
+            for j in 0..self.lens[i as usize] as u64 {
+                let r = mix(h ^ mix(j));
+                let w = if (r & 0xffff) < 45_875 {
+                    topic * WORDS_PER_TOPIC as u32 + ((r >> 16) % WORDS_PER_TOPIC as u64) as u32
+                } else {
+                    ((r >> 16) % (TOPICS * WORDS_PER_TOPIC) as u64) as u32
+                };
+                word.push(w);
+                noise.push(((r >> 40) % NOISE_ROWS as u64) as u32);
+            }
+        }
+        let dev = self.words.device();
+        let x = (self.words.index_select(&Tensor::from_vec(word, t, dev)?, 0)?
+            + self.noise.index_select(&Tensor::from_vec(noise, t, dev)?, 0)?)?;
+        candle_maxsim::l2_normalize(&x)
+    }
 }
 
 #[derive(clap::Args)]
@@ -130,6 +239,19 @@ enum Phase {
         #[arg(long, default_value_t = 100)]
         delete: usize,
     },
+    /// Queries made from the collection: `--n` documents spread over it,
+    /// `--lq` of each one's tokens (seeded draws) plus noise, normalized;
+    /// written as `[n, lq, dim]` F16 (.npy).
+    Queries {
+        #[command(flatten)]
+        docs: Collection,
+        #[arg(long, default_value_t = 256)]
+        n: usize,
+        #[arg(long, default_value_t = 32)]
+        lq: usize,
+        #[arg(long)]
+        out: PathBuf,
+    },
     /// The exhaustive exact top-k of every query on the uncompressed embeddings.
     Exact {
         #[command(flatten)]
@@ -176,12 +298,11 @@ fn main() -> Result<()> {
     let dev = if args.cuda { Device::new_cuda(0)? } else { Device::Cpu };
     match args.phase {
         Phase::Build { docs, index, nbits, spherical, seed } => {
-            let lens = read_lens(&docs.lens)?;
-            let collection = NpyDocuments::open(&docs.docs, &lens)?;
+            let collection = docs.open(&dev)?;
             let t = Instant::now();
             let config =
                 IndexConfig { nbits, spherical_kmeans: spherical, seed, show_progress: true, ..Default::default() };
-            let idx = create(&index, &collection, &config, &dev)?;
+            let idx = create(&index, collection.as_ref(), &config, &dev)?;
             dev.synchronize()?;
             let s = t.elapsed().as_secs_f64();
             println!(
@@ -191,8 +312,8 @@ fn main() -> Result<()> {
             );
         }
         Phase::Update { docs, index, add, delete } => {
-            let lens = read_lens(&docs.lens)?;
-            let collection = NpyDocuments::open(&docs.docs, &lens)?;
+            let collection = docs.open(&dev)?;
+            let lens: Vec<u32> = (0..collection.len()).map(|i| collection.doc_len(i) as u32).collect();
             let t = Instant::now();
             let mut idx = PlaidIndex::load(&index, &dev)?;
             dev.synchronize()?;
@@ -219,6 +340,26 @@ fn main() -> Result<()> {
                     "deleted": ids.len(), "delete_seconds": delete_s, "compact_seconds": t.elapsed().as_secs_f64(),
                     "load_seconds": load_s, "peak_rss_mb": peak_rss_mb()})
             );
+        }
+        Phase::Queries { docs, n, lq, out } => {
+            use rand::{Rng, SeedableRng};
+            let collection = docs.open(&dev)?;
+            let (nd, dim) = (collection.len(), collection.dim());
+            let mut rng = rand::rngs::StdRng::seed_from_u64(mix(docs.seed_collection ^ 0x51));
+            let mut qs = Vec::with_capacity(n);
+            for k in 0..n {
+                let t = (k * nd / n.max(1)) as u32;
+                let e = collection.embeddings(&[t])?.to_device(&dev)?.to_dtype(DType::F32)?;
+                let len = e.dim(0)? as u32;
+                let rows: Vec<u32> = (0..lq).map(|_| rng.random_range(0..len)).collect();
+                let noise: Vec<f32> =
+                    (0..lq * dim).map(|_| rng.random_range(-0.3f32..0.3) / (dim as f32).sqrt()).collect();
+                let q = (e.index_select(&Tensor::from_vec(rows, lq, &dev)?, 0)?
+                    + Tensor::from_vec(noise, (lq, dim), &dev)?)?;
+                qs.push(candle_maxsim::l2_normalize(&q)?);
+            }
+            Tensor::stack(&qs, 0)?.to_dtype(DType::F16)?.to_device(&Device::Cpu)?.write_npy(&out)?;
+            println!("{}", serde_json::json!({"phase": "queries", "queries": n, "tokens": lq, "documents": nd}));
         }
         Phase::Search { index, queries, batches, params, repeats, out } => {
             let t = Instant::now();
@@ -281,8 +422,8 @@ fn main() -> Result<()> {
             }
         }
         Phase::Exact { docs, queries, top_k, out } => {
-            let lens = read_lens(&docs.lens)?;
-            let collection = NpyDocuments::open(&docs.docs, &lens)?;
+            let collection = docs.open(&dev)?;
+            let lens: Vec<u32> = (0..collection.len()).map(|i| collection.doc_len(i) as u32).collect();
             let q = Tensor::read_npy(&queries)?.to_dtype(DType::F16)?.to_device(&dev)?;
             let (nq, lq, dim) = q.dims3()?;
             let qp = q.reshape((nq * lq, dim))?;
@@ -290,7 +431,6 @@ fn main() -> Result<()> {
             let t = Instant::now();
             let mut top = TopK::new(nq, top_k);
             let step = 20_000;
-            use candle_maxsim_plaid::Documents;
             for a in (0..lens.len()).step_by(step) {
                 let ids: Vec<u32> = (a as u32..(a + step).min(lens.len()) as u32).collect();
                 let d = collection.embeddings(&ids)?.to_device(&dev)?.to_dtype(DType::F16)?;
