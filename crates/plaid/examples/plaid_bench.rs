@@ -252,6 +252,16 @@ enum Phase {
         #[arg(long)]
         out: PathBuf,
     },
+    /// Write the collection's embeddings `[Td, dim]` F16 and lengths `[Nd]`
+    /// as .npy (a generated collection, for another engine to read).
+    Dump {
+        #[command(flatten)]
+        docs: Collection,
+        #[arg(long)]
+        out: PathBuf,
+        #[arg(long = "lens-out")]
+        lens_out: PathBuf,
+    },
     /// The exhaustive exact top-k of every query on the uncompressed embeddings.
     Exact {
         #[command(flatten)]
@@ -360,6 +370,16 @@ fn main() -> Result<()> {
             }
             Tensor::stack(&qs, 0)?.to_dtype(DType::F16)?.to_device(&Device::Cpu)?.write_npy(&out)?;
             println!("{}", serde_json::json!({"phase": "queries", "queries": n, "tokens": lq, "documents": nd}));
+        }
+        Phase::Dump { docs, out, lens_out } => {
+            let collection = docs.open(&dev)?;
+            let n = collection.len();
+            let ids: Vec<u32> = (0..n as u32).collect();
+            let x = collection.embeddings(&ids)?.to_dtype(DType::F16)?.to_device(&Device::Cpu)?;
+            x.write_npy(&out)?;
+            let lens: Vec<i64> = (0..n).map(|i| collection.doc_len(i) as i64).collect();
+            Tensor::new(lens, &Device::Cpu)?.write_npy(&lens_out)?;
+            println!("{}", serde_json::json!({"phase": "dump", "documents": n, "tokens": x.dim(0)?}));
         }
         Phase::Search { index, queries, batches, params, repeats, out } => {
             let t = Instant::now();

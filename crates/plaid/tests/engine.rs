@@ -240,7 +240,7 @@ test_device!(shards_search_as_one, shards_search_as_one_cpu, shards_search_as_on
 /// The fast-plaid fixture (built by the real package) searched with every
 /// centroid probed returns what its exhaustive exact search returns.
 fn fixture_plaid_search(dev: &Device) -> Result<()> {
-    for dir in ["nb2", "nb4"].into_iter().filter_map(fixture).map(|d| d.join("index")) {
+    for dir in ["nb2", "nb4", "fp146"].into_iter().filter_map(fixture).map(|d| d.join("index")) {
         let idx = PlaidIndex::load(&dir, dev)?;
         let q = Tensor::read_npy(dir.parent().unwrap().join("expected/queries.npy"))?.to_device(dev)?;
         let want = idx.search_exact(&q, 10, None)?;

@@ -165,7 +165,7 @@ test_device!(index_errors, index_errors_cpu, index_errors_cuda);
 /// The fast-plaid fixtures loaded on `dev` search as on the CPU.
 fn fixture_search_matches_cpu(dev: &Device) -> Result<()> {
     let cpu = Device::Cpu;
-    for dir in ["nb2", "nb4"].into_iter().filter_map(fixture).map(|d| d.join("index")) {
+    for dir in ["nb2", "nb4", "fp146"].into_iter().filter_map(fixture).map(|d| d.join("index")) {
         let (ic, ig) = (PlaidIndex::load(&dir, &cpu)?, PlaidIndex::load(&dir, dev)?);
         let q = randn(&[3, 16, ic.dim()], DType::F32, &cpu)?;
         let subset: Vec<u32> = (0..ic.num_documents() as u32).step_by(2).collect();
@@ -199,7 +199,7 @@ fn fp16_score_tol(score: f32) -> f32 {
 /// Our decompression reproduces fast-plaid's `get_embeddings` (decompressed, L2-normalized, F16 math).
 #[test]
 fn fast_plaid_fixture_decompression() -> Result<()> {
-    for name in ["nb2", "nb4"] {
+    for name in ["nb2", "nb4", "fp146"] {
         let Some(dir) = fixture(name) else { continue };
         let idx = PlaidIndex::load(dir.join("index"), &Device::Cpu)?;
         let ids: Vec<usize> = serde_json::from_value(read_json(&dir.join("expected/embeddings_ids.json"))).unwrap();
@@ -247,7 +247,7 @@ fn check_ranking(what: &str, ours: (&[u32], &[f32]), theirs: (&[u32], &[f32]), a
 /// Our exact scores rank the documents as fast-plaid's (exhaustive) search does.
 #[test]
 fn fast_plaid_fixture_ranking() -> Result<()> {
-    for name in ["nb2", "nb4"] {
+    for name in ["nb2", "nb4", "fp146"] {
         let Some(dir) = fixture(name) else { continue };
         let idx = PlaidIndex::load(dir.join("index"), &Device::Cpu)?;
         let q = Tensor::read_npy(dir.join("expected/queries.npy"))?.to_dtype(DType::F32)?;

@@ -132,7 +132,8 @@ pub fn write_index(name: &str, nbits: usize, chunk_docs: &[usize], layout: Layou
     })
 }
 
-/// The fast-plaid fixture `name` (`nb2`, `nb4`) written by tests/fixtures/make_plaid_fixture.py, if present.
+/// The fast-plaid fixture `name` (`nb2`, `nb4`: fast-plaid 1.7.0; `fp146`: 1.4.6) written by
+/// tests/fixtures/make_plaid_fixture.py, if present.
 pub fn fixture(name: &str) -> Option<PathBuf> {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/plaid").join(name);
     if dir.join("index/metadata.json").exists() {
