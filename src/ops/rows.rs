@@ -5,7 +5,7 @@
 //! kernels/rows.cu on CUDA, the same loops on the CPU.
 
 use crate::cpu::math::{erf_f32, exp_f32, simd};
-use crate::cpu::storage::{f32s, filled, range, slice};
+use crate::cpu::storage::{f32s, filled, range, slice, store};
 use candle_core::{backend::BackendStorage, bail, CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 use std::mem::MaybeUninit;
@@ -127,7 +127,7 @@ impl candle_core::CustomOp1 for GeGlu {
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let (r, c2) = l.shape().dims2()?;
         let y = geglu_cpu(&f32s("x", s, l)?, None, c2 / 2);
-        Ok((crate::cpu::storage::store(y, s.dtype())?, Shape::from((r, c2 / 2))))
+        Ok((store(y, s.dtype())?, Shape::from((r, c2 / 2))))
     }
 
     #[cfg(feature = "cuda")]
@@ -149,7 +149,7 @@ impl CustomOp2 for GeGluBwd {
     fn cpu_fwd(&self, x: &CpuStorage, lx: &Layout, g: &CpuStorage, lg: &Layout) -> Result<(CpuStorage, Shape)> {
         let c = lx.shape().dims2()?.1 / 2;
         let dx = geglu_cpu(&f32s("x", x, lx)?, Some(&f32s("g", g, lg)?), c);
-        Ok((crate::cpu::storage::store(dx, x.dtype())?, lx.shape().clone()))
+        Ok((store(dx, x.dtype())?, lx.shape().clone()))
     }
 
     #[cfg(feature = "cuda")]

@@ -68,11 +68,7 @@ impl Payload<'_> {
     fn chunk(&mut self, i: usize, rows: usize, chunk_rows: &[usize], device: &Device) -> Result<(Tensor, PathBuf)> {
         let path = self.dir.join(format!("{i}.{}.npy", self.suffix));
         if path.exists() {
-            let f = MappedNpy::open(&path)?;
-            if f.shape.first() != Some(&rows) {
-                bail!("dir: {} has shape {:?}, but doclens.{i}.json sums to {rows} tokens", path.display(), f.shape)
-            }
-            return Ok((f.tensor(device)?, path));
+            return chunk_file(path, i, rows, device);
         }
         let merged = self.dir.join(format!("merged_{}.npy", self.suffix));
         if !merged.exists() {
@@ -111,6 +107,16 @@ impl Payload<'_> {
     }
 }
 
+/// The rows of chunk `i`'s own file `path` (`{i}.codes.npy` or
+/// `{i}.residuals.npy`), checked to hold its `rows` tokens.
+fn chunk_file(path: PathBuf, i: usize, rows: usize, device: &Device) -> Result<(Tensor, PathBuf)> {
+    let f = MappedNpy::open(&path)?;
+    if f.shape.first() != Some(&rows) {
+        bail!("dir: {} has shape {:?}, but doclens.{i}.json sums to {rows} tokens", path.display(), f.shape)
+    }
+    Ok((f.tensor(device)?, path))
+}
+
 /// Chunk `i`'s codes and residuals (each with the file it came from)
 /// checked against its `rows` tokens, `n_c` centroids and the residual
 /// `width`: the codes as U32.
@@ -146,7 +152,7 @@ fn checked_chunk(
 }
 
 /// The document lengths of chunk `i` (`doclens.{i}.json`).
-fn chunk_lens(dir: &Path, i: usize) -> Result<Vec<usize>> {
+pub(crate) fn chunk_lens(dir: &Path, i: usize) -> Result<Vec<usize>> {
     let path = dir.join(format!("doclens.{i}.json"));
     serde_json::from_value(read_json(&path)?)
         .map_err(|e| Error::Msg(format!("dir: {} must be a list of document lengths: {e}", path.display())))
@@ -343,14 +349,7 @@ impl PlaidIndex {
         for i in from..to {
             let lens = chunk_lens(&self.dir, i)?;
             let rows = lens.iter().sum();
-            let read = |suffix: &str| -> Result<(Tensor, PathBuf)> {
-                let path = self.dir.join(format!("{i}.{suffix}.npy"));
-                let f = MappedNpy::open(&path)?;
-                if f.shape.first() != Some(&rows) {
-                    bail!("dir: {} has shape {:?}, but doclens.{i}.json sums to {rows} tokens", path.display(), f.shape)
-                }
-                Ok((f.tensor(&device)?, path))
-            };
+            let read = |suffix: &str| chunk_file(self.dir.join(format!("{i}.{suffix}.npy")), i, rows, &device);
             let (c, r) = checked_chunk(i, rows, read("codes")?, read("residuals")?, n_c, width)?;
             codes.push(c);
             residuals.push(r);

@@ -109,9 +109,7 @@ impl Contents {
     /// documents put in the inverted lists (from their codes files).
     pub fn count_written(&mut self, st: &Staging, k: usize) -> Result<()> {
         for i in 0..k {
-            let lens_path = st.dir.join(format!("doclens.{i}.json"));
-            let lens: Vec<usize> = serde_json::from_value(crate::store::read_json(&lens_path)?)
-                .map_err(|e| candle_core::Error::Msg(format!("dir: {}: {e}", lens_path.display())))?;
+            let lens = crate::index::chunk_lens(&st.dir, i)?;
             let codes: Vec<i64> =
                 npy::read(&st.dir.join(format!("{i}.codes.npy")), &Device::Cpu)?.to_dtype(DType::I64)?.to_vec1()?;
             if codes.len() != lens.iter().sum::<usize>() {
