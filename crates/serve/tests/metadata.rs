@@ -1,0 +1,115 @@
+//! The SQLite metadata store without HTTP: typed columns from JSON, filters
+//! with bound parameters, lookups, and the reconciliation with the index
+//! that finishes or undoes an update cut between its two commits.
+
+mod support;
+
+use candle_maxsim_serve::{Config, Metadata, Row, Service};
+use serde_json::{json, Value};
+use std::time::Duration;
+use support::*;
+
+fn row(v: Value) -> Option<Row> {
+    match v {
+        Value::Object(m) => Some(m),
+        _ => None,
+    }
+}
+
+fn open(dir: &std::path::Path) -> Metadata {
+    Metadata::open(dir.join("meta.sqlite"), Duration::from_secs(2)).unwrap()
+}
+
+#[test]
+fn typed_columns_and_filters() {
+    let dir = tmpdir("meta-types");
+    let mut m = open(&dir);
+    let rows = vec![
+        row(json!({"year": 2019, "source": "pubmed", "score": 0.5, "open": true, "info": {"lang": "en"}})),
+        row(json!({"year": 2021, "source": "arxiv", "score": 1.5, "open": false, "info": {"lang": "fr"}})),
+        None,
+        row(json!({"Year": 2023, "source": null, "extra": [1, 2]})),
+    ];
+    m.add(&[0, 1, 2, 3], &rows).unwrap();
+    assert_eq!(m.len().unwrap(), 4);
+    let mut cols = m.columns().to_vec();
+    cols.sort();
+    assert_eq!(cols, ["extra", "info", "open", "score", "source", "year"]);
+    let f = |m: &Metadata, cond: &str, params: Value| m.filter(cond, params.as_array().unwrap()).unwrap();
+    assert_eq!(f(&m, "year > ?", json!([2020])), vec![1, 3], "integers, and `Year` is column `year`");
+    assert_eq!(f(&m, "score >= ? AND score < ?", json!([0.5, 1.0])), vec![0]);
+    assert_eq!(f(&m, "open = ?", json!([true])), vec![0]);
+    assert_eq!(f(&m, "source IS NULL", json!([])), vec![2, 3]);
+    assert_eq!(f(&m, "json_extract(info, '$.lang') = ?", json!(["fr"])), vec![1]);
+    assert_eq!(f(&m, "1 = 1", json!([])), vec![0, 1, 2, 3]);
+    assert_eq!(f(&m, "source = :s", json!(["arxiv"])), vec![1], "named placeholders bind in order");
+    // A parameter is a value, never SQL.
+    assert!(f(&m, "source = ?", json!(["pubmed' OR '1'='1"])).is_empty());
+    // get: the objects as given, in the order asked, None without metadata.
+    let got = m.get(&[3, 2, 0, 99]).unwrap();
+    assert_eq!(got[0], rows[3]);
+    assert_eq!(got[1], None);
+    assert_eq!(got[2], rows[0]);
+    assert_eq!(got[3], None);
+    // A row replaced; a row deleted.
+    m.add(&[1], &[row(json!({"year": 1999}))]).unwrap();
+    assert_eq!(f(&m, "year < ?", json!([2000])), vec![1]);
+    assert_eq!(m.delete(&[1, 42]).unwrap(), 1);
+    assert!(f(&m, "year < ?", json!([2000])).is_empty());
+    // Errors: 400 naming the field; nothing written.
+    for (cond, params, field) in [
+        ("", json!([]), "filter.where"),
+        ("year > ?; DELETE FROM metadata", json!([1]), "filter.where"),
+        ("year >", json!([]), "filter.where"),
+        ("year > ?", json!([]), "filter.params"),
+        ("year > ?", json!([{"a": 1}]), "filter.params[0]"),
+    ] {
+        let e = m.filter(cond, params.as_array().unwrap()).unwrap_err();
+        assert_eq!(e.status, 400, "{cond}");
+        assert!(e.message.starts_with(field), "{cond}: {}", e.message);
+    }
+    // The filter connection is read-only, whatever the expression.
+    let e = m.filter("(SELECT 1 FROM pragma_query_only WHERE query_only = 1) = 1", &[]).unwrap();
+    assert_eq!(e.len(), 3, "query_only is on for filters");
+    let bad = m.add(&[7], &[row(json!({"no spaces": 1}))]).unwrap_err();
+    assert_eq!(bad.status, 422);
+    assert_eq!(m.len().unwrap(), 3);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn reconcile_undoes_an_add_and_completes_a_delete() {
+    let dir = tmpdir("meta-reconcile");
+    let mut m = open(&dir);
+    // An index of 10 documents, 3 and 4 deleted in the index only (a delete
+    // cut before its metadata commit); rows 10 and 11 written by an add cut
+    // before its index commit; no rows for 5..10 (documents built elsewhere).
+    let ids: Vec<u32> = (0..5).chain(10..12).collect();
+    let rows: Vec<Option<Row>> = ids.iter().map(|&i| row(json!({"n": i}))).collect();
+    m.add(&ids, &rows).unwrap();
+    m.reconcile(10, &[3, 4]).unwrap();
+    assert_eq!(m.filter("1 = 1", &[]).unwrap(), vec![0, 1, 2, 5, 6, 7, 8, 9]);
+    assert_eq!(m.filter("n IS NOT NULL", &[]).unwrap(), vec![0, 1, 2]);
+    // Idempotent.
+    m.reconcile(10, &[3, 4]).unwrap();
+    assert_eq!(m.len().unwrap(), 8);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `Service::new` reconciles: rows of an add the index never committed are
+/// gone, as are those of documents the index deleted.
+#[test]
+fn service_open_reconciles_with_the_index() {
+    let dir = tmpdir("meta-open");
+    let docs = random_docs(30, DIM);
+    let mut index = build_index(&dir, &docs);
+    index.delete(&[7]).unwrap();
+    let mut m = open(&dir);
+    let ids: Vec<u32> = vec![6, 7, 30, 31];
+    m.add(&ids, &ids.iter().map(|&i| row(json!({"n": i}))).collect::<Vec<_>>()).unwrap();
+    let _svc = Service::new(index, None, m, Config::default()).unwrap();
+    let m = open(&dir);
+    assert_eq!(m.filter("n IS NOT NULL", &[]).unwrap(), vec![6]);
+    assert_eq!(m.len().unwrap(), 29, "a row per live document");
+    let _ = std::fs::remove_dir_all(&dir);
+}
