@@ -94,7 +94,11 @@ async fn metrics(State(svc): State<Service>) -> Response {
     let mut extra: Vec<(&str, &str, f64)> = Vec::new();
     let gpu = gpu_memory(&svc);
     if let Some((free, total)) = gpu {
-        extra.push(("maxsim_gpu_memory_used_bytes", "Device memory in use on the index's GPU.", (total - free) as f64));
+        extra.push((
+            "maxsim_gpu_memory_used_bytes",
+            "Device memory in use on the index's GPU.",
+            total.saturating_sub(free) as f64,
+        ));
         extra.push(("maxsim_gpu_memory_total_bytes", "Device memory of the index's GPU.", total as f64));
     }
     let text = svc.inner().metrics.render(&extra);
@@ -105,10 +109,10 @@ async fn metrics(State(svc): State<Service>) -> Response {
 #[cfg(feature = "cuda")]
 fn gpu_memory(svc: &Service) -> Option<(usize, usize)> {
     let index = svc.inner().index.read().unwrap_or_else(|e| e.into_inner());
-    match index.device() {
-        candle_core::Device::Cuda(d) => d.cuda_stream().context().mem_get_info().ok(),
-        _ => None,
-    }
+    let candle_core::Device::Cuda(d) = index.device() else { return None };
+    let stream = d.cuda_stream();
+    // Binds the context to this (tokio worker) thread before asking.
+    stream.context().mem_get_info().ok()
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -120,9 +124,9 @@ async fn not_found() -> Error {
     Error { status: 404, message: "path: no such endpoint (see GET /openapi.json)".into() }
 }
 
-/// Whether a request of `method` to route `path` changes the index.
-fn is_write(method: &Method, path: &str) -> bool {
-    path.starts_with("/documents") || (path == "/compact" && method == Method::POST)
+/// Whether a request to `path` changes the index.
+fn is_write(path: &str) -> bool {
+    path.starts_with("/documents") || path == "/compact"
 }
 
 /// The API key check: writes need it when one is set, reads too with
@@ -131,7 +135,7 @@ async fn auth(State(svc): State<Service>, req: Request, next: Next) -> Response 
     let cfg = svc.config();
     if let Some(key) = &cfg.api_key {
         let path = req.uri().path();
-        let needs = is_write(req.method(), path) || (cfg.protect_reads && path != "/health");
+        let needs = is_write(path) || (cfg.protect_reads && path != "/health");
         if needs {
             let h = req.headers();
             let given = h
@@ -165,7 +169,11 @@ const ROUTES: &[&str] =
 /// Counts every request by route and status, and its latency.
 async fn track(State(svc): State<Service>, req: Request, next: Next) -> Response {
     let started = Instant::now();
-    let method = req.method().to_string();
+    let method = match *req.method() {
+        Method::GET | Method::POST | Method::DELETE | Method::PUT | Method::HEAD => req.method().as_str(),
+        _ => "other",
+    }
+    .to_string();
     // Known routes by name; anything else under one label (bounded cardinality).
     let route = ROUTES.iter().find(|r| **r == req.uri().path()).copied().unwrap_or("unmatched").to_string();
     let resp = next.run(req).await;

@@ -13,12 +13,18 @@ use candle_maxsim_plaid::{SearchParams, SearchResults, Subset};
 use std::sync::{Arc, Weak};
 use tokio::sync::{mpsc, oneshot};
 
+/// One query: its `Lq · dim` values (F32, row-major) and `Lq`.
+pub(crate) type Query = (Vec<f32>, usize);
+
+/// A job with its queries as embeddings.
+type Ready = (Job, Vec<Query>);
+
 /// The queries of one request.
 pub(crate) enum Queries {
     /// Texts, encoded by the model in the batch.
     Texts(Vec<String>),
-    /// Per query, its `Lq · dim` values (F32, row-major) and `Lq`.
-    Embeddings(Vec<(Vec<f32>, usize)>),
+    /// Per query, its embeddings.
+    Embeddings(Vec<Query>),
 }
 
 impl Queries {
@@ -113,7 +119,7 @@ fn run_batch(svc: &Inner, jobs: Vec<Job>) {
         true => Ok(Vec::new().into_iter()),
         false => encode(svc, &texts).map(Vec::into_iter),
     };
-    let mut ready: Vec<(Job, Vec<(Vec<f32>, usize)>)> = Vec::with_capacity(jobs.len());
+    let mut ready: Vec<Ready> = Vec::with_capacity(jobs.len());
     for job in jobs {
         match &job.queries {
             Queries::Embeddings(e) => {
@@ -132,7 +138,7 @@ fn run_batch(svc: &Inner, jobs: Vec<Job>) {
         }
     }
     // 2. Groups of equal parameters, in arrival order.
-    let mut groups: Vec<(GroupKey, Vec<(Job, Vec<(Vec<f32>, usize)>)>)> = Vec::new();
+    let mut groups: Vec<(GroupKey, Vec<Ready>)> = Vec::new();
     for (job, q) in ready {
         let key = GroupKey::of(&job);
         match groups.iter_mut().find(|(k, _)| *k == key) {
@@ -161,11 +167,11 @@ fn run_batch(svc: &Inner, jobs: Vec<Job>) {
 
 /// The query embeddings of `texts`: per query its `Lq · dim` F32 values,
 /// the positions outside the score mask zeroed (padding to the search).
-fn encode(svc: &Inner, texts: &[&str]) -> Result<Vec<(Vec<f32>, usize)>> {
+fn encode(svc: &Inner, texts: &[&str]) -> Result<Vec<Query>> {
     let Some(model) = &svc.model else {
         return Err(Error::unprocessable("queries: the service has no model (start it with --model); send embeddings"));
     };
-    let run = || -> candle_core::Result<Vec<(Vec<f32>, usize)>> {
+    let run = || -> candle_core::Result<Vec<Query>> {
         let (emb, mask) = model.encode_queries(texts)?;
         let emb = emb.to_dtype(DType::F32)?.broadcast_mul(&mask.to_dtype(DType::F32)?.unsqueeze(2)?)?;
         let (n, lq, d) = emb.dims3()?;
@@ -177,8 +183,8 @@ fn encode(svc: &Inner, texts: &[&str]) -> Result<Vec<(Vec<f32>, usize)>> {
 
 /// One `PlaidIndex::search` over the queries of `group` (zero-padded to
 /// their longest), under the index's read lock.
-fn search_group(svc: &Inner, group: &[(Job, Vec<(Vec<f32>, usize)>)], dim: usize) -> Result<SearchResults> {
-    let queries: Vec<&(Vec<f32>, usize)> = group.iter().flat_map(|(_, q)| q.iter()).collect();
+fn search_group(svc: &Inner, group: &[Ready], dim: usize) -> Result<SearchResults> {
+    let queries: Vec<&Query> = group.iter().flat_map(|(_, q)| q.iter()).collect();
     let nq = queries.len();
     if nq == 0 {
         return Ok(Vec::new());

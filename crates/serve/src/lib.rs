@@ -8,6 +8,23 @@
 //! [`serve`] put it behind axum. The endpoints are described in the
 //! crate's README and in `GET /openapi.json`.
 //!
+//! The metadata store alone:
+//!
+//! ```
+//! use candle_maxsim_serve::Metadata;
+//! use serde_json::json;
+//! # let dir = std::env::temp_dir().join(format!("serve-doc-{}", std::process::id()));
+//! # std::fs::create_dir_all(&dir).unwrap();
+//! let mut meta = Metadata::open(dir.join("meta.sqlite"), std::time::Duration::from_secs(2))?;
+//! let rows = [json!({"year": 2021, "source": "pubmed"}), json!({"year": 2019, "source": "arxiv"})];
+//! meta.add(&[0, 1], &rows.map(|r| r.as_object().cloned()))?;
+//! let ids = meta.filter("year > ? AND source = ?", &[json!(2020), json!("pubmed")])?;
+//! assert_eq!(ids, vec![0]);
+//! assert_eq!(meta.get(&ids)?[0].as_ref().map(|m| &m["source"]), Some(&json!("pubmed")));
+//! # std::fs::remove_dir_all(&dir).ok();
+//! # Ok::<(), candle_maxsim_serve::Error>(())
+//! ```
+//!
 //! ## Crash safety
 //!
 //! The index commits an add or a delete atomically on disk (a new version
@@ -501,9 +518,10 @@ impl Service {
 
     /// Counts and shapes: documents, live documents, tokens, dim, centroids, device.
     pub fn stats(&self) -> Result<serde_json::Value> {
+        // The metadata lock is never taken under the index lock.
+        let columns = lock(&self.inner.metadata).columns().to_vec();
         let index = self.inner.index.read().unwrap_or_else(|e| e.into_inner());
         let tokens: u64 = index.doc_lens().iter().map(|&l| l as u64).sum();
-        let columns = lock(&self.inner.metadata).columns().to_vec();
         Ok(serde_json::json!({
             "documents": index.num_documents(),
             "live_documents": index.num_documents() - index.deleted().len(),

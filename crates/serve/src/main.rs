@@ -128,7 +128,9 @@ fn main() -> anyhow::Result<()> {
         // The one line a supervisor (or a test) waits for.
         println!(
             "listening on http://{local} ({} documents, dim {}, {})",
-            stats["documents"], stats["dim"], stats["device"]
+            stats["documents"],
+            stats["dim"],
+            stats["device"].as_str().unwrap_or("?")
         );
         candle_maxsim_serve::serve_with_shutdown(listener, service, shutdown()).await?;
         anyhow::Ok(())
