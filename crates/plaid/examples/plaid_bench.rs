@@ -372,14 +372,30 @@ fn main() -> Result<()> {
             println!("{}", serde_json::json!({"phase": "queries", "queries": n, "tokens": lq, "documents": nd}));
         }
         Phase::Dump { docs, out, lens_out } => {
+            // Streamed, 20 000 documents at a time, in one buffered file:
+            // candle's `write_npy` writes element by element (a system call
+            // each: hours at a billion tokens).
+            use std::io::Write;
             let collection = docs.open(&dev)?;
-            let n = collection.len();
-            let ids: Vec<u32> = (0..n as u32).collect();
-            let x = collection.embeddings(&ids)?.to_dtype(DType::F16)?.to_device(&Device::Cpu)?;
-            x.write_npy(&out)?;
+            let (n, dim) = (collection.len(), collection.dim());
             let lens: Vec<i64> = (0..n).map(|i| collection.doc_len(i) as i64).collect();
+            let tokens = lens.iter().sum::<i64>() as usize;
+            let mut f = std::io::BufWriter::with_capacity(1 << 24, std::fs::File::create(&out)?);
+            let header = format!("{{'descr': '<f2', 'fortran_order': False, 'shape': ({tokens}, {dim}), }}");
+            let pad = (10 + header.len() + 1).div_ceil(64) * 64 - (10 + header.len() + 1);
+            let header = format!("{header}{}\n", " ".repeat(pad));
+            f.write_all(b"\x93NUMPY\x01\x00")?;
+            f.write_all(&(header.len() as u16).to_le_bytes())?;
+            f.write_all(header.as_bytes())?;
+            for a in (0..n).step_by(20_000) {
+                let ids: Vec<u32> = (a as u32..(a + 20_000).min(n) as u32).collect();
+                let x = collection.embeddings(&ids)?.to_dtype(DType::F16)?.flatten_all()?.to_vec1::<half::f16>()?;
+                let bytes: Vec<u8> = x.iter().flat_map(|v| v.to_le_bytes()).collect();
+                f.write_all(&bytes)?;
+            }
+            f.flush()?;
             Tensor::new(lens, &Device::Cpu)?.write_npy(&lens_out)?;
-            println!("{}", serde_json::json!({"phase": "dump", "documents": n, "tokens": x.dim(0)?}));
+            println!("{}", serde_json::json!({"phase": "dump", "documents": n, "tokens": tokens}));
         }
         Phase::Search { index, queries, batches, params, repeats, out } => {
             let t = Instant::now();

@@ -106,8 +106,12 @@ pub fn create(
         None => {
             drop(st);
             let (st, _) = Staging::building(dir, true)?;
+            let t = std::time::Instant::now();
             let c = train(docs, config, device, &bar)?;
             write_codec(&st, &c)?;
+            if config.show_progress {
+                eprintln!("training: {:.2} s", t.elapsed().as_secs_f64());
+            }
             write_state(&state, &fingerprint, 0)?;
             (st, c, 0)
         }

@@ -10,6 +10,7 @@ use crate::store::{write_json, Staging};
 use candle_core::{bail, DType, Device, Result, Tensor};
 use candle_maxsim::residual::{nearest_centroids, ResidualCodec};
 use indicatif::ProgressBar;
+use std::time::{Duration, Instant};
 
 /// The documents of an index being written: its chunks, documents and
 /// tokens so far, and its inverted file. New documents are appended after
@@ -60,29 +61,61 @@ impl Contents {
         let mut ivf = std::mem::replace(&mut self.ivf, Ivf::new(0));
         let (tx, rx) = std::sync::mpsc::sync_channel::<Coded>(2);
         let (written_tx, written_rx) = std::sync::mpsc::channel::<usize>();
+        // With progress shown (a bar with a length: hidden ones have none, and
+        // a bar on a pipe is hidden but keeps its length), where the time went
+        // is printed on stderr at the end, the device synchronized after each
+        // chunk's reading and coding to tell them apart.
+        let profile = bar.length().is_some();
+        let dev = codec.centroids.device();
+        let (mut read, mut code, mut wait) = (Duration::ZERO, Duration::ZERO, Duration::ZERO);
         std::thread::scope(|s| -> Result<()> {
-            let writer = s.spawn(move || -> Result<Ivf> {
+            let writer = s.spawn(move || -> Result<(Ivf, [Duration; 2])> {
+                let (mut write, mut lists) = (Duration::ZERO, Duration::ZERO);
                 for c in rx {
+                    let t0 = Instant::now();
                     let codes = write_coded(st, &c)?;
+                    let t1 = Instant::now();
                     let mut at = 0;
                     for (k, &l) in c.lens.iter().enumerate() {
                         ivf.add(base + c.first + k as u32, &codes[at..at + l]);
                         at += l;
                     }
+                    (write, lists) = (write + (t1 - t0), lists + t1.elapsed());
                     // The receiver outlives the writer: a failed send only means it stopped early.
                     let _ = written_tx.send(c.ch + 1);
                 }
-                Ok(ivf)
+                Ok((ivf, [write, lists]))
             });
             let mut coded = || -> Result<()> {
                 for ch in skip..n.div_ceil(chunk_documents) {
                     let ids: Vec<u32> =
                         (ch * chunk_documents..((ch + 1) * chunk_documents).min(n)).map(|d| d as u32).collect();
-                    let c = code_chunk(docs, &ids, codec, cutoffs, ch, self.chunks, self.embeddings)?;
+                    let t0 = Instant::now();
+                    let (x, lens) = read_chunk(docs, &ids, dev, codec.centroids.dim(1)?)?;
+                    if profile {
+                        dev.synchronize()?;
+                    }
+                    let t1 = Instant::now();
+                    let (codes, residuals) = code_chunk(&x, codec, cutoffs)?;
+                    let first = ids.first().copied().unwrap_or(0);
+                    let c = Coded {
+                        ch,
+                        file: self.chunks,
+                        first,
+                        lens,
+                        embedding_offset: self.embeddings,
+                        codes,
+                        residuals,
+                    };
+                    if profile {
+                        dev.synchronize()?;
+                    }
+                    let t2 = Instant::now();
                     let (t, docs_in) = (c.codes.dim(0)?, ids.len());
                     if tx.send(c).is_err() {
                         break; // the writer failed: its error is reported below
                     }
+                    (read, code, wait) = (read + (t1 - t0), code + (t2 - t1), wait + t2.elapsed());
                     self.chunks += 1;
                     self.embeddings += t;
                     self.documents += docs_in;
@@ -93,10 +126,17 @@ impl Contents {
                 }
                 Ok(())
             };
-            let read = coded();
+            let coding = coded();
             drop(tx);
-            let ivf = writer.join().map_err(|_| candle_core::Error::Msg("writer thread panicked".into()))??;
-            read?;
+            let (ivf, [write, lists]) =
+                writer.join().map_err(|_| candle_core::Error::Msg("writer thread panicked".into()))??;
+            coding?;
+            if profile {
+                eprintln!(
+                "coding: read {:.2} s, coded {:.2} s, waited for the writer {:.2} s; writer: copied back and wrote {:.2} s, inverted lists {:.2} s",
+                read.as_secs_f64(), code.as_secs_f64(), wait.as_secs_f64(), write.as_secs_f64(), lists.as_secs_f64()
+            );
+            }
             for w in written_rx.try_iter() {
                 done(w)?;
             }
@@ -156,32 +196,24 @@ struct Coded {
     residuals: Tensor,
 }
 
-/// Documents `ids` (consecutive) of `docs` coded against `codec`: chunk
-/// `ch` of them, file index `file`, its first token `embedding_offset`.
-fn code_chunk(
-    docs: &dyn Documents,
-    ids: &[u32],
-    codec: &ResidualCodec,
-    cutoffs: &Tensor,
-    ch: usize,
-    file: usize,
-    embedding_offset: usize,
-) -> Result<Coded> {
-    let dev = codec.centroids.device();
+/// The embeddings `x` of a chunk coded against `codec`: every token's
+/// nearest centroid and its compressed residual.
+fn code_chunk(x: &Tensor, codec: &ResidualCodec, cutoffs: &Tensor) -> Result<(Tensor, Tensor)> {
+    let codes = nearest_centroids(x, &codec.centroids.to_dtype(x.dtype())?)?;
+    let residuals = codec.compress(x, &codes, cutoffs)?;
+    Ok((codes, residuals))
+}
+
+/// The embeddings of documents `ids` (consecutive) of `docs` on `dev`, in
+/// the dtype the codec works in, and their lengths.
+fn read_chunk(docs: &dyn Documents, ids: &[u32], dev: &Device, dim: usize) -> Result<(Tensor, Vec<usize>)> {
     let x = docs.embeddings(ids)?.to_device(dev)?.to_dtype(work_dtype(dev))?;
     let lens: Vec<usize> = ids.iter().map(|&d| docs.doc_len(d as usize)).collect();
     let t: usize = lens.iter().sum();
-    if x.dims() != [t, codec.centroids.dim(1)?] {
-        bail!(
-            "docs: embeddings of documents {:?}.. have shape {:?}, expected [{t}, {}]",
-            ids.first(),
-            x.dims(),
-            codec.centroids.dim(1)?
-        )
+    if x.dims() != [t, dim] {
+        bail!("docs: embeddings of documents {:?}.. have shape {:?}, expected [{t}, {dim}]", ids.first(), x.dims())
     }
-    let codes = nearest_centroids(&x, &codec.centroids.to_dtype(x.dtype())?)?;
-    let residuals = codec.compress(&x, &codes, cutoffs)?;
-    Ok(Coded { ch, file, first: ids.first().copied().unwrap_or(0), lens, embedding_offset, codes, residuals })
+    Ok((x, lens))
 }
 
 /// Writes a coded chunk's files: its codes, residuals, document lengths and
