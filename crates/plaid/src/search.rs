@@ -55,7 +55,9 @@ impl PlaidIndex {
     /// docs](crate#search). Queries are scored as fast-plaid scores them: the exact
     /// score of a document is MaxSim against its decompressed, L2-normalized
     /// tokens (queries are normalized too; ColBERT queries already are unit
-    /// vectors). `Lq` may be at most 64.
+    /// vectors). `Lq` may be at most 64. On a GPU, pass F16 or BF16 queries:
+    /// F32 ones are scored exactly through a host path, tens of milliseconds
+    /// per batch at tens of millions of tokens.
     pub fn search(&self, q: &Tensor, params: &SearchParams, subset: Option<Subset>) -> Result<SearchResults> {
         self.search_marked(q, params, subset, &mut |_| Ok(()))
     }
