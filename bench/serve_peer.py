@@ -34,7 +34,7 @@ LOCAL = threading.local()
 def metadata_conn():
     """A read-only connection of this thread (sqlite3 connections stay on their thread)."""
     if not STATE["metadata"]:
-        raise ValueError("filter: the peer was started without --metadata")
+        raise ValueError("filter: this service was started without --metadata")
     if getattr(LOCAL, "conn", None) is None:
         LOCAL.conn = sqlite3.connect(f"file:{STATE['metadata']}?mode=ro", uri=True)
         LOCAL.conn.execute("PRAGMA query_only = ON")

@@ -128,6 +128,17 @@ pub fn rand_offsets(n: usize, max: usize, seed: u64) -> (Vec<u32>, usize) {
 
 /// Asserts that `r` is an `Err` whose message starts with `arg` followed by
 /// `:` (this workspace's convention: the argument or file named first).
+/// A fresh, empty directory under the system's temporary directory, a new
+/// one per call (tests run in parallel threads of one process).
+pub fn tmpdir(name: &str) -> std::path::PathBuf {
+    static COUNTER: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let d = std::env::temp_dir().join(format!("candle-maxsim-{name}-{}-{n}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).expect("a temporary directory");
+    d
+}
+
 pub fn expect_err<T: std::fmt::Debug>(r: Result<T>, arg: &str) {
     match r {
         Ok(v) => panic!("expected an error naming `{arg}`, got Ok({v:?})"),

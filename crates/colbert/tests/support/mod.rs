@@ -85,15 +85,7 @@ pub fn bert_config() -> serde_json::Value {
     })
 }
 
-/// A fresh directory per call (tests run in parallel threads of one process).
-pub fn tmpdir(name: &str) -> PathBuf {
-    static COUNTER: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-    let n = COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let d = std::env::temp_dir().join(format!("candle-maxsim-{name}-{}-{n}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
+pub use candle_maxsim_testing::tmpdir;
 
 /// A random tiny BERT encoder in `dir`: config.json and model.safetensors.
 fn random_bert(dir: &Path) -> anyhow::Result<()> {

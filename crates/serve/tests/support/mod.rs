@@ -10,15 +10,7 @@ use std::path::{Path, PathBuf};
 
 pub const DIM: usize = 32;
 
-/// A fresh directory per call (tests run in parallel threads of one process).
-pub fn tmpdir(name: &str) -> PathBuf {
-    static COUNTER: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-    let n = COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let d = std::env::temp_dir().join(format!("candle-maxsim-serve-{name}-{}-{n}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
+pub use candle_maxsim_testing::tmpdir;
 
 /// `n` random documents of 4 to 16 unit token vectors of dim `dim` (fresh
 /// random values each run): per document, its rows.
