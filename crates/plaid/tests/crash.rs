@@ -201,7 +201,14 @@ fn killed_builds_resume_to_the_same_index() -> anyhow::Result<()> {
     let full = root.join("full");
     let t = Instant::now();
     assert!(child(&full)?.wait()?.success(), "the build runs");
-    let span = t.elapsed();
+    // The kill times are drawn over a warm build's duration: the first one
+    // also pays for cold caches, and timed alone it let most kills land
+    // after the build had finished.
+    let again = root.join("again");
+    let t2 = Instant::now();
+    assert!(child(&again)?.wait()?.success(), "the build runs again");
+    let span = t2.elapsed().min(t2 - t);
+    std::fs::remove_dir_all(&again)?;
     let want = files(&full)?;
     assert!(want.iter().any(|(n, _)| n == "9.codes.npy"), "ten chunks written");
     let mut rng = rand::rngs::StdRng::seed_from_u64(5);
