@@ -150,6 +150,11 @@ async fn auth(State(svc): State<Service>, req: Request, next: Next) -> Response 
                 };
                 let mut r = Error { status: 401, message: message.into() }.into_response();
                 r.headers_mut().insert(header::WWW_AUTHENTICATE, header::HeaderValue::from_static("Bearer"));
+                // Read the body (within the body limit) before answering: a
+                // reply sent while the client still writes makes the server
+                // close the connection under it, and the client sees a broken
+                // pipe instead of the 401.
+                let _ = axum::body::to_bytes(req.into_body(), cfg.max_body_bytes).await;
                 return r;
             }
         }
