@@ -184,7 +184,7 @@ pub struct Service {
 pub(crate) struct Inner {
     index: RwLock<PlaidIndex>,
     model: Option<ColBert>,
-    metadata: Mutex<Metadata>,
+    metadata: RwLock<Metadata>,
     /// Serializes writes (the id range of an add is read, then committed, under it).
     write_lock: Mutex<()>,
     config: Config,
@@ -199,6 +199,16 @@ pub(crate) struct Inner {
 /// leaves the data consistent: every update commits before it changes it).
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// [`lock`] for reading an `RwLock` (concurrent readers: metadata filters).
+fn read<T>(m: &RwLock<T>) -> std::sync::RwLockReadGuard<'_, T> {
+    m.read().unwrap_or_else(|e| e.into_inner())
+}
+
+/// [`lock`] for writing an `RwLock`.
+fn write<T>(m: &RwLock<T>) -> std::sync::RwLockWriteGuard<'_, T> {
+    m.write().unwrap_or_else(|e| e.into_inner())
 }
 
 /// A string of a device.
@@ -242,7 +252,7 @@ impl Service {
             inner: Arc::new(Inner {
                 index: RwLock::new(index),
                 model,
-                metadata: Mutex::new(metadata),
+                metadata: RwLock::new(metadata),
                 write_lock: Mutex::new(()),
                 config,
                 metrics: metrics::Metrics::new(),
@@ -365,7 +375,7 @@ impl Service {
             Some(f) => {
                 let svc = self.inner.clone();
                 let f2 = f.clone();
-                let ids = blocking(move || lock(&svc.metadata).filter(&f2.condition, &f2.params)).await?;
+                let ids = blocking(move || read(&svc.metadata).filter(&f2.condition, &f2.params)).await?;
                 if ids.is_empty() {
                     return Ok(vec![Vec::new(); nq]);
                 }
@@ -385,7 +395,7 @@ impl Service {
             let ids: Vec<u32> = hits.iter().flatten().map(|h| h.id).collect();
             if !ids.is_empty() {
                 let svc = self.inner.clone();
-                let rows = blocking(move || lock(&svc.metadata).get(&ids)).await?;
+                let rows = blocking(move || read(&svc.metadata).get(&ids)).await?;
                 for (h, m) in hits.iter_mut().flatten().zip(rows) {
                     h.metadata = m;
                 }
@@ -449,7 +459,7 @@ impl Service {
             let first = svc.index.read().unwrap_or_else(|e| e.into_inner()).num_documents() as u32;
             let ids: Vec<u32> = (first..first + n as u32).collect();
             // 1. The metadata rows, committed.
-            lock(&svc.metadata).add(&ids, &rows)?;
+            write(&svc.metadata).add(&ids, &rows)?;
             // 2. The index add, committed (a search batch in flight finishes first).
             let added = {
                 let mut index = svc.index.write().unwrap_or_else(|e| e.into_inner());
@@ -462,7 +472,7 @@ impl Service {
                 }
                 Err(e) => {
                     // Undo the rows now (the next open would too).
-                    let _ = lock(&svc.metadata).delete(&ids);
+                    let _ = write(&svc.metadata).delete(&ids);
                     Err(Error::internal(format!("index: add failed: {e}")))
                 }
             }
@@ -498,7 +508,7 @@ impl Service {
             // 1. The index delete, committed.
             svc.index.write().unwrap_or_else(|e| e.into_inner()).delete(&live)?;
             // 2. The rows (left behind by a crash here, removed on the next open).
-            lock(&svc.metadata).delete(&live)?;
+            write(&svc.metadata).delete(&live)?;
             Ok(live.len())
         })
         .await
@@ -519,7 +529,7 @@ impl Service {
     /// Counts and shapes: documents, live documents, tokens, dim, centroids, device.
     pub fn stats(&self) -> Result<serde_json::Value> {
         // The metadata lock is never taken under the index lock.
-        let columns = lock(&self.inner.metadata).columns().to_vec();
+        let columns = read(&self.inner.metadata).columns().to_vec();
         let index = self.inner.index.read().unwrap_or_else(|e| e.into_inner());
         let tokens: u64 = index.doc_lens().iter().map(|&l| l as u64).sum();
         Ok(serde_json::json!({

@@ -12,17 +12,19 @@
 //! to case as SQLite compares column names.
 //!
 //! A filter is `SELECT _id FROM metadata WHERE (<condition>)` with the
-//! parameters bound (never spliced into the text), run on a second,
-//! read-only connection with `PRAGMA query_only`: a condition cannot write,
+//! parameters bound (never spliced into the text), run on one of a few
+//! read-only connections with `PRAGMA query_only`: a condition cannot write,
 //! cannot hold a second statement (`;` is refused, and SQLite's prepare
-//! takes one statement), and is interrupted past a time limit.
+//! takes one statement), and is interrupted past a time limit. Filters and
+//! lookups of concurrent requests run side by side on those connections
+//! (WAL readers do not wait for each other or for the writer).
 
 use crate::error::{Error, Result};
 use rusqlite::{types::Value as SqlValue, Connection, OpenFlags};
 use serde_json::{Map, Value};
 use std::path::Path;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 /// A document's metadata: a JSON object.
@@ -35,18 +37,34 @@ const MAX_VALUE_BYTES: i32 = 16 << 20;
 /// Metadata columns at most (SQLite allows 2000 in a table).
 const MAX_COLUMNS: usize = 1000;
 
+/// Read-only connections at most: filters of concurrent requests run on
+/// separate ones (each a full scan at worst).
+const MAX_READERS: usize = 8;
+
 /// The metadata store of an index: a read-write connection for updates and
-/// a read-only one for filters and lookups.
+/// a few read-only ones for filters and lookups (`Metadata` is `Sync`:
+/// reads take `&self` and run concurrently).
 pub struct Metadata {
-    conn: Connection,
-    read: Connection,
+    conn: Mutex<Connection>,
+    readers: Vec<Reader>,
+    /// Where the next read starts looking for a free reader.
+    next: AtomicUsize,
     /// The user columns, as created.
     columns: Vec<String>,
     filter_timeout: Duration,
-    /// The running filter's deadline, in ns after `epoch` (`u64::MAX`: none),
-    /// read by the read connection's progress handler.
-    deadline: Arc<AtomicU64>,
     epoch: Instant,
+}
+
+/// A read-only connection and its running filter's deadline, in ns after
+/// `Metadata::epoch` (`u64::MAX`: none), read by its progress handler.
+struct Reader {
+    conn: Mutex<Connection>,
+    deadline: Arc<AtomicU64>,
+}
+
+fn lock(m: &Mutex<Connection>) -> MutexGuard<'_, Connection> {
+    // A panic under the lock leaves the connection usable (SQLite rolls back).
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl Metadata {
@@ -62,26 +80,54 @@ impl Metadata {
         conn.pragma_update(None, "journal_mode", "WAL").map_err(ctx)?;
         conn.pragma_update(None, "synchronous", "FULL").map_err(ctx)?;
         conn.execute_batch("CREATE TABLE IF NOT EXISTS metadata (_id INTEGER PRIMARY KEY, _json TEXT)").map_err(ctx)?;
-        let read =
-            Connection::open_with_flags(path, OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX)
+        let epoch = Instant::now();
+        let n_readers = std::thread::available_parallelism().map_or(1, |n| n.get()).min(MAX_READERS);
+        let mut readers = Vec::with_capacity(n_readers);
+        for _ in 0..n_readers {
+            let mut read =
+                Connection::open_with_flags(path, OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX)
+                    .map_err(ctx)?;
+            read.busy_timeout(Duration::from_secs(10)).map_err(ctx)?;
+            read.pragma_update(None, "query_only", true).map_err(ctx)?;
+            let deadline = Arc::new(AtomicU64::new(u64::MAX));
+            let d = deadline.clone();
+            read.progress_handler(1000, Some(move || epoch.elapsed().as_nanos() as u64 > d.load(Ordering::Relaxed)))
                 .map_err(ctx)?;
-        read.busy_timeout(Duration::from_secs(10)).map_err(ctx)?;
-        read.pragma_update(None, "query_only", true).map_err(ctx)?;
-        let (deadline, epoch) = (Arc::new(AtomicU64::new(u64::MAX)), Instant::now());
-        let d = deadline.clone();
-        let mut read = read;
-        read.progress_handler(1000, Some(move || epoch.elapsed().as_nanos() as u64 > d.load(Ordering::Relaxed)))
-            .map_err(ctx)?;
-        // A filter cannot build huge strings or blobs (`randomblob(1e9)`).
-        read.set_limit(rusqlite::limits::Limit::SQLITE_LIMIT_LENGTH, MAX_VALUE_BYTES).map_err(ctx)?;
-        let mut m = Self { conn, read, columns: Vec::new(), filter_timeout, deadline, epoch };
+            // A filter cannot build huge strings or blobs (`randomblob(1e9)`).
+            read.set_limit(rusqlite::limits::Limit::SQLITE_LIMIT_LENGTH, MAX_VALUE_BYTES).map_err(ctx)?;
+            readers.push(Reader { conn: Mutex::new(read), deadline });
+        }
+        let mut m = Self {
+            conn: Mutex::new(conn),
+            readers,
+            next: AtomicUsize::new(0),
+            columns: Vec::new(),
+            filter_timeout,
+            epoch,
+        };
         m.load_columns()?;
         Ok(m)
     }
 
+    /// A reader and its connection: the first free one from a rotating
+    /// start, or (all busy) the start's, waited for.
+    fn reader(&self) -> (&Reader, MutexGuard<'_, Connection>) {
+        let n = self.readers.len();
+        let start = self.next.fetch_add(1, Ordering::Relaxed) % n;
+        for i in 0..n {
+            let r = &self.readers[(start + i) % n];
+            if let Ok(c) = r.conn.try_lock() {
+                return (r, c);
+            }
+        }
+        let r = &self.readers[start];
+        (r, lock(&r.conn))
+    }
+
     /// Reads the user columns from the schema.
     fn load_columns(&mut self) -> Result<()> {
-        let mut st = self.conn.prepare("SELECT name FROM pragma_table_info('metadata')")?;
+        let conn = self.conn.get_mut().unwrap_or_else(|p| p.into_inner());
+        let mut st = conn.prepare("SELECT name FROM pragma_table_info('metadata')")?;
         let names = st.query_map([], |r| r.get::<_, String>(0))?.collect::<rusqlite::Result<Vec<_>>>()?;
         drop(st);
         self.columns = names.into_iter().filter(|n| !n.starts_with('_')).collect();
@@ -95,7 +141,7 @@ impl Metadata {
 
     /// Number of rows.
     pub fn len(&self) -> Result<usize> {
-        let n: i64 = self.read.query_row("SELECT count(*) FROM metadata", [], |r| r.get(0))?;
+        let n: i64 = self.reader().1.query_row("SELECT count(*) FROM metadata", [], |r| r.get(0))?;
         Ok(n as usize)
     }
 
@@ -112,7 +158,8 @@ impl Metadata {
     /// removed; live documents without a row (an index built elsewhere) get
     /// an empty one, so that every live document is a row. One transaction.
     pub fn reconcile(&mut self, num_documents: usize, deleted: &[u32]) -> Result<()> {
-        let tx = self.conn.transaction()?;
+        let conn = self.conn.get_mut().unwrap_or_else(|p| p.into_inner());
+        let tx = conn.transaction()?;
         tx.execute("DELETE FROM metadata WHERE _id >= ?1 OR _id < 0", [num_documents as i64])?;
         delete_ids(&tx, deleted)?;
         let rows: i64 = tx.query_row("SELECT count(*) FROM metadata", [], |r| r.get(0))?;
@@ -165,7 +212,8 @@ impl Metadata {
     }
 
     fn add_tx(&mut self, ids: &[u32], rows: &[Option<Row>]) -> Result<()> {
-        let tx = self.conn.transaction()?;
+        let conn = self.conn.get_mut().unwrap_or_else(|p| p.into_inner());
+        let tx = conn.transaction()?;
         for (&id, row) in ids.iter().zip(rows) {
             let empty = Row::new();
             let row = row.as_ref().unwrap_or(&empty);
@@ -207,7 +255,8 @@ impl Metadata {
     /// Removes the rows of `ids` (absent ones ignored) in one transaction;
     /// returns how many there were.
     pub fn delete(&mut self, ids: &[u32]) -> Result<usize> {
-        let tx = self.conn.transaction()?;
+        let conn = self.conn.get_mut().unwrap_or_else(|p| p.into_inner());
+        let tx = conn.transaction()?;
         let n = delete_ids(&tx, ids)?;
         tx.commit()?;
         Ok(n)
@@ -241,7 +290,8 @@ impl Metadata {
         // A newline before the closing parenthesis: a trailing `--` comment
         // cannot swallow it.
         let sql = format!("SELECT _id FROM metadata WHERE ({condition}\n) ORDER BY _id");
-        let mut st = self.read.prepare(&sql).map_err(|e| bad(e.to_string()))?;
+        let (reader, conn) = self.reader();
+        let mut st = conn.prepare(&sql).map_err(|e| bad(e.to_string()))?;
         if st.parameter_count() != bound.len() {
             return Err(Error::bad_request(format!(
                 "filter.params: the condition has {} placeholders, {} params given",
@@ -250,11 +300,11 @@ impl Metadata {
             )));
         }
         let until = self.epoch.elapsed() + self.filter_timeout;
-        self.deadline.store(until.as_nanos() as u64, Ordering::Relaxed);
+        reader.deadline.store(until.as_nanos() as u64, Ordering::Relaxed);
         let ids = st
             .query_map(rusqlite::params_from_iter(bound), |r| r.get::<_, i64>(0))
             .and_then(|rows| rows.collect::<rusqlite::Result<Vec<i64>>>());
-        self.deadline.store(u64::MAX, Ordering::Relaxed);
+        reader.deadline.store(u64::MAX, Ordering::Relaxed);
         let ids = ids.map_err(|e| match e {
             rusqlite::Error::SqliteFailure(f, _) if f.code == rusqlite::ErrorCode::OperationInterrupted => {
                 bad(format!("took longer than {} ms", self.filter_timeout.as_millis()))
@@ -268,10 +318,11 @@ impl Metadata {
     /// row without metadata).
     pub fn get(&self, ids: &[u32]) -> Result<Vec<Option<Row>>> {
         let mut found: std::collections::HashMap<u32, Row> = std::collections::HashMap::new();
+        let (_, conn) = self.reader();
         for chunk in ids.chunks(IDS_PER_STATEMENT) {
             let marks = vec!["?"; chunk.len()].join(", ");
             let sql = format!("SELECT _id, _json FROM metadata WHERE _json IS NOT NULL AND _id IN ({marks})");
-            let mut st = self.read.prepare(&sql)?;
+            let mut st = conn.prepare(&sql)?;
             let rows = st.query_map(rusqlite::params_from_iter(chunk.iter().map(|&i| i as i64)), |r| {
                 Ok((r.get::<_, i64>(0)?, r.get::<_, String>(1)?))
             })?;
