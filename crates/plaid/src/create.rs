@@ -21,9 +21,10 @@
 use crate::codec::{work_dtype, Codec};
 use crate::documents::Documents;
 use crate::index::{PlaidIndex, DELETED, DELTA_IVF};
+use crate::ivf::{Ivf, IvfRuns};
 use crate::kmeans::{kmeans, random_rows};
 use crate::store::{json_usize, read_json, write_json, Staging};
-use crate::writer::{write_codec, Contents, Ivf};
+use crate::writer::{write_codec, Contents, Lists};
 use candle_core::{bail, DType, Device, Result, Tensor};
 use indicatif::{ProgressBar, ProgressStyle};
 use rand::seq::SliceRandom;
@@ -198,16 +199,17 @@ impl PlaidIndex {
             chunks: n_chunks,
             documents: first,
             embeddings: *self.offsets.last().unwrap() as usize,
-            ivf: lists,
+            ivf: Lists::Memory(lists),
         };
         contents.append(&st, docs, &self.codec, &cutoffs, chunk_documents, &ProgressBar::hidden())?;
         if contents.embeddings >= u32::MAX as usize {
             bail!("docs: {} tokens in all would exceed the 32-bit offsets of the residual kernels", contents.embeddings)
         }
-        contents.ivf.write_as(&st, if delta { DELTA_IVF } else { "ivf" }, &self.deleted)?;
+        let Lists::Memory(ivf) = &contents.ivf else { bail!("ivf: an update's lists are held in memory") };
+        ivf.write_as(&st, if delta { DELTA_IVF } else { "ivf" }, &self.deleted)?;
         contents.write_metadata(&st, self.codec.nbits)?;
         st.commit()?;
-        self.append_chunks(n_chunks, contents.chunks, contents.ivf.csr(&self.deleted), delta)?;
+        self.append_chunks(n_chunks, contents.chunks, ivf.csr(&self.deleted), delta)?;
         Ok(first as u32..contents.documents as u32)
     }
 
@@ -304,6 +306,7 @@ pub(crate) fn train(docs: &dyn Documents, config: &IndexConfig, device: &Device,
     ids.truncate(n_sample);
     // Read in id order (sequential reads); the held-out tokens are drawn at random below.
     ids.sort_unstable();
+    let t = std::time::Instant::now();
     let sample = gather(docs, &ids, device, wd)?;
     let s = sample.dim(0)?;
     if s == 0 || sample.dim(1)? != dim {
@@ -317,9 +320,16 @@ pub(crate) fn train(docs: &dyn Documents, config: &IndexConfig, device: &Device,
     } else {
         sample.clone()
     };
+    device.synchronize()?;
+    let t_sample = t.elapsed().as_secs_f64();
+    let t = std::time::Instant::now();
+    let n_points = points.dim(0)?;
     let centroids =
         kmeans(&points, k, config.kmeans_niters, config.spherical_kmeans, &mut rng, bar)?.to_dtype(DType::F16)?;
     drop(points);
+    device.synchronize()?;
+    let t_kmeans = t.elapsed().as_secs_f64();
+    let t = std::time::Instant::now();
     // 3. The codec, calibrated on 5 % (at most 50 000) as many tokens as the
     // sample has, of documents drawn from the whole collection: as many of them
     // unseen by k-means as of the documents the codec will encode. (Tokens of
@@ -341,7 +351,16 @@ pub(crate) fn train(docs: &dyn Documents, config: &IndexConfig, device: &Device,
     held_docs.sort_unstable();
     let heldout = gather(docs, &held_docs, device, wd)?;
     let heldout = heldout.narrow(0, 0, h.min(heldout.dim(0)?))?;
-    Codec::calibrated(centroids, &heldout, config.nbits, dim, device)
+    let codec = Codec::calibrated(centroids, &heldout, config.nbits, dim, device)?;
+    if config.show_progress {
+        eprintln!(
+            "training: sample of {n_sample} documents ({s} tokens) read in {t_sample:.2} s; k-means of {n_points} \
+             tokens into {k} centroids, {} iterations: {t_kmeans:.2} s; calibration {:.2} s",
+            config.kmeans_niters,
+            t.elapsed().as_secs_f64()
+        );
+    }
+    Ok(codec)
 }
 
 /// The embeddings of documents `ids` (ascending) on `device` in `dtype`,
@@ -397,10 +416,15 @@ fn finish(
     on_chunk: &mut dyn FnMut(usize) -> Result<()>,
 ) -> Result<()> {
     bar.set_message("compressing");
-    let mut contents = Contents { chunks: 0, documents: 0, embeddings: 0, ivf: Ivf::new(c.codec.centroids.dim(0)?) };
+    // The inverted lists spilled to disk chunk by chunk, merged at the end.
+    let runs = IvfRuns::new(&st.dir, c.codec.centroids.dim(0)?);
+    let mut contents = Contents { chunks: 0, documents: 0, embeddings: 0, ivf: Lists::Runs(runs) };
     contents.count_written(&st, done)?;
     contents.append_from(&st, docs, &c.codec, &c.cutoffs, chunk_documents, done, bar, on_chunk)?;
-    contents.ivf.write(&st, &[])?;
+    match &contents.ivf {
+        Lists::Runs(runs) => runs.merge(&st, contents.chunks)?,
+        Lists::Memory(ivf) => ivf.write(&st, &[])?,
+    }
     contents.write_metadata(&st, c.codec.nbits)?;
     let state = st.dir.join(BUILD_STATE);
     if state.exists() {

@@ -159,6 +159,9 @@ pub(crate) fn chunk_lens(dir: &Path, i: usize) -> Result<Vec<usize>> {
 }
 
 /// The largest and smallest value of an integer tensor, on its device.
+/// Inverted-file entries read to a GPU at a time (128 MB of I64 ids).
+const IVF_PIECE: usize = 1 << 24;
+
 fn int_range(t: &Tensor) -> Result<(i64, i64)> {
     let t = t.to_dtype(DType::I64)?;
     Ok((t.min(0)?.to_scalar::<i64>()?, t.max(0)?.to_scalar::<i64>()?))
@@ -302,15 +305,31 @@ impl PlaidIndex {
         if *off.last().unwrap() != e as u64 || e >= u32::MAX as usize {
             bail!("dir: {} has {e} entries, {} says {}", ip.display(), lp.display(), off.last().unwrap())
         }
-        let ids = ivf.tensor(device)?;
-        if e > 0 {
-            let (lo, hi) = int_range(&ids)?;
-            if lo < 0 || hi >= n_docs as i64 {
-                bail!("dir: {} holds document ids in [{lo}, {hi}], out of range for {n_docs} documents", ip.display())
+        // On a GPU in pieces through one host buffer (see `row_pieces`): at a
+        // billion tokens the file is gigabytes.
+        let pieces = match device.is_cpu() || e == 0 {
+            true => vec![ivf.tensor(device)?],
+            false => ivf.row_pieces(0, e, IVF_PIECE, device)?,
+        };
+        let mut ids = Vec::with_capacity(pieces.len());
+        for p in pieces {
+            if p.dim(0)? > 0 {
+                let (lo, hi) = int_range(&p)?;
+                if lo < 0 || hi >= n_docs as i64 {
+                    bail!(
+                        "dir: {} holds document ids in [{lo}, {hi}], out of range for {n_docs} documents",
+                        ip.display()
+                    )
+                }
             }
+            ids.push(p.to_dtype(DType::U32)?);
         }
+        let ids = match ids.len() {
+            1 => ids.pop().expect("one piece"),
+            _ => Tensor::cat(&ids, 0)?,
+        };
         let off: Vec<u32> = off.into_iter().map(|o| o as u32).collect();
-        Ok(Some((ids.to_dtype(DType::U32)?, Tensor::new(off.as_slice(), device)?)))
+        Ok(Some((ids, Tensor::new(off.as_slice(), device)?)))
     }
 
     fn load_deleted(dir: &Path, n_docs: usize) -> Result<Vec<u32>> {

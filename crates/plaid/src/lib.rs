@@ -66,6 +66,7 @@ mod codec;
 mod create;
 mod documents;
 mod index;
+mod ivf;
 mod kmeans;
 mod npy;
 mod search;

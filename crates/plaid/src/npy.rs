@@ -107,6 +107,33 @@ impl MappedNpy {
         Tensor::from_raw_buffer(self.row_bytes(a, b)?, self.dtype, &shape, device)
     }
 
+    /// Rows `a..b` as tensors on `device`, `piece` rows each (the last
+    /// shorter), read through one buffer with file reads, not the mapping:
+    /// the host holds one piece, where reading the mapping would keep every
+    /// page of the array resident until the mapping is dropped (on a GPU the
+    /// pages are only on their way to the device).
+    pub fn row_pieces(&self, a: usize, b: usize, piece: usize, device: &Device) -> Result<Vec<Tensor>> {
+        use std::io::{Read, Seek, SeekFrom};
+        let rows = self.shape.first().copied().unwrap_or(1);
+        if a > b || b > rows || piece == 0 {
+            return Err(err(&self.path, format!("rows {a}..{b} of {rows} in pieces of {piece}")));
+        }
+        let row: usize = self.shape.iter().skip(1).product::<usize>() * self.dtype.size_in_bytes();
+        let mut f = File::open(&self.path).map_err(|e| err(&self.path, format!("cannot open: {e}")))?;
+        f.seek(SeekFrom::Start((self.offset + a * row) as u64)).map_err(|e| err(&self.path, format!("seek: {e}")))?;
+        let mut buf = vec![0u8; piece.min(b - a) * row];
+        let mut out = Vec::with_capacity((b - a).div_ceil(piece));
+        for lo in (a..b).step_by(piece) {
+            let n = piece.min(b - lo);
+            let bytes = &mut buf[..n * row];
+            f.read_exact(bytes).map_err(|e| err(&self.path, format!("read: {e}")))?;
+            let mut shape = self.shape.clone();
+            shape[0] = n;
+            out.push(Tensor::from_raw_buffer(bytes, self.dtype, &shape, device)?);
+        }
+        Ok(out)
+    }
+
     /// The whole array on `device`.
     pub fn tensor(&self, device: &Device) -> Result<Tensor> {
         if self.shape.is_empty() {
@@ -156,8 +183,26 @@ fn raw_bytes(t: &Tensor) -> Result<Vec<u8>> {
     })
 }
 
-/// Writes `t` to `path` (numpy format 1.0, the prologue padded to 64 bytes
-/// as numpy pads it), with one write of its bytes.
+/// The numpy 1.0 prologue of an array of `descr` (e.g. `<i8`) and `dims`,
+/// padded to a multiple of 64 bytes as numpy pads it.
+fn header(descr: &str, dims: &[usize]) -> Vec<u8> {
+    let shape = match dims {
+        [] => "()".to_string(),
+        [n] => format!("({n},)"),
+        d => format!("({})", d.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(", ")),
+    };
+    let mut header = format!("{{'descr': '{descr}', 'fortran_order': False, 'shape': {shape}, }}");
+    let total = 10 + header.len() + 1;
+    header.push_str(&" ".repeat(total.div_ceil(64) * 64 - total));
+    header.push('\n');
+    let mut out = Vec::with_capacity(10 + header.len());
+    out.extend_from_slice(b"\x93NUMPY\x01\x00");
+    out.extend_from_slice(&(header.len() as u16).to_le_bytes());
+    out.extend_from_slice(header.as_bytes());
+    out
+}
+
+/// Writes `t` to `path` (numpy format 1.0), with one write of its bytes.
 pub(crate) fn write(path: &Path, t: &Tensor) -> Result<()> {
     if !cfg!(target_endian = "little") {
         bail!("npy: writing needs a little-endian machine")
@@ -172,19 +217,7 @@ pub(crate) fn write(path: &Path, t: &Tensor) -> Result<()> {
         DType::F64 => "<f8",
         dt => bail!("npy: cannot write {dt:?}"),
     };
-    let shape = match t.dims() {
-        [] => "()".to_string(),
-        [n] => format!("({n},)"),
-        d => format!("({})", d.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(", ")),
-    };
-    let mut header = format!("{{'descr': '{descr}', 'fortran_order': False, 'shape': {shape}, }}");
-    let total = 10 + header.len() + 1;
-    header.push_str(&" ".repeat(total.div_ceil(64) * 64 - total));
-    header.push('\n');
-    let mut out = Vec::with_capacity(10 + header.len());
-    out.extend_from_slice(b"\x93NUMPY\x01\x00");
-    out.extend_from_slice(&(header.len() as u16).to_le_bytes());
-    out.extend_from_slice(header.as_bytes());
+    let out = header(descr, t.dims());
     let data = raw_bytes(&t.to_device(&Device::Cpu)?)?;
     let io = |e| io_err(path, "write", e);
     use std::io::Write;
@@ -194,10 +227,68 @@ pub(crate) fn write(path: &Path, t: &Tensor) -> Result<()> {
     f.sync_all().map_err(io)
 }
 
+/// Writes a one-dimensional I64 array of `n` values to `path`, the values
+/// handed to `fill` one at a time (never all in memory); `Err` unless it
+/// hands exactly `n`.
+pub(crate) fn write_i64_stream(
+    path: &Path,
+    n: usize,
+    fill: impl FnOnce(&mut dyn FnMut(i64) -> Result<()>) -> Result<()>,
+) -> Result<()> {
+    use std::io::Write;
+    let io = |e| io_err(path, "write", e);
+    let f = File::create(path).map_err(io)?;
+    let mut w = std::io::BufWriter::with_capacity(1 << 20, f);
+    w.write_all(&header("<i8", &[n])).map_err(io)?;
+    let mut count = 0usize;
+    fill(&mut |v| {
+        count += 1;
+        w.write_all(&v.to_le_bytes()).map_err(io)
+    })?;
+    if count != n {
+        bail!("npy: {} was to hold {n} values, {count} were written", path.display())
+    }
+    let f = w.into_inner().map_err(|e| io(e.into_error()))?;
+    f.sync_all().map_err(io)
+}
+
 /// `Err` unless `t` has `dtype` and, where given, `shape`.
 pub(crate) fn expect(path: &Path, t: &MappedNpy, dtypes: &[DType], rank: usize) -> Result<()> {
     if !dtypes.contains(&t.dtype) || t.shape.len() != rank {
         bail!("dir: {} must be a rank-{rank} array of {dtypes:?}, got {:?} {:?}", path.display(), t.dtype, t.shape)
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Read in pieces through the buffer, or streamed in, the same array as
+    /// through the mapping; a range past the end is an error naming the file.
+    #[test]
+    fn pieces_and_streams_equal_whole_arrays() -> Result<()> {
+        let dir = candle_maxsim_testing::tmpdir("npy-pieces");
+        let path = dir.join("x.npy");
+        let x = Tensor::randn(0f32, 1., (37, 5), &Device::Cpu)?;
+        write(&path, &x)?;
+        let m = MappedNpy::open(&path)?;
+        let whole: Vec<Vec<f32>> = m.tensor(&Device::Cpu)?.to_vec2()?;
+        for (a, b, piece) in [(0, 37, 1), (0, 37, 8), (3, 30, 100), (5, 5, 4)] {
+            let parts = m.row_pieces(a, b, piece, &Device::Cpu)?;
+            assert_eq!(parts.len(), (b - a).div_ceil(piece));
+            let got: Vec<Vec<f32>> = parts.iter().map(|t| t.to_vec2::<f32>()).collect::<Result<Vec<_>>>()?.concat();
+            assert_eq!(got, whole[a..b].to_vec(), "rows {a}..{b} in pieces of {piece}");
+        }
+        assert!(m.row_pieces(0, 38, 4, &Device::Cpu).unwrap_err().to_string().contains("x.npy"));
+        let ids: Vec<i64> = (0..1000).map(|i| i * 7 - 300).collect();
+        let s = dir.join("s.npy");
+        write_i64_stream(&s, ids.len(), |out| ids.iter().try_for_each(|&v| out(v)))?;
+        let t = dir.join("t.npy");
+        write(&t, &Tensor::new(ids.as_slice(), &Device::Cpu)?)?;
+        assert_eq!(std::fs::read(&s).unwrap(), std::fs::read(&t).unwrap());
+        assert!(write_i64_stream(&s, 3, |out| out(1)).is_err(), "fewer values than announced");
+        std::fs::remove_dir_all(&dir).unwrap();
+        Ok(())
+    }
 }

@@ -5,6 +5,7 @@
 
 use crate::codec::{work_dtype, Codec};
 use crate::documents::Documents;
+use crate::ivf::{Ivf, IvfRuns};
 use crate::npy;
 use crate::store::{write_json, Staging};
 use candle_core::{bail, DType, Device, Result, Tensor};
@@ -19,7 +20,41 @@ pub(crate) struct Contents {
     pub chunks: usize,
     pub documents: usize,
     pub embeddings: usize,
-    pub ivf: Ivf,
+    pub ivf: Lists,
+}
+
+/// The inverted lists of the documents being written.
+pub(crate) enum Lists {
+    /// In memory (an update's lists).
+    Memory(Ivf),
+    /// Spilled to disk a chunk at a time (a build's).
+    Runs(IvfRuns),
+}
+
+impl Lists {
+    /// Number of lists (centroids).
+    pub fn len(&self) -> usize {
+        match self {
+            Lists::Memory(i) => i.len(),
+            Lists::Runs(r) => r.len(),
+        }
+    }
+
+    /// Adds chunk file `chunk`: its documents `first, first + 1, ...` of
+    /// `lens` tokens each, whose tokens have `codes`.
+    fn add_chunk(&mut self, chunk: usize, first: u32, lens: &[usize], codes: &[u32]) -> Result<()> {
+        match self {
+            Lists::Memory(ivf) => {
+                let mut at = 0;
+                for (k, &l) in lens.iter().enumerate() {
+                    ivf.add(first + k as u32, &codes[at..at + l]);
+                    at += l;
+                }
+                Ok(())
+            }
+            Lists::Runs(runs) => runs.write_run(chunk, first, lens, codes),
+        }
+    }
 }
 
 impl Contents {
@@ -58,7 +93,7 @@ impl Contents {
         // chunk (on the codec's device), a writer thread copies each one's
         // codes and residuals back, writes its files and adds its documents
         // to the inverted lists, at most two chunks behind.
-        let mut ivf = std::mem::replace(&mut self.ivf, Ivf::new(0));
+        let mut ivf = std::mem::replace(&mut self.ivf, Lists::Memory(Ivf::new(0)));
         let (tx, rx) = std::sync::mpsc::sync_channel::<Coded>(2);
         let (written_tx, written_rx) = std::sync::mpsc::channel::<usize>();
         // With progress shown (a bar with a length: hidden ones have none, and
@@ -69,17 +104,13 @@ impl Contents {
         let dev = codec.centroids.device();
         let (mut read, mut code, mut wait) = (Duration::ZERO, Duration::ZERO, Duration::ZERO);
         std::thread::scope(|s| -> Result<()> {
-            let writer = s.spawn(move || -> Result<(Ivf, [Duration; 2])> {
+            let writer = s.spawn(move || -> Result<(Lists, [Duration; 2])> {
                 let (mut write, mut lists) = (Duration::ZERO, Duration::ZERO);
                 for c in rx {
                     let t0 = Instant::now();
                     let codes = write_coded(st, &c)?;
                     let t1 = Instant::now();
-                    let mut at = 0;
-                    for (k, &l) in c.lens.iter().enumerate() {
-                        ivf.add(base + c.first + k as u32, &codes[at..at + l]);
-                        at += l;
-                    }
+                    ivf.add_chunk(c.file, base + c.first, &c.lens, &codes)?;
                     (write, lists) = (write + (t1 - t0), lists + t1.elapsed());
                     // The receiver outlives the writer: a failed send only means it stopped early.
                     let _ = written_tx.send(c.ch + 1);
@@ -152,18 +183,15 @@ impl Contents {
             let lens = crate::index::chunk_lens(&st.dir, i)?;
             let codes: Vec<i64> =
                 npy::read(&st.dir.join(format!("{i}.codes.npy")), &Device::Cpu)?.to_dtype(DType::I64)?.to_vec1()?;
-            if codes.len() != lens.iter().sum::<usize>() {
+            let t = lens.iter().sum::<usize>();
+            if codes.len() != t || codes.iter().any(|&c| c < 0 || c as usize >= self.ivf.len()) {
                 bail!("dir: chunk {i} of the build in {} is inconsistent", st.dir.display())
             }
-            let mut at = 0;
-            for l in lens {
-                let c: Vec<u32> = codes[at..at + l].iter().map(|&c| c as u32).collect();
-                self.ivf.add(self.documents as u32, &c);
-                self.documents += 1;
-                at += l;
-            }
+            let codes: Vec<u32> = codes.into_iter().map(|c| c as u32).collect();
+            self.ivf.add_chunk(i, self.documents as u32, &lens, &codes)?;
+            self.documents += lens.len();
             self.chunks += 1;
-            self.embeddings += at;
+            self.embeddings += t;
         }
         Ok(())
     }
@@ -176,7 +204,7 @@ impl Contents {
             &serde_json::json!({
                 "avg_doclen": avg, "compress_only": false, "nbits": nbits, "num_chunks": self.chunks,
                 "num_documents": self.documents, "num_embeddings": self.embeddings,
-                "num_partitions": self.ivf.lists.len(),
+                "num_partitions": self.ivf.len(),
             }),
         )?;
         write_json(&st.file("plan.json")?, &serde_json::json!({"nbits": nbits, "num_chunks": self.chunks}))
@@ -240,71 +268,4 @@ pub(crate) fn write_codec(st: &Staging, c: &Codec) -> Result<()> {
     npy::write(&st.file("bucket_weights.npy")?, &c.codec.bucket_weights)?;
     npy::write(&st.file("avg_residual.npy")?, &Tensor::new(c.cal.avg_residual.as_slice(), &Device::Cpu)?)?;
     npy::write(&st.file("cluster_threshold.npy")?, &Tensor::new(&[c.cal.cluster_threshold], &Device::Cpu)?)
-}
-
-/// The inverted file: each centroid's documents, ascending (documents are
-/// added in id order, so a list is sorted and deduplicated by comparing
-/// with its last entry).
-pub(crate) struct Ivf {
-    lists: Vec<Vec<u32>>,
-}
-
-impl Ivf {
-    /// `k` empty lists.
-    pub fn new(k: usize) -> Self {
-        Self { lists: vec![Vec::new(); k] }
-    }
-
-    /// Adds document `doc` to the lists of its tokens' `codes`.
-    pub fn add(&mut self, doc: u32, codes: &[u32]) {
-        for &c in codes {
-            let l = &mut self.lists[c as usize];
-            if l.last() != Some(&doc) {
-                l.push(doc);
-            }
-        }
-    }
-
-    /// The lists of an inverted file held as document ids `ids` and list
-    /// offsets `offsets` (`[C + 1]`).
-    pub fn from_csr(ids: &[u32], offsets: &[u32]) -> Self {
-        Self { lists: offsets.windows(2).map(|w| ids[w[0] as usize..w[1] as usize].to_vec()).collect() }
-    }
-
-    /// The lists, less the documents `skip` (ascending), as `(ids, offsets [C + 1])`.
-    pub fn csr(&self, skip: &[u32]) -> (Vec<u32>, Vec<u32>) {
-        let mut ids = Vec::new();
-        let mut offsets = Vec::with_capacity(self.lists.len() + 1);
-        offsets.push(0u32);
-        for l in &self.lists {
-            ids.extend(l.iter().filter(|d| skip.binary_search(d).is_err()));
-            offsets.push(ids.len() as u32);
-        }
-        (ids, offsets)
-    }
-
-    /// Each list of `self` followed by the same list of `later` (whose
-    /// documents all come after `self`'s).
-    pub fn then(mut self, later: Ivf) -> Self {
-        for (l, m) in self.lists.iter_mut().zip(later.lists) {
-            l.extend(m);
-        }
-        self
-    }
-
-    /// Writes `ivf.npy` and `ivf_lengths.npy`, less the documents `skip` (ascending).
-    pub fn write(&self, st: &Staging, skip: &[u32]) -> Result<()> {
-        self.write_as(st, "ivf", skip)
-    }
-
-    /// Writes `STEM.npy` and `STEM_lengths.npy`, less the documents `skip`.
-    pub fn write_as(&self, st: &Staging, stem: &str, skip: &[u32]) -> Result<()> {
-        let (ids, offsets) = self.csr(skip);
-        let ids: Vec<i64> = ids.into_iter().map(i64::from).collect();
-        let lens: Vec<i32> = offsets.windows(2).map(|w| (w[1] - w[0]) as i32).collect();
-        let n = ids.len();
-        npy::write(&st.file(&format!("{stem}.npy"))?, &Tensor::from_vec(ids, n, &Device::Cpu)?)?;
-        let k = lens.len();
-        npy::write(&st.file(&format!("{stem}_lengths.npy"))?, &Tensor::from_vec(lens, k, &Device::Cpu)?)
-    }
 }
