@@ -8,7 +8,7 @@ the same documents up to `--fast-plaid-max-tokens` (fast-plaid on the GPU, as
 bench/plaid_engine.py runs it).
 
     python3 bench/plaid_scale.py --bench BIN --work DIR [--docs 136000,544000,2176000,8000000] [--cuda]
-        [--nbits 4] [--fast-plaid-max-tokens 70000000]
+        [--nbits 4] [--spherical] [--fast-plaid-max-tokens 70000000]
 
 BIN is the plaid_bench example. The collections are plaid_bench's generated
 ones (`--generate N`, 60-190 tokens per document, about 125 on average:
@@ -40,6 +40,7 @@ def main():
     ap.add_argument("--docs", default="136000,544000,2176000,8000000")
     ap.add_argument("--nbits", type=int, default=4)
     ap.add_argument("--cuda", action="store_true")
+    ap.add_argument("--spherical", action="store_true", help="spherical k-means (plaid_bench build --spherical)")
     ap.add_argument("--exact-queries", type=int, default=32, help="queries scored exhaustively for recall")
     ap.add_argument("--fast-plaid-max-tokens", type=int, default=0, help="fast-plaid builds up to this size (0: never)")
     a = ap.parse_args()
@@ -54,7 +55,8 @@ def main():
         gen = ["--generate", str(n)]
         idx = w("ours")
         shutil.rmtree(idx, ignore_errors=True)
-        rows, mem = plaid_engine.run([B, *dev, "build", *gen, "--index", idx, "--nbits", str(a.nbits)], f"build {n}")
+        sph = ["--spherical"] if a.spherical else []
+        rows, mem = plaid_engine.run([B, *dev, "build", *gen, "--index", idx, "--nbits", str(a.nbits), *sph], f"build {n}")
         build = next(r for r in rows if r.get("phase") == "build")
         plaid_engine.run([B, *dev, "queries", *gen, "--n", "256", "--out", w("q.npy")], f"queries {n}")
         rows, _ = plaid_engine.run([B, *dev, "search", "--index", idx, "--queries", w("q.npy"), "--out", w("ours.json")],
@@ -67,7 +69,7 @@ def main():
         exact = json.load(open(w("exact.json")))["ids"]
         meta = json.load(open(os.path.join(idx, "metadata.json")))
         tokens = meta["num_embeddings"]
-        summary = {"documents": n, "tokens": tokens, "build_s": build["seconds"], "tokens_per_s": tokens / build["seconds"],
+        summary = {"documents": n, "tokens": tokens, "spherical_kmeans": a.spherical, "build_s": build["seconds"], "tokens_per_s": tokens / build["seconds"],
                    "build_peak_host_mb": mem["peak_host_mb"], "build_peak_device_mb": mem["peak_device_mb"],
                    "index_mb": du_mb(idx), "recall@10": recall(got, exact),
                    "search_ms": {r["batch"]: r["median_ms"] for r in rows if r.get("phase") == "search"}}

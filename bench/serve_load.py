@@ -6,7 +6,9 @@ N concurrent clients, each on one HTTP/1.1 keep-alive connection, send
 `POST /search` back to back for T seconds; per client count it prints one
 JSON line: clients, requests, failures, throughput (requests and queries per
 second), latency p50 / p90 / p99 / mean in ms. Pure Python (asyncio and the
-standard library) plus numpy, so it runs on a bare GPU machine.
+standard library) plus numpy, so it runs on a bare GPU machine. The clients
+are spread over `--processes` processes (one asyncio loop each): one Python
+loop saturates at a few thousand requests per second.
 
 Queries are rows of a `.npy` of shape [Nq, Lq, dim] (float16 or float32;
 all-zero token rows are dropped as padding) or lines of a text file (for a
@@ -19,6 +21,7 @@ service started with --model); each request takes the next ones in turn.
 
 import argparse
 import asyncio
+import concurrent.futures
 import json
 import sys
 import time
@@ -132,14 +135,44 @@ async def client(i, args, url, payloads, deadline, stats):
         writer.close()
 
 
-async def run(args, clients, seconds, payloads):
+async def run(args, clients, seconds, payloads, first=0, stride=None, start_at=None):
+    """Clients `first, first + stride, ...` below `clients` for `seconds`
+    from the wall-clock time `start_at` (default: now)."""
     url = urllib.parse.urlparse(args.url)
     stats = {"lat": [], "failures": 0, "queries": 0, "errors": []}
     args.clients_now = clients
+    if start_at is not None:
+        await asyncio.sleep(max(0.0, start_at - time.time()))
     start = time.perf_counter()
     deadline = start + seconds
-    await asyncio.gather(*(client(i, args, url, payloads, deadline, stats) for i in range(clients)))
+    ids = range(first, clients, stride or 1)
+    await asyncio.gather(*(client(i, args, url, payloads, deadline, stats) for i in ids))
     return stats, time.perf_counter() - start
+
+
+def run_part(args, clients, seconds, payloads, first, stride, start_at):
+    """One process's share of the clients (see `measure`)."""
+    return asyncio.run(run(args, clients, seconds, payloads, first, stride, start_at))
+
+
+def measure(args, clients, seconds, payloads, pool):
+    """`clients` clients for `seconds`, spread over the pool's processes,
+    all starting at the same moment; their stats merged."""
+    procs = min(args.processes, clients)
+    if procs <= 1:
+        return asyncio.run(run(args, clients, seconds, payloads))
+    start_at = time.time() + 0.5
+    parts = [pool.submit(run_part, args, clients, seconds, payloads, i, procs, start_at) for i in range(procs)]
+    stats = {"lat": [], "failures": 0, "queries": 0, "errors": []}
+    elapsed = 0.0
+    for f in parts:
+        s, e = f.result()
+        stats["lat"] += s["lat"]
+        stats["failures"] += s["failures"]
+        stats["queries"] += s["queries"]
+        stats["errors"] += s["errors"][: 3 - len(stats["errors"])]
+        elapsed = max(elapsed, e)
+    return stats, elapsed
 
 
 def main():
@@ -161,18 +194,21 @@ def main():
     p.add_argument("--api-key")
     p.add_argument("--max-bodies", type=int, default=4096, help="distinct request bodies at most")
     p.add_argument("--label", default="", help="copied into every output line")
+    p.add_argument("--processes", type=int, default=4, help="client processes (each an asyncio loop)")
     args = p.parse_args()
     payloads = bodies(args)
+    pool = concurrent.futures.ProcessPoolExecutor(max_workers=max(1, args.processes))
     for clients in [int(c) for c in args.clients.split(",")]:
         if args.warmup > 0:
-            asyncio.run(run(args, clients, args.warmup, payloads))
-        stats, elapsed = asyncio.run(run(args, clients, args.seconds, payloads))
+            measure(args, clients, args.warmup, payloads, pool)
+        stats, elapsed = measure(args, clients, args.seconds, payloads, pool)
         lat = np.array(stats["lat"]) if stats["lat"] else np.array([float("nan")])
         line = {
             "label": args.label,
             "url": args.url,
             "clients": clients,
             "queries_per_request": args.queries_per_request,
+            "processes": min(args.processes, clients),
             "seconds": round(elapsed, 3),
             "requests": len(stats["lat"]),
             "failures": stats["failures"],
