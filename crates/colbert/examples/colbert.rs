@@ -26,7 +26,7 @@ pub(crate) mod cli;
 pub(crate) mod index;
 
 use anyhow::{anyhow, Context, Result};
-use candle_core::{DType, Tensor};
+use candle_core::DType;
 use candle_maxsim_colbert::{read_documents, top_k_of, ColBert};
 use clap::builder::RangedU64ValueParser;
 use clap::Parser;
@@ -72,17 +72,22 @@ pub(crate) struct Args {
     cuda: bool,
 }
 
-/// The documents' token embeddings, the scored tokens only (padding and
-/// skiplist dropped), packed for indexing: `(embeddings [T, dim], lengths)`.
-fn encode_for_index(model: &ColBert, docs: &[&str], batch: usize, bar: &ProgressBar) -> Result<(Tensor, Vec<u32>)> {
-    let (mut parts, mut lens) = (Vec::new(), Vec::new());
+/// Encodes the documents' token embeddings, the scored tokens only (padding
+/// and skiplist dropped), batch by batch into `out` (on disk: a collection is
+/// never in memory whole).
+fn encode_for_index(
+    model: &ColBert,
+    docs: &[&str],
+    batch: usize,
+    bar: &ProgressBar,
+    out: &mut candle_maxsim_plaid::DocumentsWriter,
+) -> Result<()> {
     for chunk in docs.chunks(batch) {
         let (x, l) = model.encode_documents_packed(chunk)?;
-        parts.push(x);
-        lens.extend(l);
+        out.push(&x, &l)?;
         bar.inc(chunk.len() as u64);
     }
-    Ok((Tensor::cat(&parts, 0)?, lens))
+    Ok(())
 }
 
 /// Searches the PLAID index in `dir` for the query: the index of `docs` and
@@ -92,15 +97,15 @@ fn search_index(args: &Args, model: &ColBert, want: &index::BuiltFrom, docs: &[&
     let device = model.device();
     let t0 = Instant::now();
     let config = IndexConfig { show_progress: true, ..Default::default() };
-    let (index, _) = index::open_or_build(dir, want, args.rebuild, &config, device, || {
+    let (index, _) = index::open_or_build(dir, want, args.rebuild, &config, device, |out| {
         eprintln!("building a PLAID index of {} documents in {} ...", docs.len(), dir.display());
         let bar = ProgressBar::new(docs.len() as u64).with_style(
             ProgressStyle::with_template("encoding [{bar:30}] {pos}/{len} documents ({elapsed})")?
                 .progress_chars("#>-"),
         );
-        let encoded = encode_for_index(model, docs, args.batch, &bar)?;
+        encode_for_index(model, docs, args.batch, &bar, out)?;
         bar.finish_and_clear();
-        Ok(encoded)
+        Ok(())
     })?;
     let open_ms = t0.elapsed().as_secs_f64() * 1e3;
     let query = || -> Result<_> {

@@ -8,7 +8,7 @@ mod support;
 mod colbert_example;
 
 use candle_core::{Device, Tensor};
-use candle_maxsim_plaid::IndexConfig;
+use candle_maxsim_plaid::{DocumentsWriter, IndexConfig};
 use clap::{CommandFactory, Parser};
 use colbert_example::{cli, index};
 use index::{BuiltFrom, RECORD};
@@ -92,8 +92,11 @@ fn index_record_decides_open_build_refuse() -> anyhow::Result<()> {
     let cfg = IndexConfig::default();
     let dev = Device::Cpu;
     let want_a = want(&a, DOCS_A, &model, 8);
-    let build = || embeddings(DOCS_A.len(), 8, 0);
-    let no_build = || -> anyhow::Result<(Tensor, Vec<u32>)> { panic!("the index should have been opened") };
+    let build = |w: &mut DocumentsWriter| {
+        let (x, lens) = embeddings(DOCS_A.len(), 8, 0)?;
+        Ok(w.push(&x, &lens)?)
+    };
+    let no_build = |_: &mut DocumentsWriter| -> anyhow::Result<()> { panic!("the index should have been opened") };
 
     let (idx, built) = index::open_or_build(&dir, &want_a, false, &cfg, &dev, build)?;
     assert!(built && idx.num_documents() == DOCS_A.len());
@@ -121,7 +124,10 @@ fn index_record_decides_open_build_refuse() -> anyhow::Result<()> {
 
     // --rebuild: rebuilt and recorded.
     let want_b = want(&b, DOCS_B, &model, 16);
-    let (idx, built) = index::open_or_build(&dir, &want_b, true, &cfg, &dev, || embeddings(DOCS_B.len(), 16, 1))?;
+    let (idx, built) = index::open_or_build(&dir, &want_b, true, &cfg, &dev, |w| {
+        let (x, lens) = embeddings(DOCS_B.len(), 16, 1)?;
+        Ok(w.push(&x, &lens)?)
+    })?;
     assert!(built && idx.dim() == 16);
     assert_eq!(index::read_record(&dir)?.as_ref(), Some(&want_b));
 

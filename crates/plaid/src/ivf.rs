@@ -181,7 +181,7 @@ impl IvfRuns {
             let path = self.path(i);
             let f = std::fs::File::open(&path).map_err(|e| io_err(&path, "open", e))?;
             let bytes = f.metadata().map_err(|e| io_err(&path, "read", e))?.len() as usize;
-            if bytes % 8 != 0 {
+            if !bytes.is_multiple_of(8) {
                 bail!("ivf: {} is not whole (centroid, document) pairs", path.display())
             }
             n += bytes / 8;

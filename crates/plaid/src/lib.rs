@@ -36,6 +36,16 @@
 //! moment, the next `create` of the same documents and configuration
 //! resumes from its last completed chunk and gives the same index.
 //!
+//! ## Building large collections
+//!
+//! [`create`] reads the documents through [`Documents`] a chunk at a time:
+//! [`NpyDocuments`] memory-maps an `.npy` of token embeddings, and
+//! [`DocumentsWriter`] writes one batch by batch as an encoder produces them,
+//! so a collection need not fit in memory. The k-means sample is drawn from
+//! the whole collection; a writer thread writes each coded chunk while the
+//! next is coded; the inverted lists are spilled to disk a chunk at a time
+//! and merged into `ivf.npy` at the end (the host never holds them whole).
+//!
 //! ## Search
 //!
 //! [`PlaidIndex::search`] runs the PLAID pipeline on the index's device for a batch of queries
@@ -61,7 +71,7 @@
 //! `delete` (ids stay stable here).
 
 // Each module uses only those below it in this order: shards, create,
-// search, writer, kmeans, codec, index, documents, npy, store.
+// search, writer, ivf, kmeans, codec, index, documents, npy, store.
 mod codec;
 mod create;
 mod documents;
@@ -75,7 +85,7 @@ mod store;
 mod writer;
 
 pub use create::{create, IndexConfig};
-pub use documents::{Documents, NpyDocuments, PackedDocuments};
+pub use documents::{Documents, DocumentsWriter, NpyDocuments, PackedDocuments};
 pub use index::PlaidIndex;
 pub use search::{SearchParams, SearchResults, Subset};
 pub use shards::ShardedIndex;

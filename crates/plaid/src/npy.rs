@@ -186,6 +186,13 @@ fn raw_bytes(t: &Tensor) -> Result<Vec<u8>> {
 /// The numpy 1.0 prologue of an array of `descr` (e.g. `<i8`) and `dims`,
 /// padded to a multiple of 64 bytes as numpy pads it.
 fn header(descr: &str, dims: &[usize]) -> Vec<u8> {
+    header_of_length(descr, dims, 0)
+}
+
+/// [`header`] padded to at least `min_len` bytes (still a multiple of 64):
+/// a file whose first dimension grows keeps its header's length, so that
+/// the header can be written again in place.
+pub(crate) fn header_of_length(descr: &str, dims: &[usize], min_len: usize) -> Vec<u8> {
     let shape = match dims {
         [] => "()".to_string(),
         [n] => format!("({n},)"),
@@ -193,7 +200,7 @@ fn header(descr: &str, dims: &[usize]) -> Vec<u8> {
     };
     let mut header = format!("{{'descr': '{descr}', 'fortran_order': False, 'shape': {shape}, }}");
     let total = 10 + header.len() + 1;
-    header.push_str(&" ".repeat(total.div_ceil(64) * 64 - total));
+    header.push_str(&" ".repeat(total.max(min_len).div_ceil(64) * 64 - total));
     header.push('\n');
     let mut out = Vec::with_capacity(10 + header.len());
     out.extend_from_slice(b"\x93NUMPY\x01\x00");

@@ -5,8 +5,8 @@
 //! same count would print their texts next to the indexed ones' scores.
 
 use anyhow::{anyhow, bail, Context, Result};
-use candle_core::{Device, Tensor};
-use candle_maxsim_plaid::{create, IndexConfig, PackedDocuments, PlaidIndex};
+use candle_core::Device;
+use candle_maxsim_plaid::{create, Documents, DocumentsWriter, IndexConfig, PlaidIndex};
 use std::io::{ErrorKind, Write};
 use std::path::Path;
 
@@ -167,7 +167,7 @@ pub fn open_or_build(
     rebuild: bool,
     config: &IndexConfig,
     device: &Device,
-    encode: impl FnOnce() -> Result<(Tensor, Vec<u32>)>,
+    encode: impl FnOnce(&mut DocumentsWriter) -> Result<()>,
 ) -> Result<(PlaidIndex, bool)> {
     let at = || format!("--index {}", dir.display());
     if holds_index(dir)? && !rebuild {
@@ -196,17 +196,24 @@ pub fn open_or_build(
         }
         return Ok((index, false));
     }
-    let (x, lens) = encode()?;
-    if x.dim(1)? != want.dim || lens.len() != want.num_documents {
-        bail!(
-            "{}: encoded {} documents of dim {}, expected {} of dim {}",
-            at(),
-            lens.len(),
-            x.dim(1)?,
-            want.num_documents,
-            want.dim
-        )
-    }
+    // The documents are encoded batch by batch into a file beside the
+    // index (never all in memory), which the build then reads.
+    let name = dir.file_name().map_or("index".into(), |n| n.to_string_lossy().into_owned());
+    let spool = dir.parent().unwrap_or(Path::new(".")).join(format!(".{name}.documents.npy"));
+    let mut writer = DocumentsWriter::create(&spool, want.dim).with_context(at)?;
+    let encoded = encode(&mut writer);
+    let docs = encoded.and_then(|()| Ok(writer.finish()?));
+    let docs = match docs {
+        Ok(d) if d.len() == want.num_documents => d,
+        Ok(d) => {
+            let _ = std::fs::remove_file(&spool);
+            bail!("{}: encoded {} documents, expected {}", at(), d.len(), want.num_documents)
+        }
+        Err(e) => {
+            let _ = std::fs::remove_file(&spool);
+            return Err(e).with_context(at);
+        }
+    };
     // The old record goes before the index is replaced: an index left without
     // one (a failed build) is refused, never taken for the one recorded.
     match std::fs::remove_file(dir.join(RECORD)) {
@@ -215,7 +222,10 @@ pub fn open_or_build(
         }
         _ => {}
     }
-    let index = create(dir, &PackedDocuments::new(x, &lens)?, config, device).with_context(at)?;
+    let index = create(dir, &docs, config, device).with_context(at);
+    drop(docs);
+    let _ = std::fs::remove_file(&spool);
+    let index = index?;
     write_record(dir, want)?;
     Ok((index, true))
 }
