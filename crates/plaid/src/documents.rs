@@ -197,6 +197,9 @@ impl DocumentsWriter {
         if dim == 0 {
             bail!("dim: must be at least 1")
         }
+        if !cfg!(target_endian = "little") {
+            bail!("npy: writing needs a little-endian machine")
+        }
         let io = |e| io_err(&path, "create", e);
         let mut out = std::io::BufWriter::with_capacity(1 << 22, std::fs::File::create(&path).map_err(io)?);
         out.write_all(&npy::header_of_length("<f2", &[0, dim], SPOOL_HEADER)).map_err(io)?;
@@ -219,14 +222,12 @@ impl DocumentsWriter {
         if self.rows + t > u32::MAX as usize {
             bail!("embeddings: {} tokens in all would exceed the index's 32-bit offsets", self.rows + t)
         }
-        let x: Vec<half::f16> = embeddings.to_dtype(DType::F16)?.flatten_all()?.to_device(&Device::Cpu)?.to_vec1()?;
-        if x.iter().any(|v| !v.is_finite()) {
+        let bytes = npy::raw_bytes(&embeddings.to_dtype(DType::F16)?.to_device(&Device::Cpu)?)?;
+        // F16 infinity and NaN: every exponent bit set.
+        if bytes.chunks_exact(2).any(|b| u16::from_le_bytes([b[0], b[1]]) & 0x7c00 == 0x7c00) {
             bail!("embeddings: a value is not finite (or overflows F16) in documents {}..", self.lens.len())
         }
-        let io = |e| io_err(&self.path, "write", e);
-        for v in x {
-            self.out.write_all(&v.to_bits().to_le_bytes()).map_err(io)?;
-        }
+        self.out.write_all(&bytes).map_err(|e| io_err(&self.path, "write", e))?;
         self.rows += t;
         self.lens.extend_from_slice(lens);
         Ok(())

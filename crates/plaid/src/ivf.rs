@@ -9,7 +9,7 @@
 use crate::npy;
 use crate::store::{io_err, Staging};
 use candle_core::{bail, Device, Result, Tensor};
-use std::io::{BufReader, BufWriter, Read, Write};
+use std::io::{BufReader, Read};
 use std::path::{Path, PathBuf};
 
 /// The lists in memory. Documents are added in id order, so a list is
@@ -163,11 +163,8 @@ impl IvfRuns {
         }
         let path = self.path(chunk);
         let io = |e| io_err(&path, "write", e);
-        let mut w = BufWriter::with_capacity(1 << 20, std::fs::File::create(&path).map_err(io)?);
-        for v in pairs {
-            w.write_all(&v.to_le_bytes()).map_err(io)?;
-        }
-        w.flush().map_err(io)
+        let bytes: Vec<u8> = pairs.iter().flat_map(|v| v.to_le_bytes()).collect();
+        std::fs::write(&path, bytes).map_err(io)
     }
 
     /// Merges the runs of chunks `0..chunks` into `ivf.npy` and

@@ -160,8 +160,9 @@ pub(crate) fn read(path: &Path, device: &Device) -> Result<Tensor> {
     MappedNpy::open(path)?.tensor(device)
 }
 
-/// The bytes of a host tensor's elements, little-endian (as the machine's).
-fn raw_bytes(t: &Tensor) -> Result<Vec<u8>> {
+/// The bytes of `t`'s elements in the machine's order (little-endian where
+/// `.npy` files are written), copied to the host.
+pub(crate) fn raw_bytes(t: &Tensor) -> Result<Vec<u8>> {
     fn bytes<T: Copy>(v: Vec<T>) -> Vec<u8> {
         let n = v.len() * std::mem::size_of::<T>();
         let mut v = std::mem::ManuallyDrop::new(v);
