@@ -212,6 +212,10 @@ enum Phase {
         /// Write every query's results (ids, scores) as JSON here.
         #[arg(long)]
         out: Option<PathBuf>,
+        /// Open the index within this fraction of the device memory it
+        /// needs whole (`PlaidIndex::load_with_device_budget`).
+        #[arg(long)]
+        device_budget_fraction: Option<f64>,
     },
     /// Time each stage of a search, for batches of each `--batch` size.
     Stages {
@@ -397,13 +401,20 @@ fn main() -> Result<()> {
             Tensor::new(lens, &Device::Cpu)?.write_npy(&lens_out)?;
             println!("{}", serde_json::json!({"phase": "dump", "documents": n, "tokens": tokens}));
         }
-        Phase::Search { index, queries, batches, params, repeats, out } => {
+        Phase::Search { index, queries, batches, params, repeats, out, device_budget_fraction } => {
             let t = Instant::now();
-            let idx = PlaidIndex::load(&index, &dev)?;
+            let idx = match device_budget_fraction {
+                None => PlaidIndex::load(&index, &dev)?,
+                Some(f) => {
+                    let (whole, _) = PlaidIndex::device_bytes_needed(&index)?;
+                    PlaidIndex::load_with_device_budget(&index, &dev, (whole as f64 * f) as usize)?
+                }
+            };
             dev.synchronize()?;
             println!(
                 "{}",
-                serde_json::json!({"phase": "load", "seconds": t.elapsed().as_secs_f64(), "peak_rss_mb": peak_rss_mb()})
+                serde_json::json!({"phase": "load", "seconds": t.elapsed().as_secs_f64(), "peak_rss_mb": peak_rss_mb(),
+                    "device_bytes": idx.device_bytes(), "residuals_on_host": idx.residuals_on_host()})
             );
             let q = Tensor::read_npy(&queries)?.to_dtype(DType::F16)?.to_device(&dev)?;
             let sp = params.search();

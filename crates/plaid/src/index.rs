@@ -30,7 +30,9 @@ pub struct PlaidIndex {
     pub codec: ResidualCodec,
     /// `[T]` U32 centroid code of every token, documents back to back.
     pub codes: Tensor,
-    /// `[T, dim·nbits/8]` U8 packed residuals.
+    /// `[T, dim·nbits/8]` U8 packed residuals: on the index's device, or
+    /// in host memory for an index opened with a device budget it exceeds
+    /// ([`PlaidIndex::load_with_device_budget`]).
     pub residuals: Tensor,
     /// `[2^nbits − 1]` bucket boundaries, if the index has them (needed to compress new documents).
     pub bucket_cutoffs: Option<Tensor>,
@@ -51,6 +53,9 @@ pub struct PlaidIndex {
     pub(crate) deleted: Vec<u32>,
     /// `[1, ⌈Nd/32⌉]` U32 bitmap of the live documents, when some are deleted.
     pub(crate) live: Option<Tensor>,
+    /// Whether `residuals` are kept in host memory (the device budget):
+    /// each search then copies only its candidates' rows to the device.
+    pub(crate) host_residuals: bool,
 }
 
 /// One of the two per-token arrays (`codes` or `residuals`), chunk by chunk.
@@ -159,6 +164,27 @@ pub(crate) fn chunk_lens(dir: &Path, i: usize) -> Result<Vec<usize>> {
 }
 
 /// The largest and smallest value of an integer tensor, on its device.
+/// Bytes an index of `tokens` tokens in `docs` documents takes on a device
+/// besides its residuals, and its residuals: `(rest, residuals)`, as
+/// [`PlaidIndex::device_bytes`] counts them (codes as U32, each inverted
+/// file's ids and offsets, document offsets, centroids of `centroid_bytes`
+/// each).
+fn footprint(
+    dir: &Path,
+    tokens: usize,
+    docs: usize,
+    n_c: usize,
+    centroid_bytes: usize,
+    width: usize,
+) -> Result<(usize, usize)> {
+    let lists = |stem: &str| -> Result<usize> {
+        let p = dir.join(format!("{stem}.npy"));
+        Ok(if p.exists() { (MappedNpy::open(&p)?.shape.first().copied().unwrap_or(0) + n_c + 1) * 4 } else { 0 })
+    };
+    let rest = tokens * 4 + lists("ivf")? + lists(DELTA_IVF)? + (docs + 1) * 4 + n_c * centroid_bytes;
+    Ok((rest, tokens * width))
+}
+
 /// Inverted-file entries read to a GPU at a time (128 MB of I64 ids).
 const IVF_PIECE: usize = 1 << 24;
 
@@ -179,7 +205,22 @@ impl PlaidIndex {
     /// (the index opens as it was before the update or as after, never in
     /// between), and what that process left beside the index is removed.
     pub fn load(dir: impl AsRef<Path>, device: &Device) -> Result<Self> {
-        let dir = dir.as_ref();
+        Self::load_budgeted(dir.as_ref(), device, None)
+    }
+
+    /// [`Self::load`] within `device_bytes` of device memory for the index
+    /// itself (codes, residuals, inverted file, centroids, offsets; a
+    /// search's working memory comes on top): where the whole index does not
+    /// fit, its residuals (`dim·nbits/8` bytes per token, most of an index)
+    /// stay in host memory and each search copies to the device only the
+    /// rows of the documents it scores exactly. Search results are the same
+    /// as with the whole index on the device. `Err` naming `device_bytes`
+    /// when even the rest does not fit.
+    pub fn load_with_device_budget(dir: impl AsRef<Path>, device: &Device, device_bytes: usize) -> Result<Self> {
+        Self::load_budgeted(dir.as_ref(), device, Some(device_bytes))
+    }
+
+    fn load_budgeted(dir: &Path, device: &Device, budget: Option<usize>) -> Result<Self> {
         crate::store::recover(dir)?;
         let meta_path = dir.join("metadata.json");
         let meta = read_json(&meta_path)?;
@@ -221,18 +262,29 @@ impl PlaidIndex {
         }
 
         let width = codec.residual_width(dim);
+        // What the index takes on the device, and whether its residuals must stay on the host.
+        let (rest, _) = footprint(dir, total, lens.len(), n_c, dim * cf.dtype.size_in_bytes(), width)?;
+        let host_residuals = match budget {
+            Some(b) if rest > b => bail!(
+                "device_bytes: the index needs {rest} bytes on the device besides its residuals (codes, \
+                 inverted file, centroids, offsets), {b} given"
+            ),
+            Some(b) => rest + total * width > b,
+            None => false,
+        };
+        let rdev = if host_residuals { &Device::Cpu } else { device };
         let mut codes_p = Payload { dir, suffix: "codes", merged: None };
         let mut res_p = Payload { dir, suffix: "residuals", merged: None };
         let (mut codes, mut residuals) = (Vec::with_capacity(n_chunks), Vec::with_capacity(n_chunks));
         for (i, &rows) in chunk_rows.iter().enumerate() {
             let c = codes_p.chunk(i, rows, &chunk_rows, device)?;
-            let r = res_p.chunk(i, rows, &chunk_rows, device)?;
+            let r = res_p.chunk(i, rows, &chunk_rows, rdev)?;
             let (c, r) = checked_chunk(i, rows, c, r, n_c, width)?;
             codes.push(c);
             residuals.push(r);
         }
         let (codes, residuals) = match total {
-            0 => (empty(&[0], DType::U32, device)?, empty(&[0, width], DType::U8, device)?),
+            0 => (empty(&[0], DType::U32, device)?, empty(&[0, width], DType::U8, rdev)?),
             _ => (Tensor::cat(&codes, 0)?, Tensor::cat(&residuals, 0)?),
         };
         let mut offsets = Vec::with_capacity(lens.len() + 1);
@@ -266,6 +318,7 @@ impl PlaidIndex {
             delta_ivf,
             deleted: Vec::new(),
             live: None,
+            host_residuals,
         };
         index.set_deleted(deleted)?;
         Ok(index)
@@ -368,8 +421,10 @@ impl PlaidIndex {
         for i in from..to {
             let lens = chunk_lens(&self.dir, i)?;
             let rows = lens.iter().sum();
-            let read = |suffix: &str| chunk_file(self.dir.join(format!("{i}.{suffix}.npy")), i, rows, &device);
-            let (c, r) = checked_chunk(i, rows, read("codes")?, read("residuals")?, n_c, width)?;
+            let read =
+                |suffix: &str, dev: &Device| chunk_file(self.dir.join(format!("{i}.{suffix}.npy")), i, rows, dev);
+            let rdev = if self.host_residuals { &Device::Cpu } else { &device };
+            let (c, r) = checked_chunk(i, rows, read("codes", &device)?, read("residuals", rdev)?, n_c, width)?;
             codes.push(c);
             residuals.push(r);
             for l in lens {
@@ -432,6 +487,54 @@ impl PlaidIndex {
         self.codes.device()
     }
 
+    /// Bytes the index holds on its device: codes, residuals (unless kept in
+    /// host memory), inverted lists, document offsets and centroids (what
+    /// [`Self::load_with_device_budget`] compares with its budget).
+    pub fn device_bytes(&self) -> usize {
+        let bytes = |t: &Tensor| t.elem_count() * t.dtype().size_in_bytes();
+        let lists = |l: &Option<(Tensor, Tensor)>| l.as_ref().map_or(0, |(a, b)| bytes(a) + bytes(b));
+        bytes(&self.codes)
+            + if self.host_residuals { 0 } else { bytes(&self.residuals) }
+            + lists(&self.ivf)
+            + lists(&self.delta_ivf)
+            + bytes(&self.cu)
+            + bytes(&self.codec.centroids)
+    }
+
+    /// The device memory the index in `dir` would take, read from its
+    /// files' headers and document lengths without loading it: `(whole,
+    /// residuals)` bytes, as [`Self::device_bytes`] counts them. A budget of
+    /// at least `whole - residuals` opens it with
+    /// [`Self::load_with_device_budget`].
+    pub fn device_bytes_needed(dir: impl AsRef<Path>) -> Result<(usize, usize)> {
+        let dir = dir.as_ref();
+        let meta_path = dir.join("metadata.json");
+        let meta = read_json(&meta_path)?;
+        let (Some(n_chunks), Some(nbits)) =
+            (json_usize(&meta, "num_chunks", &meta_path)?, json_usize(&meta, "nbits", &meta_path)?)
+        else {
+            bail!("dir: {} needs `num_chunks` and `nbits`", meta_path.display())
+        };
+        let cf = MappedNpy::open(&dir.join("centroids.npy"))?;
+        let (&n_c, &dim) = match cf.shape.as_slice() {
+            [c, d] => (c, d),
+            s => bail!("dir: {} must be [C, dim], got {s:?}", cf.path.display()),
+        };
+        let (mut tokens, mut docs) = (0, 0);
+        for i in 0..n_chunks {
+            let l = chunk_lens(dir, i)?;
+            (tokens, docs) = (tokens + l.iter().sum::<usize>(), docs + l.len());
+        }
+        let (rest, res) = footprint(dir, tokens, docs, n_c, dim * cf.dtype.size_in_bytes(), dim * nbits / 8)?;
+        Ok((rest + res, res))
+    }
+
+    /// Whether the residuals are kept in host memory (an index opened with a
+    /// device budget it exceeds).
+    pub fn residuals_on_host(&self) -> bool {
+        self.host_residuals
+    }
+
     /// Embedding dimension.
     pub fn dim(&self) -> usize {
         self.codec.centroids.dims()[1]
@@ -454,7 +557,8 @@ impl PlaidIndex {
             bail!("doc: {doc} is out of range for {} documents", self.num_documents())
         }
         let (a, b) = (self.offsets[doc] as usize, self.offsets[doc + 1] as usize);
-        let d = self.codec.decompress(&self.codes.narrow(0, a, b - a)?, &self.residuals.narrow(0, a, b - a)?)?;
+        let r = self.residuals.narrow(0, a, b - a)?.to_device(self.device())?;
+        let d = self.codec.decompress(&self.codes.narrow(0, a, b - a)?, &r)?;
         l2_normalize(&d)
     }
 
@@ -538,6 +642,15 @@ impl PlaidIndex {
 
     /// Exact scores `[Nq, docs.len()]` of the documents `docs`.
     fn score_docs(&self, q: &Tensor, docs: &[u32]) -> Result<Tensor> {
+        let (codes, residuals, cu, max_len) = self.gather_docs(docs)?;
+        let cu = Tensor::from_vec(cu, docs.len() + 1, self.device())?;
+        maxsim_residual_varlen(q, &codes, &residuals, &cu, max_len, &self.codec, true)
+    }
+
+    /// The codes and residuals of documents `docs` back to back on the
+    /// index's device (the residuals gathered where they are, then copied),
+    /// their offsets `[docs.len() + 1]` and longest length.
+    pub(crate) fn gather_docs(&self, docs: &[u32]) -> Result<(Tensor, Tensor, Vec<u32>, usize)> {
         let mut cu = Vec::with_capacity(docs.len() + 1);
         cu.push(0u32);
         let mut max_len = 0;
@@ -560,13 +673,13 @@ impl PlaidIndex {
                 if n_rows == 0 {
                     (self.codes.narrow(0, 0, 0)?, self.residuals.narrow(0, 0, 0)?)
                 } else {
-                    let rows = Tensor::from_vec(rows, n_rows, self.device())?;
-                    (self.codes.index_select(&rows, 0)?, self.residuals.index_select(&rows, 0)?)
+                    let rows = Tensor::from_vec(rows, n_rows, &Device::Cpu)?;
+                    let r = self.residuals.index_select(&rows.to_device(self.residuals.device())?, 0)?;
+                    (self.codes.index_select(&rows.to_device(self.device())?, 0)?, r)
                 }
             }
         };
-        let cu = Tensor::from_vec(cu, docs.len() + 1, self.device())?;
-        maxsim_residual_varlen(q, &codes, &residuals, &cu, max_len, &self.codec, true)
+        Ok((codes, residuals.to_device(self.device())?, cu, max_len))
     }
 }
 

@@ -46,6 +46,16 @@
 //! next is coded; the inverted lists are spilled to disk a chunk at a time
 //! and merged into `ivf.npy` at the end (the host never holds them whole).
 //!
+//! ## Indexes larger than device memory
+//!
+//! [`PlaidIndex::load_with_device_budget`] opens an index within a number of
+//! bytes of device memory: where the whole index does not fit, its residuals
+//! (`dim·nbits/8` bytes per token, most of an index) stay in host memory
+//! and each search copies to the device only the rows of the documents it
+//! scores exactly; the results are those of the whole index on the device.
+//! [`PlaidIndex::device_bytes_needed`] tells, from the files, what an index
+//! takes. [`ShardedIndex`] spreads an index over several devices.
+//!
 //! ## Search
 //!
 //! [`PlaidIndex::search`] runs the PLAID pipeline on the index's device for a batch of queries

@@ -198,17 +198,37 @@ impl PlaidIndex {
         mark("candidate top-k")?;
         // 5. Exact scores of those, and the best top_k.
         let pair_q = Tensor::arange(0u32, nq as u32, dev)?.unsqueeze(1)?.broadcast_as((nq, k1))?.contiguous()?;
-        let exact = maxsim_residual_pairs(
-            &q,
-            &self.codes,
-            &self.residuals,
-            &self.cu,
-            self.max_len,
-            &pair_q.flatten_all()?,
-            &ai.flatten_all()?,
-            &self.codec,
-            true,
-        )?
+        let exact = if self.host_residuals {
+            // Residuals in host memory: only the candidates' rows travel, and
+            // the pairs name the candidates' places among them.
+            let ids: Vec<u32> = ai.flatten_all()?.to_vec1()?;
+            let mut docs: Vec<u32> = ids.iter().copied().filter(|&d| d != NO_DOCUMENT).collect();
+            docs.sort_unstable();
+            docs.dedup();
+            let (codes, residuals, cu, max_len) = self.gather_docs(&docs)?;
+            let at: Vec<u32> = ids
+                .iter()
+                .map(|&d| if d == NO_DOCUMENT { d } else { docs.binary_search(&d).map_or(NO_DOCUMENT, |i| i as u32) })
+                .collect();
+            let (n, m) = (at.len(), cu.len());
+            let pair_d = Tensor::from_vec(at, n, dev)?;
+            let cu = Tensor::from_vec(cu, m, dev)?;
+            let pq = pair_q.flatten_all()?;
+            maxsim_residual_pairs(&q, &codes, &residuals, &cu, max_len, &pq, &pair_d, &self.codec, true)?
+        } else {
+            let (pq, pd) = (pair_q.flatten_all()?, ai.flatten_all()?);
+            maxsim_residual_pairs(
+                &q,
+                &self.codes,
+                &self.residuals,
+                &self.cu,
+                self.max_len,
+                &pq,
+                &pd,
+                &self.codec,
+                true,
+            )?
+        }
         .reshape((nq, k1))?;
         mark("exact scores")?;
         let (ev, ei) = topk_rows(&exact, params.top_k.min(k1))?;

@@ -206,6 +206,63 @@ fn add_and_delete(dev: &Device) -> Result<()> {
 
 test_device!(add_and_delete, add_and_delete_cpu, add_and_delete_cuda);
 
+/// Opened within a device budget below its size, the index keeps its
+/// residuals in host memory and searches as the whole index on the device
+/// does: the same results (default and exhaustive parameters, a subset,
+/// exact search), also after an add and a delete; a budget below the rest
+/// of the index is an error naming `device_bytes`.
+fn device_budget_changes_no_result(dev: &Device) -> Result<()> {
+    let mut b = build("budget", dev, 200, 4)?;
+    let full = b.index.device_bytes();
+    assert!(!b.index.residuals_on_host());
+    let res_bytes = b.index.residuals.elem_count();
+    assert_eq!(PlaidIndex::device_bytes_needed(&b.dir)?, (full, res_bytes), "read from the files");
+    let mut small = PlaidIndex::load_with_device_budget(&b.dir, dev, full - 1)?;
+    assert!(small.residuals_on_host() && small.residuals.device().is_cpu());
+    assert_eq!(small.device_bytes(), full - res_bytes);
+    assert!(!PlaidIndex::load_with_device_budget(&b.dir, dev, full)?.residuals_on_host());
+    expect_err(PlaidIndex::load_with_device_budget(&b.dir, dev, full - res_bytes - 1), "device_bytes");
+    let targets: Vec<usize> = (0..200).step_by(9).collect();
+    let q = queries_from(&b.x, &b.lens, &targets, 32, 3)?.to_device(dev)?;
+    let subset: Vec<u32> = (0..200).filter(|d| d % 3 != 0).collect();
+    let check = |whole: &PlaidIndex, small: &PlaidIndex, what: &str| -> Result<()> {
+        for params in [SearchParams::default(), exhaustive(whole, 15)] {
+            assert_eq!(small.search(&q, &params, None)?, whole.search(&q, &params, None)?, "{what}: {params:?}");
+            let (sa, wa) = (
+                small.search(&q, &params, Some(Subset::Shared(&subset)))?,
+                whole.search(&q, &params, Some(Subset::Shared(&subset)))?,
+            );
+            assert_eq!(sa, wa, "{what}: subset, {params:?}");
+        }
+        let (ss, si) = small.search_exact(&q, 12, None)?;
+        let (ws, wi) = whole.search_exact(&q, 12, None)?;
+        assert_eq!(
+            (ss.to_vec2::<f32>()?, si.to_vec2::<u32>()?),
+            (ws.to_vec2::<f32>()?, wi.to_vec2::<u32>()?),
+            "{what}: exact"
+        );
+        let (se, we) = (small.embeddings(17)?, whole.embeddings(17)?);
+        assert_eq!(se.to_vec2::<f32>()?, we.to_vec2::<f32>()?, "{what}: embeddings");
+        Ok(())
+    };
+    check(&b.index, &small, "opened")?;
+    let (x2, lens2, _) = clustered(30, 64, 40, 77)?;
+    let more = PackedDocuments::new(x2, &lens2)?;
+    b.index.add(&more, 15)?;
+    small.add(&more, 15)?;
+    assert!(small.residuals_on_host() && small.residuals.device().is_cpu(), "added rows stay on the host");
+    b.index.delete(&[5, 201])?;
+    small.delete(&[5, 201])?;
+    check(&b.index, &small, "after add and delete")?;
+    Ok(())
+}
+
+test_device!(
+    device_budget_changes_no_result,
+    device_budget_changes_no_result_cpu,
+    device_budget_changes_no_result_cuda
+);
+
 /// Two shards, one on `dev` and one on the CPU, search as one index with the
 /// same codec: every document scored, the merged top-k equals the exact
 /// search of the whole collection.
