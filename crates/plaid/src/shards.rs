@@ -80,7 +80,16 @@ impl ShardedIndex {
 
     /// Opens the shards of `dir` (its `shards.json`), shard `s` on `devices[s]`.
     pub fn load(dir: impl AsRef<Path>, devices: &[Device]) -> Result<Self> {
-        let dir = dir.as_ref();
+        Self::load_budgeted(dir.as_ref(), devices, None)
+    }
+
+    /// [`Self::load`], each shard within `device_bytes` of its device's
+    /// memory ([`PlaidIndex::load_with_device_budget`]).
+    pub fn load_with_device_budget(dir: impl AsRef<Path>, devices: &[Device], device_bytes: usize) -> Result<Self> {
+        Self::load_budgeted(dir.as_ref(), devices, Some(device_bytes))
+    }
+
+    fn load_budgeted(dir: &Path, devices: &[Device], budget: Option<usize>) -> Result<Self> {
         let path = dir.join(SHARDS);
         let meta = read_json(&path)?;
         let list = meta["shards"]
@@ -99,7 +108,10 @@ impl ShardedIndex {
             if f != next {
                 bail!("dir: {}: shard {s} starts at id {f}, the shards before it end at {next}", path.display())
             }
-            let idx = PlaidIndex::load(dir.join(name), dev)?;
+            let idx = match budget {
+                None => PlaidIndex::load(dir.join(name), dev)?,
+                Some(b) => PlaidIndex::load_with_device_budget(dir.join(name), dev, b)?,
+            };
             next += idx.num_documents() as u64;
             first.push(f as u32);
             shards.push(idx);

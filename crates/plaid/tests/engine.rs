@@ -288,6 +288,15 @@ fn shards_search_as_one(dev: &Device) -> Result<()> {
     let reopened = ShardedIndex::load(&dir, &[Device::Cpu, dev.clone()])?;
     let want = single.search_exact(&q, 12, None)?;
     assert_same("reopened shards", &reopened.search(&q, &params, None)?, (&want.0, &want.1), 1e-4)?;
+    // Within a device budget below every shard's size (their residuals on
+    // the host): the same results.
+    let needs: Vec<(usize, usize)> =
+        reopened.shards().iter().map(|s| PlaidIndex::device_bytes_needed(s.dir())).collect::<Result<_>>()?;
+    let budget = needs.iter().map(|n| n.0).min().unwrap() - 1;
+    assert!(needs.iter().all(|n| n.0 - n.1 <= budget), "{needs:?}");
+    let budgeted = ShardedIndex::load_with_device_budget(&dir, &[Device::Cpu, dev.clone()], budget)?;
+    assert!(budgeted.shards().iter().all(|s| s.residuals_on_host()));
+    assert_eq!(budgeted.search(&q, &params, None)?, reopened.search(&q, &params, None)?, "budgeted shards");
     let _ = std::fs::remove_dir_all(&dir);
     Ok(())
 }

@@ -31,6 +31,10 @@ struct Args {
     /// The model's dtype: f32, f16 or bf16 (default: f16 on CUDA, f32 on the CPU).
     #[arg(long)]
     model_dtype: Option<String>,
+    /// Device memory the index may take, in MiB: past it, its residuals stay
+    /// in host memory and each search copies only its candidates' rows.
+    #[arg(long)]
+    device_budget_mb: Option<usize>,
     /// The address to listen on.
     #[arg(long, default_value = "127.0.0.1")]
     host: String,
@@ -84,7 +88,11 @@ fn main() -> anyhow::Result<()> {
     if !(args.batch_window_ms.is_finite() && (0.0..=10_000.0).contains(&args.batch_window_ms)) {
         bail!("--batch-window-ms: must be between 0 and 10000, got {}", args.batch_window_ms)
     }
-    let index = PlaidIndex::load(&args.index, &device).with_context(|| format!("--index {}", args.index.display()))?;
+    let index = match args.device_budget_mb {
+        None => PlaidIndex::load(&args.index, &device),
+        Some(mb) => PlaidIndex::load_with_device_budget(&args.index, &device, mb << 20),
+    }
+    .with_context(|| format!("--index {}", args.index.display()))?;
     let model = match &args.model {
         None => None,
         Some(dir) => {
