@@ -9,7 +9,7 @@ the same documents up to `--fast-plaid-max-tokens` (fast-plaid on the GPU, as
 bench/plaid_engine.py runs it).
 
     python3 bench/plaid_scale.py --bench BIN --work DIR [--docs 136000,544000,2176000,8000000] [--cuda]
-        [--nbits 4] [--spherical] [--fast-plaid-max-tokens 70000000]
+        [--nbits 4] [--euclidean] [--fast-plaid-max-tokens 70000000] [--skip budget,update]
 
 BIN is the plaid_bench example. The collections are plaid_bench's generated
 ones (`--generate N`, 60-190 tokens per document, about 125 on average:
@@ -41,10 +41,14 @@ def main():
     ap.add_argument("--docs", default="136000,544000,2176000,8000000")
     ap.add_argument("--nbits", type=int, default=4)
     ap.add_argument("--cuda", action="store_true")
-    ap.add_argument("--spherical", action="store_true", help="spherical k-means (plaid_bench build --spherical)")
+    ap.add_argument("--euclidean", action="store_true", help="Euclidean k-means (plaid_bench build --euclidean)")
     ap.add_argument("--exact-queries", type=int, default=32, help="queries scored exhaustively for recall")
     ap.add_argument("--fast-plaid-max-tokens", type=int, default=0, help="fast-plaid builds up to this size (0: never)")
+    ap.add_argument("--skip", default="", help="phases left out: budget, update (compaction needs the index's size free on disk)")
     a = ap.parse_args()
+    skip = set(filter(None, a.skip.split(",")))
+    if skip - {"budget", "update"}:
+        sys.exit(f"--skip: unknown phases {sorted(skip - {'budget', 'update'})}")
     dev = ["--cuda"] if a.cuda else []
     B = a.bench
     os.makedirs(a.work, exist_ok=True)
@@ -56,7 +60,7 @@ def main():
         gen = ["--generate", str(n)]
         idx = w("ours")
         shutil.rmtree(idx, ignore_errors=True)
-        sph = ["--spherical"] if a.spherical else []
+        sph = ["--euclidean"] if a.euclidean else []
         rows, mem = plaid_engine.run([B, *dev, "build", *gen, "--index", idx, "--nbits", str(a.nbits), *sph], f"build {n}")
         build = next(r for r in rows if r.get("phase") == "build")
         plaid_engine.run([B, *dev, "queries", *gen, "--n", "256", "--out", w("q.npy")], f"queries {n}")
@@ -70,23 +74,25 @@ def main():
         exact = json.load(open(w("exact.json")))["ids"]
         meta = json.load(open(os.path.join(idx, "metadata.json")))
         tokens = meta["num_embeddings"]
-        summary = {"documents": n, "tokens": tokens, "spherical_kmeans": a.spherical, "build_s": build["seconds"], "tokens_per_s": tokens / build["seconds"],
+        summary = {"documents": n, "tokens": tokens, "spherical_kmeans": not a.euclidean, "build_s": build["seconds"], "tokens_per_s": tokens / build["seconds"],
                    "build_peak_host_mb": mem["peak_host_mb"], "build_peak_device_mb": mem["peak_device_mb"],
                    "index_mb": du_mb(idx), "recall@10": recall(got, exact),
                    "search_ms": {r["batch"]: r["median_ms"] for r in rows if r.get("phase") == "search"}}
         # The same searches within a quarter of the device memory the index needs whole.
-        rows, _ = plaid_engine.run([B, *dev, "search", "--index", idx, "--queries", w("q.npy"), "--out", w("budget.json"),
-                                    "--device-budget-fraction", "0.25"], f"search {n}, device budget 1/4")
-        summary["budget_quarter"] = {
-            "search_ms": {r["batch"]: r["median_ms"] for r in rows if r.get("phase") == "search"},
-            "same_results": json.load(open(w("budget.json"))) == json.load(open(w("ours.json"))),
-        }
-        rows, _ = plaid_engine.run([B, *dev, "update", *gen, "--index", idx, "--add", str(max(1, n // 1000)), "--delete", "100"],
-                                   f"update {n}")
-        upd = next((r for r in rows if r.get("phase") == "update"), {})
-        summary.update({k: upd.get(k) for k in ("add_seconds", "delete_seconds", "compact_seconds")})
-        if summary.get("add_seconds") is not None:
-            summary["add_over_build"] = summary["add_seconds"] / build["seconds"]
+        if "budget" not in skip:
+            rows, _ = plaid_engine.run([B, *dev, "search", "--index", idx, "--queries", w("q.npy"), "--out", w("budget.json"),
+                                        "--device-budget-fraction", "0.25"], f"search {n}, device budget 1/4")
+            summary["budget_quarter"] = {
+                "search_ms": {r["batch"]: r["median_ms"] for r in rows if r.get("phase") == "search"},
+                "same_results": json.load(open(w("budget.json"))) == json.load(open(w("ours.json"))),
+            }
+        if "update" not in skip:
+            rows, _ = plaid_engine.run([B, *dev, "update", *gen, "--index", idx, "--add", str(max(1, n // 1000)),
+                                        "--delete", "100"], f"update {n}")
+            upd = next((r for r in rows if r.get("phase") == "update"), {})
+            summary.update({k: upd.get(k) for k in ("add_seconds", "delete_seconds", "compact_seconds")})
+            if summary.get("add_seconds") is not None:
+                summary["add_over_build"] = summary["add_seconds"] / build["seconds"]
         if tokens <= a.fast_plaid_max_tokens:
             plaid_engine.run([B, *dev, "dump", *gen, "--out", w("emb.npy"), "--lens-out", w("lens.npy")], f"dump {n}")
             shutil.copy(w("q.npy"), w("queries.npy"))

@@ -187,9 +187,9 @@ enum Phase {
         /// Bits per residual feature.
         #[arg(long, default_value_t = 4)]
         nbits: usize,
-        /// Spherical k-means (default: Euclidean, as fast-plaid).
+        /// Euclidean k-means, as fast-plaid (default: spherical).
         #[arg(long)]
-        spherical: bool,
+        euclidean: bool,
         /// Seed of the sample and of k-means.
         #[arg(long, default_value_t = 42)]
         seed: u64,
@@ -311,11 +311,11 @@ fn main() -> Result<()> {
     let args = Args::parse();
     let dev = if args.cuda { Device::new_cuda(0)? } else { Device::Cpu };
     match args.phase {
-        Phase::Build { docs, index, nbits, spherical, seed } => {
+        Phase::Build { docs, index, nbits, euclidean, seed } => {
             let collection = docs.open(&dev)?;
             let t = Instant::now();
             let config =
-                IndexConfig { nbits, spherical_kmeans: spherical, seed, show_progress: true, ..Default::default() };
+                IndexConfig { nbits, spherical_kmeans: !euclidean, seed, show_progress: true, ..Default::default() };
             let idx = create(&index, collection.as_ref(), &config, &dev)?;
             dev.synchronize()?;
             let s = t.elapsed().as_secs_f64();

@@ -9,8 +9,9 @@ use candle_core::{bail, DType, Device, Result, Tensor};
 use std::io::{Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 
-/// A collection of documents' token embeddings.
-pub trait Documents {
+/// A collection of documents' token embeddings. `Sync`: a build reads the
+/// next chunk on one thread while it codes the current one on another.
+pub trait Documents: Sync {
     /// Number of documents.
     fn len(&self) -> usize;
     /// Whether there are no documents.

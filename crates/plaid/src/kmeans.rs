@@ -1,6 +1,6 @@
 //! The centroid training: k-means over sampled tokens, from random tokens,
-//! assigning by Euclidean distance as fastkmeans does (or, spherical, by dot
-//! product to unit centroids); empty clusters restart from random tokens.
+//! assigning by dot product to unit centroids (spherical) or by Euclidean
+//! distance as fastkmeans does; empty clusters restart from random tokens.
 
 use candle_core::{DType, Result, Tensor};
 use candle_maxsim::{l2_normalize, nn::scatter_add_rows, residual::nearest_centroids};

@@ -89,43 +89,72 @@ impl Contents {
     ) -> Result<()> {
         let n = docs.len();
         let base = (self.documents - (skip * chunk_documents).min(n)) as u32;
-        // A pipeline of two stages: this thread reads and codes chunk after
-        // chunk (on the codec's device), a writer thread copies each one's
-        // codes and residuals back, writes its files and adds its documents
-        // to the inverted lists, at most two chunks behind.
-        let mut ivf = std::mem::replace(&mut self.ivf, Lists::Memory(Ivf::new(0)));
+        let chunks = n.div_ceil(chunk_documents);
+        let chunk_ids = |ch: usize| -> Vec<u32> {
+            (ch * chunk_documents..((ch + 1) * chunk_documents).min(n)).map(|d| d as u32).collect()
+        };
+        // A pipeline of three stages: a reader thread reads chunk after chunk
+        // (`Documents::embeddings`, the host's work for a file or a
+        // generator), this thread copies each to the codec's device and codes
+        // it, and WRITERS threads copy its codes and residuals back and write
+        // its files, side by side; they add the chunks to the inverted lists
+        // in order. Each stage runs at most two chunks ahead of the next.
+        let ivf = std::mem::replace(&mut self.ivf, Lists::Memory(Ivf::new(0)));
+        let (read_tx, read_rx) = std::sync::mpsc::sync_channel::<Result<(usize, Vec<u32>, Tensor)>>(2);
         let (tx, rx) = std::sync::mpsc::sync_channel::<Coded>(2);
+        let rx = std::sync::Mutex::new(rx);
         let (written_tx, written_rx) = std::sync::mpsc::channel::<usize>();
+        let lists = Turns { state: std::sync::Mutex::new((skip, Some(ivf))), turn: std::sync::Condvar::new() };
         // With progress shown (a bar with a length: hidden ones have none, and
         // a bar on a pipe is hidden but keeps its length), where the time went
         // is printed on stderr at the end, the device synchronized after each
-        // chunk's reading and coding to tell them apart.
+        // chunk's coding to tell it apart.
         let profile = bar.length().is_some();
         let dev = codec.centroids.device();
+        let dim = codec.centroids.dim(1)?;
         let (mut read, mut code, mut wait) = (Duration::ZERO, Duration::ZERO, Duration::ZERO);
         std::thread::scope(|s| -> Result<()> {
-            let writer = s.spawn(move || -> Result<(Lists, [Duration; 2])> {
-                let (mut write, mut lists) = (Duration::ZERO, Duration::ZERO);
-                for c in rx {
+            let reader = s.spawn(move || -> Duration {
+                let mut busy = Duration::ZERO;
+                for ch in skip..chunks {
                     let t0 = Instant::now();
-                    let codes = write_coded(st, &c)?;
-                    let t1 = Instant::now();
-                    ivf.add_chunk(c.file, base + c.first, &c.lens, &codes)?;
-                    (write, lists) = (write + (t1 - t0), lists + t1.elapsed());
-                    // The receiver outlives the writer: a failed send only means it stopped early.
-                    let _ = written_tx.send(c.ch + 1);
-                }
-                Ok((ivf, [write, lists]))
-            });
-            let mut coded = || -> Result<()> {
-                for ch in skip..n.div_ceil(chunk_documents) {
-                    let ids: Vec<u32> =
-                        (ch * chunk_documents..((ch + 1) * chunk_documents).min(n)).map(|d| d as u32).collect();
-                    let t0 = Instant::now();
-                    let (x, lens) = read_chunk(docs, &ids, dev, codec.centroids.dim(1)?)?;
-                    if profile {
-                        dev.synchronize()?;
+                    let ids = chunk_ids(ch);
+                    let x = docs.embeddings(&ids);
+                    busy += t0.elapsed();
+                    let failed = x.is_err();
+                    // A closed channel: the coder stopped early (its error is reported).
+                    if read_tx.send(x.map(|x| (ch, ids, x))).is_err() || failed {
+                        break;
                     }
+                }
+                busy
+            });
+            let writers: Vec<_> = (0..WRITERS)
+                .map(|_| {
+                    let (rx, lists, written_tx) = (&rx, &lists, written_tx.clone());
+                    s.spawn(move || -> Result<[Duration; 2]> {
+                        let (mut write, mut add) = (Duration::ZERO, Duration::ZERO);
+                        loop {
+                            // The lock is held only while waiting for the next chunk.
+                            let Ok(c) = rx.lock().map_err(|_| poisoned())?.recv() else { break };
+                            let t0 = Instant::now();
+                            let codes = write_coded(st, &c).inspect_err(|_| lists.fail())?;
+                            let t1 = Instant::now();
+                            lists.in_turn(c.ch, |ivf| ivf.add_chunk(c.file, base + c.first, &c.lens, &codes))?;
+                            (write, add) = (write + (t1 - t0), add + t1.elapsed());
+                            // The receiver outlives the writers: a failed send only means it stopped early.
+                            let _ = written_tx.send(c.ch + 1);
+                        }
+                        Ok([write, add])
+                    })
+                })
+                .collect();
+            drop(written_tx);
+            let mut coded = || -> Result<()> {
+                for got in read_rx.iter() {
+                    let t0 = Instant::now();
+                    let (ch, ids, x) = got?;
+                    let (x, lens) = to_work(docs, x, &ids, dev, dim)?;
                     let t1 = Instant::now();
                     let (codes, residuals) = code_chunk(&x, codec, cutoffs)?;
                     let first = ids.first().copied().unwrap_or(0);
@@ -144,7 +173,7 @@ impl Contents {
                     let t2 = Instant::now();
                     let (t, docs_in) = (c.codes.dim(0)?, ids.len());
                     if tx.send(c).is_err() {
-                        break; // the writer failed: its error is reported below
+                        break; // the writers failed: their error is reported below
                     }
                     (read, code, wait) = (read + (t1 - t0), code + (t2 - t1), wait + t2.elapsed());
                     self.chunks += 1;
@@ -157,23 +186,45 @@ impl Contents {
                 }
                 Ok(())
             };
+            let t_wait = Instant::now();
             let coding = coded();
             drop(tx);
-            let (ivf, [write, lists]) =
-                writer.join().map_err(|_| candle_core::Error::Msg("writer thread panicked".into()))??;
+            drop(read_rx);
+            let reading = reader.join().map_err(|_| candle_core::Error::Msg("reader thread panicked".into()))?;
+            let mut spent = [Duration::ZERO; 2];
+            let mut failed = None;
+            for w in writers {
+                match w.join().map_err(|_| candle_core::Error::Msg("writer thread panicked".into()))? {
+                    Ok([a, b]) => (spent[0], spent[1]) = (spent[0] + a, spent[1] + b),
+                    Err(e) => failed = failed.or(Some(e)),
+                }
+            }
+            // The first writer's error, not the others' report of it.
+            if let Some(e) = failed {
+                return Err(e);
+            }
             coding?;
             if profile {
+                let total = t_wait.elapsed().as_secs_f64();
                 eprintln!(
-                "coding: read {:.2} s, coded {:.2} s, waited for the writer {:.2} s; writer: copied back and wrote {:.2} s, inverted lists {:.2} s",
-                read.as_secs_f64(), code.as_secs_f64(), wait.as_secs_f64(), write.as_secs_f64(), lists.as_secs_f64()
-            );
+                    "coding: {total:.2} s in all: reader busy {:.2} s; waited for the reader {:.2} s, coded {:.2} s, \
+                     waited for the writers {:.2} s; {WRITERS} writers: copied back and wrote {:.2} s, inverted lists {:.2} s",
+                    reading.as_secs_f64(),
+                    read.as_secs_f64(),
+                    code.as_secs_f64(),
+                    wait.as_secs_f64(),
+                    spent[0].as_secs_f64(),
+                    spent[1].as_secs_f64()
+                );
             }
             for w in written_rx.try_iter() {
                 done(w)?;
             }
-            self.ivf = ivf;
             Ok(())
-        })
+        })?;
+        let (_, ivf) = lists.state.into_inner().map_err(|_| poisoned())?;
+        self.ivf = ivf.ok_or_else(|| candle_core::Error::Msg("the inverted lists were lost".into()))?;
+        Ok(())
     }
 
     /// The chunks `0..k` already in `st`'s directory, counted and their
@@ -232,16 +283,61 @@ fn code_chunk(x: &Tensor, codec: &ResidualCodec, cutoffs: &Tensor) -> Result<(Te
     Ok((codes, residuals))
 }
 
-/// The embeddings of documents `ids` (consecutive) of `docs` on `dev`, in
-/// the dtype the codec works in, and their lengths.
-fn read_chunk(docs: &dyn Documents, ids: &[u32], dev: &Device, dim: usize) -> Result<(Tensor, Vec<usize>)> {
-    let x = docs.embeddings(ids)?.to_device(dev)?.to_dtype(work_dtype(dev))?;
+/// Chunk `x` (the embeddings of documents `ids`, read from `docs`) on
+/// `dev` in the dtype the codec works in, checked, and its documents'
+/// lengths.
+fn to_work(docs: &dyn Documents, x: Tensor, ids: &[u32], dev: &Device, dim: usize) -> Result<(Tensor, Vec<usize>)> {
+    let x = x.to_device(dev)?.to_dtype(work_dtype(dev))?;
     let lens: Vec<usize> = ids.iter().map(|&d| docs.doc_len(d as usize)).collect();
     let t: usize = lens.iter().sum();
     if x.dims() != [t, dim] {
         bail!("docs: embeddings of documents {:?}.. have shape {:?}, expected [{t}, {dim}]", ids.first(), x.dims())
     }
     Ok((x, lens))
+}
+
+/// Writer threads: each chunk's copies back and file writes are mostly
+/// waits (on the device's stream, on the file system's sync), so several
+/// overlap them.
+const WRITERS: usize = 3;
+
+/// The inverted lists shared by the writers, each chunk added in its turn
+/// (the chunk index next to add); `None` once a writer failed, so that the
+/// others stop waiting.
+struct Turns {
+    state: std::sync::Mutex<(usize, Option<Lists>)>,
+    turn: std::sync::Condvar,
+}
+
+impl Turns {
+    /// Runs `f` on the lists once every chunk before `ch` was added.
+    fn in_turn(&self, ch: usize, f: impl FnOnce(&mut Lists) -> Result<()>) -> Result<()> {
+        let mut g = self.state.lock().map_err(|_| poisoned())?;
+        while g.0 != ch && g.1.is_some() {
+            g = self.turn.wait(g).map_err(|_| poisoned())?;
+        }
+        let Some(lists) = g.1.as_mut() else { bail!("another writer failed") };
+        let r = f(lists);
+        if r.is_ok() {
+            g.0 += 1;
+        } else {
+            g.1 = None;
+        }
+        self.turn.notify_all();
+        r
+    }
+
+    /// Stops the writers waiting for their turn (one failed).
+    fn fail(&self) {
+        if let Ok(mut g) = self.state.lock() {
+            g.1 = None;
+        }
+        self.turn.notify_all();
+    }
+}
+
+fn poisoned() -> candle_core::Error {
+    candle_core::Error::Msg("a writer thread panicked".into())
 }
 
 /// Writes a coded chunk's files: its codes, residuals, document lengths and
@@ -268,4 +364,71 @@ pub(crate) fn write_codec(st: &Staging, c: &Codec) -> Result<()> {
     npy::write(&st.file("bucket_weights.npy")?, &c.codec.bucket_weights)?;
     npy::write(&st.file("avg_residual.npy")?, &Tensor::new(c.cal.avg_residual.as_slice(), &Device::Cpu)?)?;
     npy::write(&st.file("cluster_threshold.npy")?, &Tensor::new(&[c.cal.cluster_threshold], &Device::Cpu)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn turns(first: usize) -> Turns {
+        Turns {
+            state: std::sync::Mutex::new((first, Some(Lists::Memory(Ivf::new(4))))),
+            turn: std::sync::Condvar::new(),
+        }
+    }
+
+    #[test]
+    fn chunks_are_added_in_order_whatever_order_writers_finish() {
+        let t = turns(3);
+        let order = std::sync::Mutex::new(Vec::new());
+        std::thread::scope(|s| {
+            // Chunks 3..11, the writers started last chunk first.
+            for ch in (3..11).rev() {
+                let (t, order) = (&t, &order);
+                s.spawn(move || {
+                    t.in_turn(ch, |l| {
+                        order.lock().unwrap().push(ch);
+                        l.add_chunk(ch, ch as u32, &[1], &[ch as u32 % 4])
+                    })
+                    .unwrap()
+                });
+            }
+        });
+        assert_eq!(order.into_inner().unwrap(), (3..11).collect::<Vec<_>>());
+        let (next, lists) = t.state.into_inner().unwrap();
+        let Some(Lists::Memory(ivf)) = lists else { panic!("lists lost") };
+        assert_eq!(next, 11);
+        let (ids, offsets) = ivf.csr(&[]);
+        assert_eq!((ids, offsets), (vec![4, 8, 5, 9, 6, 10, 3, 7], vec![0, 2, 4, 6, 8]));
+    }
+
+    #[test]
+    fn a_failed_writer_releases_the_others() {
+        let t = turns(0);
+        std::thread::scope(|s| {
+            // Chunks 1 and 2 wait for chunk 0, whose writer fails.
+            let waiting: Vec<_> = (1..3)
+                .map(|ch| {
+                    s.spawn({
+                        let t = &t;
+                        move || t.in_turn(ch, |_| Ok(()))
+                    })
+                })
+                .collect();
+            std::thread::sleep(Duration::from_millis(20));
+            t.fail();
+            for w in waiting {
+                let e = w.join().unwrap().unwrap_err().to_string();
+                assert!(e.contains("another writer failed"), "{e}");
+            }
+        });
+        assert!(t.in_turn(0, |_| Ok(())).is_err());
+        // A failing addition also releases them.
+        let t = turns(0);
+        std::thread::scope(|s| {
+            let later = s.spawn(|| t.in_turn(1, |_| Ok(())));
+            assert!(t.in_turn(0, |_| candle_core::bail!("disk full")).is_err());
+            assert!(later.join().unwrap().is_err());
+        });
+    }
 }
