@@ -102,7 +102,9 @@ impl Contents {
         let ivf = std::mem::replace(&mut self.ivf, Lists::Memory(Ivf::new(0)));
         let (read_tx, read_rx) = std::sync::mpsc::sync_channel::<Result<(usize, Vec<u32>, Tensor)>>(2);
         let (tx, rx) = std::sync::mpsc::sync_channel::<Coded>(2);
-        let rx = std::sync::Mutex::new(rx);
+        // Shared by the writers and dropped with the last of them, so that
+        // the coder's send fails (instead of waiting) once they all stopped.
+        let rx = std::sync::Arc::new(std::sync::Mutex::new(rx));
         let (written_tx, written_rx) = std::sync::mpsc::channel::<usize>();
         let lists = Turns { state: std::sync::Mutex::new((skip, Some(ivf))), turn: std::sync::Condvar::new() };
         // With progress shown (a bar with a length: hidden ones have none, and
@@ -131,8 +133,10 @@ impl Contents {
             });
             let writers: Vec<_> = (0..WRITERS)
                 .map(|_| {
-                    let (rx, lists, written_tx) = (&rx, &lists, written_tx.clone());
+                    let (rx, lists, written_tx) = (rx.clone(), &lists, written_tx.clone());
                     s.spawn(move || -> Result<[Duration; 2]> {
+                        // A writer that panics releases the others waiting for its turn.
+                        let _release = ReleaseOnPanic(lists);
                         let (mut write, mut add) = (Duration::ZERO, Duration::ZERO);
                         loop {
                             // The lock is held only while waiting for the next chunk.
@@ -149,7 +153,7 @@ impl Contents {
                     })
                 })
                 .collect();
-            drop(written_tx);
+            drop((written_tx, rx));
             let mut coded = || -> Result<()> {
                 for got in read_rx.iter() {
                     let t0 = Instant::now();
@@ -329,10 +333,19 @@ impl Turns {
 
     /// Stops the writers waiting for their turn (one failed).
     fn fail(&self) {
-        if let Ok(mut g) = self.state.lock() {
-            g.1 = None;
-        }
+        self.state.lock().unwrap_or_else(|e| e.into_inner()).1 = None;
         self.turn.notify_all();
+    }
+}
+
+/// Calls [`Turns::fail`] when dropped by a panicking thread.
+struct ReleaseOnPanic<'a>(&'a Turns);
+
+impl Drop for ReleaseOnPanic<'_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.0.fail();
+        }
     }
 }
 
