@@ -129,20 +129,36 @@ impl Documents for Generated {
     }
     fn embeddings(&self, ids: &[u32]) -> candle_core::Result<Tensor> {
         let t: usize = ids.iter().map(|&i| self.lens[i as usize] as usize).sum();
-        let (mut word, mut noise) = (Vec::with_capacity(t), Vec::with_capacity(t));
-        for &i in ids {
-            let h = mix(self.seed ^ mix(i as u64 ^ (1 << 40)));
-            let topic = (h % TOPICS as u64) as u32;
-            for j in 0..self.lens[i as usize] as u64 {
-                let r = mix(h ^ mix(j));
-                let w = if (r & 0xffff) < 45_875 {
-                    topic * WORDS_PER_TOPIC as u32 + ((r >> 16) % WORDS_PER_TOPIC as u64) as u32
-                } else {
-                    ((r >> 16) % (TOPICS * WORDS_PER_TOPIC) as u64) as u32
-                };
-                word.push(w);
-                noise.push(((r >> 40) % NOISE_ROWS as u64) as u32);
+        // Each token's word and noise row from a hash of (document, position),
+        // the documents split over threads (this is the host's work per token).
+        let part = |ids: &[u32]| -> (Vec<u32>, Vec<u32>) {
+            let (mut word, mut noise) = (Vec::new(), Vec::new());
+            for &i in ids {
+                let h = mix(self.seed ^ mix(i as u64 ^ (1 << 40)));
+                let topic = (h % TOPICS as u64) as u32;
+                for j in 0..self.lens[i as usize] as u64 {
+                    let r = mix(h ^ mix(j));
+                    let w = if (r & 0xffff) < 45_875 {
+                        topic * WORDS_PER_TOPIC as u32 + ((r >> 16) % WORDS_PER_TOPIC as u64) as u32
+                    } else {
+                        ((r >> 16) % (TOPICS * WORDS_PER_TOPIC) as u64) as u32
+                    };
+                    word.push(w);
+                    noise.push(((r >> 40) % NOISE_ROWS as u64) as u32);
+                }
             }
+            (word, noise)
+        };
+        let threads = std::thread::available_parallelism().map_or(4, |n| n.get()).min(8);
+        let parts: Vec<(Vec<u32>, Vec<u32>)> = std::thread::scope(|s| {
+            let handles: Vec<_> =
+                ids.chunks(ids.len().div_ceil(threads).max(1)).map(|c| s.spawn(move || part(c))).collect();
+            handles.into_iter().map(|h| h.join().expect("a generator thread panicked")).collect()
+        });
+        let (mut word, mut noise) = (Vec::with_capacity(t), Vec::with_capacity(t));
+        for (w, n) in parts {
+            word.extend(w);
+            noise.extend(n);
         }
         let dev = self.words.device();
         let x = (self.words.index_select(&Tensor::from_vec(word, t, dev)?, 0)?

@@ -94,13 +94,22 @@ impl Contents {
             (ch * chunk_documents..((ch + 1) * chunk_documents).min(n)).map(|d| d as u32).collect()
         };
         // A pipeline of three stages: a reader thread reads chunk after chunk
-        // (`Documents::embeddings`, the host's work for a file or a
-        // generator), this thread copies each to the codec's device and codes
-        // it, and WRITERS threads copy its codes and residuals back and write
-        // its files, side by side; they add the chunks to the inverted lists
-        // in order. Each stage runs at most two chunks ahead of the next.
+        // (`Documents::embeddings`: a file's pages, a decoder's output), this
+        // thread copies each to the codec's device and codes it, and WRITERS
+        // threads copy its codes and residuals back and write its files, side
+        // by side; they add the chunks to the inverted lists in order. Each
+        // stage runs at most two chunks ahead of the next. Documents whose
+        // first chunk comes on a GPU are read on this thread: a reader thread
+        // making them (plaid_bench's generated collection) stalled on an
+        // H200 (2026-12-04) in its first CUDA call, the cause not found.
+        let read_chunk = |ch: usize| -> Result<ReadChunk> {
+            let ids = chunk_ids(ch);
+            docs.embeddings(&ids).map(|x| (ch, ids, x))
+        };
+        let first_chunk = (skip < chunks).then(|| read_chunk(skip));
+        let read_ahead = matches!(&first_chunk, Some(Ok((_, _, x))) if x.device().is_cpu());
         let ivf = std::mem::replace(&mut self.ivf, Lists::Memory(Ivf::new(0)));
-        let (read_tx, read_rx) = std::sync::mpsc::sync_channel::<Result<(usize, Vec<u32>, Tensor)>>(2);
+        let (read_tx, read_rx) = std::sync::mpsc::sync_channel::<Result<ReadChunk>>(2);
         let (tx, rx) = std::sync::mpsc::sync_channel::<Coded>(2);
         // Shared by the writers and dropped with the last of them, so that
         // the coder's send fails (instead of waiting) once they all stopped.
@@ -116,20 +125,21 @@ impl Contents {
         let dim = codec.centroids.dim(1)?;
         let (mut read, mut code, mut wait) = (Duration::ZERO, Duration::ZERO, Duration::ZERO);
         std::thread::scope(|s| -> Result<()> {
-            let reader = s.spawn(move || -> Duration {
-                let mut busy = Duration::ZERO;
-                for ch in skip..chunks {
-                    let t0 = Instant::now();
-                    let ids = chunk_ids(ch);
-                    let x = docs.embeddings(&ids);
-                    busy += t0.elapsed();
-                    let failed = x.is_err();
-                    // A closed channel: the coder stopped early (its error is reported).
-                    if read_tx.send(x.map(|x| (ch, ids, x))).is_err() || failed {
-                        break;
+            let reader = read_ahead.then(|| {
+                s.spawn(move || -> Duration {
+                    let mut busy = Duration::ZERO;
+                    for ch in skip + 1..chunks {
+                        let t0 = Instant::now();
+                        let x = read_chunk(ch);
+                        busy += t0.elapsed();
+                        let failed = x.is_err();
+                        // A closed channel: the coder stopped early (its error is reported).
+                        if read_tx.send(x).is_err() || failed {
+                            break;
+                        }
                     }
-                }
-                busy
+                    busy
+                })
             });
             let writers: Vec<_> = (0..WRITERS)
                 .map(|_| {
@@ -154,8 +164,10 @@ impl Contents {
                 })
                 .collect();
             drop((written_tx, rx));
-            let mut coded = || -> Result<()> {
-                for got in read_rx.iter() {
+            let coded = || -> Result<()> {
+                let rest: Box<dyn Iterator<Item = Result<ReadChunk>>> =
+                    if read_ahead { Box::new(read_rx.iter()) } else { Box::new((skip + 1..chunks).map(read_chunk)) };
+                for got in first_chunk.into_iter().chain(rest) {
                     let t0 = Instant::now();
                     let (ch, ids, x) = got?;
                     let (x, lens) = to_work(docs, x, &ids, dev, dim)?;
@@ -194,7 +206,10 @@ impl Contents {
             let coding = coded();
             drop(tx);
             drop(read_rx);
-            let reading = reader.join().map_err(|_| candle_core::Error::Msg("reader thread panicked".into()))?;
+            let reading = match reader {
+                Some(r) => r.join().map_err(|_| candle_core::Error::Msg("reader thread panicked".into()))?,
+                None => Duration::ZERO,
+            };
             let mut spent = [Duration::ZERO; 2];
             let mut failed = None;
             for w in writers {
@@ -211,7 +226,7 @@ impl Contents {
             if profile {
                 let total = t_wait.elapsed().as_secs_f64();
                 eprintln!(
-                    "coding: {total:.2} s in all: reader busy {:.2} s; waited for the reader {:.2} s, coded {:.2} s, \
+                    "coding: {total:.2} s in all: reader thread busy {:.2} s; read or waited for the reader {:.2} s, coded {:.2} s, \
                      waited for the writers {:.2} s; {WRITERS} writers: copied back and wrote {:.2} s, inverted lists {:.2} s",
                     reading.as_secs_f64(),
                     read.as_secs_f64(),
@@ -265,6 +280,9 @@ impl Contents {
         write_json(&st.file("plan.json")?, &serde_json::json!({"nbits": nbits, "num_chunks": self.chunks}))
     }
 }
+
+/// A chunk read: its index, its documents and their embeddings.
+type ReadChunk = (usize, Vec<u32>, Tensor);
 
 /// A chunk coded on the codec's device, on its way to the writer.
 struct Coded {
