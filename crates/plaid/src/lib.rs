@@ -42,9 +42,15 @@
 //! [`NpyDocuments`] memory-maps an `.npy` of token embeddings, and
 //! [`DocumentsWriter`] writes one batch by batch as an encoder produces them,
 //! so a collection need not fit in memory. The k-means sample is drawn from
-//! the whole collection; a writer thread writes each coded chunk while the
-//! next is coded; the inverted lists are spilled to disk a chunk at a time
-//! and merged into `ivf.npy` at the end (the host never holds them whole).
+//! the whole collection and clustered by spherical k-means (by default;
+//! fast-plaid's Euclidean k-means is an option). Reading (a chunk ahead, on
+//! a thread of its own for documents that come in host memory), coding on
+//! the device and writing (three threads copying chunks back and writing
+//! their files) overlap; the inverted lists are spilled to disk a chunk at
+//! a time and merged into `ivf.npy` at the end (the host never holds them
+//! whole). On an H200 a billion generated tokens build in 181 s (5.5 M
+//! tokens/s, under 1 GB of host memory), three quarters of it the
+//! assignment of every token to its centroid near the tensor cores' peak.
 //!
 //! ## Indexes larger than device memory
 //!

@@ -167,8 +167,11 @@ impl Contents {
             let coded = || -> Result<()> {
                 let rest: Box<dyn Iterator<Item = Result<ReadChunk>>> =
                     if read_ahead { Box::new(read_rx.iter()) } else { Box::new((skip + 1..chunks).map(read_chunk)) };
-                for got in first_chunk.into_iter().chain(rest) {
+                let mut incoming = first_chunk.into_iter().chain(rest);
+                loop {
+                    // The read (on this thread) or the wait for the reader thread.
                     let t0 = Instant::now();
+                    let Some(got) = incoming.next() else { break };
                     let (ch, ids, x) = got?;
                     let (x, lens) = to_work(docs, x, &ids, dev, dim)?;
                     let t1 = Instant::now();
