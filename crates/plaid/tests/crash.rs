@@ -207,18 +207,22 @@ fn killed_builds_resume_to_the_same_index() -> anyhow::Result<()> {
     let again = root.join("again");
     let t2 = Instant::now();
     let mut c = child(&again)?;
-    // When the codec is written and the chunks start (the span a resume
+    // From the codec's write to the rename into place (the span a resume
     // continues): half the kills land there, the other half anywhere.
-    let (state, mut coding) = (root.join(".again.building").join("build.json"), None);
+    let (state, mut coding, mut renamed) = (root.join(".again.building").join("build.json"), None, None);
     while c.try_wait()?.is_none() {
         if coding.is_none() && state.exists() {
             coding = Some(t2.elapsed());
+        }
+        if renamed.is_none() && again.exists() {
+            renamed = Some(t2.elapsed());
         }
         std::thread::sleep(Duration::from_millis(1));
     }
     assert!(c.wait()?.success(), "the build runs again");
     let span = t2.elapsed().min(t2 - t);
-    let coding = coding.unwrap_or_default().min(span);
+    let renamed = renamed.unwrap_or(span).min(span);
+    let coding = coding.unwrap_or_default().min(renamed);
     std::fs::remove_dir_all(&again)?;
     let want = files(&full)?;
     assert!(want.iter().any(|(n, _)| n == "9.codes.npy"), "ten chunks written");
@@ -231,7 +235,7 @@ fn killed_builds_resume_to_the_same_index() -> anyhow::Result<()> {
         let at = if trial % 2 == 0 {
             span.as_secs_f64() * rng.random_range(0.0..1.1)
         } else {
-            rng.random_range(coding.as_secs_f64()..=span.as_secs_f64())
+            rng.random_range(coding.as_secs_f64()..=renamed.as_secs_f64())
         };
         std::thread::sleep(Duration::from_secs_f64(at));
         let _ = c.kill();
