@@ -133,8 +133,13 @@ fn checked_chunk(
     n_c: usize,
     width: usize,
 ) -> Result<(Tensor, Tensor)> {
-    if c.rank() != 1 || !matches!(c.dtype(), DType::I64 | DType::I32 | DType::U32) {
-        bail!("dir: {} (chunk {i}) must hold integer codes [T], got {:?} {:?}", cpath.display(), c.dtype(), c.dims())
+    if c.dims() != [rows] || !matches!(c.dtype(), DType::I64 | DType::I32 | DType::U32) {
+        bail!(
+            "dir: {} (chunk {i}) must hold integer codes [{rows}] (its documents' tokens), got {:?} {:?}",
+            cpath.display(),
+            c.dtype(),
+            c.dims()
+        )
     }
     if rows > 0 {
         let (lo, hi) = int_range(&c)?;
@@ -275,18 +280,24 @@ impl PlaidIndex {
         let rdev = if host_residuals { &Device::Cpu } else { device };
         let mut codes_p = Payload { dir, suffix: "codes", merged: None };
         let mut res_p = Payload { dir, suffix: "residuals", merged: None };
-        let (mut codes, mut residuals) = (Vec::with_capacity(n_chunks), Vec::with_capacity(n_chunks));
+        // Each chunk copied into its place in the whole tensors as it is read:
+        // the index plus one chunk on the device at the peak (reading every
+        // chunk, then concatenating, took twice the index).
+        let (codes, residuals) = match total {
+            0 => (empty(&[0], DType::U32, device)?, empty(&[0, width], DType::U8, rdev)?),
+            _ => (Tensor::zeros(total, DType::U32, device)?, Tensor::zeros((total, width), DType::U8, rdev)?),
+        };
+        let mut at = 0;
         for (i, &rows) in chunk_rows.iter().enumerate() {
             let c = codes_p.chunk(i, rows, &chunk_rows, device)?;
             let r = res_p.chunk(i, rows, &chunk_rows, rdev)?;
             let (c, r) = checked_chunk(i, rows, c, r, n_c, width)?;
-            codes.push(c);
-            residuals.push(r);
+            if rows > 0 {
+                codes.slice_set(&c.contiguous()?, 0, at)?;
+                residuals.slice_set(&r.contiguous()?, 0, at)?;
+            }
+            at += rows;
         }
-        let (codes, residuals) = match total {
-            0 => (empty(&[0], DType::U32, device)?, empty(&[0, width], DType::U8, rdev)?),
-            _ => (Tensor::cat(&codes, 0)?, Tensor::cat(&residuals, 0)?),
-        };
         let mut offsets = Vec::with_capacity(lens.len() + 1);
         offsets.push(0u32);
         for l in &lens {

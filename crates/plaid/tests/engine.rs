@@ -390,6 +390,12 @@ fn engine_errors(dev: &Device) -> Result<()> {
         Tensor::new(v, &Device::Cpu).unwrap().write_npy(d.join("ivf.npy")).unwrap()
     })?;
     damage("deleted.json", &|d| std::fs::write(d.join("deleted.json"), r#"{"deleted": [5, 999]}"#).unwrap())?;
+    // Codes of one token more than the chunk's documents have.
+    damage("0.codes.npy", &|d| {
+        let mut v = Tensor::read_npy(d.join("0.codes.npy")).unwrap().to_vec1::<i64>().unwrap();
+        v.push(0);
+        Tensor::new(v, &Device::Cpu).unwrap().write_npy(d.join("0.codes.npy")).unwrap()
+    })?;
     Ok(())
 }
 
