@@ -154,10 +154,14 @@ impl Contents {
                             let t0 = Instant::now();
                             let codes = write_coded(st, &c).inspect_err(|_| lists.fail())?;
                             let t1 = Instant::now();
-                            lists.in_turn(c.ch, |ivf| ivf.add_chunk(c.file, base + c.first, &c.lens, &codes))?;
+                            lists.in_turn(c.ch, |ivf| {
+                                ivf.add_chunk(c.file, base + c.first, &c.lens, &codes)?;
+                                // In turn, so that the counts arrive in order. The receiver
+                                // outlives the writers: a failed send only means it stopped early.
+                                let _ = written_tx.send(c.ch + 1);
+                                Ok(())
+                            })?;
                             (write, add) = (write + (t1 - t0), add + t1.elapsed());
-                            // The receiver outlives the writers: a failed send only means it stopped early.
-                            let _ = written_tx.send(c.ch + 1);
                         }
                         Ok([write, add])
                     })
@@ -214,16 +218,17 @@ impl Contents {
                 None => Duration::ZERO,
             };
             let mut spent = [Duration::ZERO; 2];
-            let mut failed = None;
+            let mut failed = Vec::new();
             for w in writers {
                 match w.join().map_err(|_| candle_core::Error::Msg("writer thread panicked".into()))? {
                     Ok([a, b]) => (spent[0], spent[1]) = (spent[0] + a, spent[1] + b),
-                    Err(e) => failed = failed.or(Some(e)),
+                    Err(e) => failed.push(e),
                 }
             }
-            // The first writer's error, not the others' report of it.
-            if let Some(e) = failed {
-                return Err(e);
+            // The failing writer's error, not the others' report of it.
+            let released = |e: &candle_core::Error| e.to_string().contains(ANOTHER_FAILED);
+            if let Some(i) = failed.iter().position(|e| !released(e)).or((!failed.is_empty()).then_some(0)) {
+                return Err(failed.swap_remove(i));
             }
             coding?;
             if profile {
@@ -341,7 +346,7 @@ impl Turns {
         while g.0 != ch && g.1.is_some() {
             g = self.turn.wait(g).map_err(|_| poisoned())?;
         }
-        let Some(lists) = g.1.as_mut() else { bail!("another writer failed") };
+        let Some(lists) = g.1.as_mut() else { bail!("{ANOTHER_FAILED}") };
         let r = f(lists);
         if r.is_ok() {
             g.0 += 1;
@@ -358,6 +363,9 @@ impl Turns {
         self.turn.notify_all();
     }
 }
+
+/// The error of the writers a failing one released.
+const ANOTHER_FAILED: &str = "another writer failed";
 
 /// Calls [`Turns::fail`] when dropped by a panicking thread.
 struct ReleaseOnPanic<'a>(&'a Turns);
