@@ -223,12 +223,13 @@ impl DocumentsWriter {
         if self.rows + t > u32::MAX as usize {
             bail!("embeddings: {} tokens in all would exceed the index's 32-bit offsets", self.rows + t)
         }
-        let bytes = npy::raw_bytes(&embeddings.to_dtype(DType::F16)?.to_device(&Device::Cpu)?)?;
+        let data = npy::raw_bytes(&embeddings.to_dtype(DType::F16)?)?;
+        let bytes = data.as_bytes();
         // F16 infinity and NaN: every exponent bit set.
         if bytes.chunks_exact(2).any(|b| u16::from_le_bytes([b[0], b[1]]) & 0x7c00 == 0x7c00) {
             bail!("embeddings: a value is not finite (or overflows F16) in documents {}..", self.lens.len())
         }
-        self.out.write_all(&bytes).map_err(|e| io_err(&self.path, "write", e))?;
+        self.out.write_all(bytes).map_err(|e| io_err(&self.path, "write", e))?;
         self.rows += t;
         self.lens.extend_from_slice(lens);
         Ok(())

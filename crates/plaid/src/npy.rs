@@ -160,26 +160,49 @@ pub(crate) fn read(path: &Path, device: &Device) -> Result<Tensor> {
     MappedNpy::open(path)?.tensor(device)
 }
 
-/// The bytes of `t`'s elements in the machine's order (little-endian where
-/// `.npy` files are written), copied to the host.
-pub(crate) fn raw_bytes(t: &Tensor) -> Result<Vec<u8>> {
-    fn bytes<T: Copy>(v: Vec<T>) -> Vec<u8> {
-        let n = v.len() * std::mem::size_of::<T>();
-        let mut v = std::mem::ManuallyDrop::new(v);
-        let cap = v.capacity() * std::mem::size_of::<T>();
-        // SAFETY: a Vec of plain numbers reinterpreted as its bytes (same allocation,
-        // byte alignment 1 divides T's; the capacity is converted to bytes too).
-        unsafe { Vec::from_raw_parts(v.as_mut_ptr() as *mut u8, n, cap) }
+/// The elements of a tensor copied to the host, kept in their own type (a
+/// `Vec<T>` must be freed with `T`'s alignment), viewed as bytes.
+pub(crate) enum HostData {
+    U8(Vec<u8>),
+    U32(Vec<u32>),
+    I32(Vec<i32>),
+    I64(Vec<i64>),
+    F16(Vec<half::f16>),
+    F32(Vec<f32>),
+    F64(Vec<f64>),
+}
+
+impl HostData {
+    /// The elements' bytes in the machine's order (little-endian where
+    /// `.npy` files are written).
+    pub fn as_bytes(&self) -> &[u8] {
+        fn bytes<T: Copy>(v: &[T]) -> &[u8] {
+            // SAFETY: plain numbers without padding, viewed as the bytes they occupy (u8 needs no alignment).
+            unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v)) }
+        }
+        match self {
+            HostData::U8(v) => v,
+            HostData::U32(v) => bytes(v),
+            HostData::I32(v) => bytes(v),
+            HostData::I64(v) => bytes(v),
+            HostData::F16(v) => bytes(v),
+            HostData::F32(v) => bytes(v),
+            HostData::F64(v) => bytes(v),
+        }
     }
+}
+
+/// `t`'s elements copied to the host (straight from a device: one copy).
+pub(crate) fn raw_bytes(t: &Tensor) -> Result<HostData> {
     let t = t.flatten_all()?;
     Ok(match t.dtype() {
-        DType::U8 => t.to_vec1::<u8>()?,
-        DType::U32 => bytes(t.to_vec1::<u32>()?),
-        DType::I32 => bytes(t.to_vec1::<i32>()?),
-        DType::I64 => bytes(t.to_vec1::<i64>()?),
-        DType::F16 => bytes(t.to_vec1::<half::f16>()?),
-        DType::F32 => bytes(t.to_vec1::<f32>()?),
-        DType::F64 => bytes(t.to_vec1::<f64>()?),
+        DType::U8 => HostData::U8(t.to_vec1()?),
+        DType::U32 => HostData::U32(t.to_vec1()?),
+        DType::I32 => HostData::I32(t.to_vec1()?),
+        DType::I64 => HostData::I64(t.to_vec1()?),
+        DType::F16 => HostData::F16(t.to_vec1()?),
+        DType::F32 => HostData::F32(t.to_vec1()?),
+        DType::F64 => HostData::F64(t.to_vec1()?),
         dt => bail!("npy: cannot write {dt:?}"),
     })
 }
@@ -226,12 +249,13 @@ pub(crate) fn write(path: &Path, t: &Tensor) -> Result<()> {
         dt => bail!("npy: cannot write {dt:?}"),
     };
     let out = header(descr, t.dims());
-    let data = raw_bytes(&t.to_device(&Device::Cpu)?)?;
+    // Straight from the device into the bytes written (one copy, not two).
+    let data = raw_bytes(t)?;
     let io = |e| io_err(path, "write", e);
     use std::io::Write;
     let mut f = File::create(path).map_err(io)?;
     f.write_all(&out).map_err(io)?;
-    f.write_all(&data).map_err(io)?;
+    f.write_all(data.as_bytes()).map_err(io)?;
     f.sync_all().map_err(io)
 }
 
