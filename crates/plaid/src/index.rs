@@ -416,7 +416,8 @@ impl PlaidIndex {
     /// does), and the update's inverted lists `(ids, offsets)` (the delta
     /// ones when `delta`, else the whole inverted file): nothing loaded
     /// before is read again. The codes and residuals are concatenated on the
-    /// device (old and new side by side for a moment).
+    /// device (old and new side by side for a moment); where the device
+    /// cannot hold the residuals twice, see [`Self::grow_residuals`].
     pub(crate) fn append_chunks(
         &mut self,
         from: usize,
@@ -445,9 +446,12 @@ impl PlaidIndex {
         }
         let e = ids.len();
         let ivf = (Tensor::from_vec(ids, e, &device)?, Tensor::new(offsets.as_slice(), &device)?);
-        self.codes = Tensor::cat(&codes, 0)?;
-        self.residuals = Tensor::cat(&residuals, 0)?;
-        self.cu = Tensor::new(offs.as_slice(), &device)?;
+        let codes = Tensor::cat(&codes, 0)?;
+        let cu = Tensor::new(offs.as_slice(), &device)?;
+        residuals.remove(0);
+        self.grow_residuals(&residuals)?;
+        self.codes = codes;
+        self.cu = cu;
         self.offsets = offs;
         self.max_len = max_len;
         if delta {
@@ -658,6 +662,50 @@ impl PlaidIndex {
         maxsim_residual_varlen(q, &codes, &residuals, &cu, max_len, &self.codec, true)
     }
 
+    /// The residuals followed by `new` rows. On a GPU that cannot hold the
+    /// old and the grown residuals at once (an index of more than half its
+    /// memory), the old rows go through host memory: the device then holds
+    /// the grown residuals and one piece of the old ones at a time. Should
+    /// the device not hold even that, the residuals stay in host memory (as
+    /// [`Self::load_with_device_budget`] keeps them): search gives the same
+    /// results, its exact stage copying its candidates' rows.
+    fn grow_residuals(&mut self, new: &[Tensor]) -> Result<()> {
+        let mut parts = vec![self.residuals.clone()];
+        parts.extend(new.iter().cloned());
+        let err = match Tensor::cat(&parts, 0) {
+            Ok(t) => {
+                self.residuals = t;
+                return Ok(());
+            }
+            Err(e) => e,
+        };
+        drop(parts);
+        let dev = self.residuals.device().clone();
+        if dev.is_cpu() {
+            return Err(err);
+        }
+        // Most likely out of device memory: the old rows to the host, which
+        // frees them on the device (nothing else holds them during an add).
+        let host = self.residuals.to_device(&Device::Cpu)?;
+        self.residuals = host.clone();
+        self.host_residuals = true;
+        let piece = ((256usize << 20) / host.dim(1)?.max(1)).max(1);
+        match grow_through_host(&host, new, &dev, piece) {
+            Ok(t) => {
+                self.residuals = t;
+                self.host_residuals = false;
+            }
+            Err(_) => {
+                let mut parts = vec![host];
+                for t in new {
+                    parts.push(t.to_device(&Device::Cpu)?);
+                }
+                self.residuals = Tensor::cat(&parts, 0)?;
+            }
+        }
+        Ok(())
+    }
+
     /// The codes and residuals of documents `docs` back to back on the
     /// index's device (the residuals gathered where they are, then copied),
     /// their offsets `[docs.len() + 1]` and longest length.
@@ -695,6 +743,29 @@ impl PlaidIndex {
         };
         Ok((codes, residuals.to_device(self.device())?, cu, max_len))
     }
+}
+
+/// `old` (in host memory) followed by `new` (on `dev`), on `dev`: the whole
+/// allocated first, then `old` copied in pieces of `piece` rows, so that the
+/// device holds the result and one piece.
+fn grow_through_host(old: &Tensor, new: &[Tensor], dev: &Device, piece: usize) -> Result<Tensor> {
+    let rows = old.dim(0)? + new.iter().map(|t| t.dim(0)).sum::<Result<usize>>()?;
+    let mut shape = old.dims().to_vec();
+    shape[0] = rows;
+    let grown = Tensor::zeros(shape, old.dtype(), dev)?;
+    let mut at = 0;
+    while at < old.dim(0)? {
+        let n = piece.min(old.dim(0)? - at);
+        grown.slice_set(&old.narrow(0, at, n)?.to_device(dev)?.contiguous()?, 0, at)?;
+        at += n;
+    }
+    for t in new {
+        if t.dim(0)? > 0 {
+            grown.slice_set(&t.to_device(dev)?.contiguous()?, 0, at)?;
+        }
+        at += t.dim(0)?;
+    }
+    Ok(grown)
 }
 
 /// The rows of documents `docs` (tokens `offsets[d]..offsets[d + 1]`) of
@@ -746,4 +817,26 @@ pub(crate) fn nonfinite_queries(q: &Tensor) -> Result<Tensor> {
     let x = q.reshape((nq, ()))?.to_dtype(DType::F32)?;
     let bad = (x.ne(&x)?.to_dtype(DType::F32)? + x.abs()?.gt(f32::MAX as f64)?.to_dtype(DType::F32)?)?;
     bad.max_keepdim(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn growing_through_host_memory_equals_concatenating() -> Result<()> {
+        let dev = Device::Cpu;
+        let rows = |n: usize, seed: u8| -> Result<Tensor> {
+            let v: Vec<u8> = (0..n * 3).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect();
+            Tensor::from_vec(v, (n, 3), &dev)
+        };
+        let old = rows(10, 1)?;
+        let new = [rows(2, 2)?, rows(0, 3)?, rows(4, 4)?];
+        let want = Tensor::cat(&[&old, &new[0], &new[1], &new[2]], 0)?.to_vec2::<u8>()?;
+        for piece in [1, 3, 10, 64] {
+            let got = grow_through_host(&old, &new, &dev, piece)?;
+            assert_eq!(got.to_vec2::<u8>()?, want, "pieces of {piece} rows");
+        }
+        Ok(())
+    }
 }
