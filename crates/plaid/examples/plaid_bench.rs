@@ -2,7 +2,7 @@
 //! peak memory is its own): build an index, search it in batches, break a
 //! search down by stage, compute the exhaustive exact top-k on the
 //! uncompressed embeddings (the ground truth of recall), or time updates
-//! (an add, a delete, a compaction) of an index. Prints one JSON
+//! (an add, an add of one document, a delete, a compaction) of an index. Prints one JSON
 //! line per measurement; `bench/plaid_engine.py` drives it next to fast-plaid.
 //!
 //!   cargo run --release --features cuda -p candle-maxsim-plaid --example plaid_bench -- \
@@ -356,6 +356,12 @@ fn main() -> Result<()> {
             let added = idx.add(&few, 25_000)?;
             dev.synchronize()?;
             let add_s = t.elapsed().as_secs_f64();
+            // One document more: what an add costs whatever its size.
+            let one = PackedDocuments::new(collection.embeddings(&[0])?, &lens[..1])?;
+            let t = Instant::now();
+            idx.add(&one, 25_000)?;
+            dev.synchronize()?;
+            let add_one_s = t.elapsed().as_secs_f64();
             let step = (n / delete.max(1)).max(1);
             let ids: Vec<u32> = (0..n).step_by(step).take(delete).map(|d| d as u32).collect();
             let t = Instant::now();
@@ -367,6 +373,7 @@ fn main() -> Result<()> {
             println!(
                 "{}",
                 serde_json::json!({"phase": "update", "documents": n, "added": added.len(), "add_seconds": add_s,
+                    "add_one_seconds": add_one_s,
                     "deleted": ids.len(), "delete_seconds": delete_s, "compact_seconds": t.elapsed().as_secs_f64(),
                     "load_seconds": load_s, "peak_rss_mb": peak_rss_mb()})
             );
