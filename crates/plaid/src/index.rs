@@ -56,6 +56,9 @@ pub struct PlaidIndex {
     /// Whether `residuals` are kept in host memory (the device budget):
     /// each search then copies only its candidates' rows to the device.
     pub(crate) host_residuals: bool,
+    /// After an add, the tensors `codes` and `residuals` are the first rows
+    /// of, with spare rows for the next adds (see [`append_rows`]).
+    pub(crate) stores: Option<(Tensor, Tensor)>,
 }
 
 /// One of the two per-token arrays (`codes` or `residuals`), chunk by chunk.
@@ -330,6 +333,7 @@ impl PlaidIndex {
             deleted: Vec::new(),
             live: None,
             host_residuals,
+            stores: None,
         };
         index.set_deleted(deleted)?;
         Ok(index)
@@ -415,9 +419,11 @@ impl PlaidIndex {
     /// an update as per-chunk files (read back and checked as [`Self::load`]
     /// does), and the update's inverted lists `(ids, offsets)` (the delta
     /// ones when `delta`, else the whole inverted file): nothing loaded
-    /// before is read again. The codes and residuals are concatenated on the
-    /// device (old and new side by side for a moment); where the device
-    /// cannot hold the residuals twice, see [`Self::grow_residuals`].
+    /// before is read again. The new codes and residuals go into the spare
+    /// rows kept after the current ones, or, when those do not suffice,
+    /// everything into new tensors with room to spare ([`append_rows`]; old
+    /// and new side by side for a moment: where the device cannot hold the
+    /// residuals twice, see [`Self::grow_residuals`]).
     pub(crate) fn append_chunks(
         &mut self,
         from: usize,
@@ -446,10 +452,13 @@ impl PlaidIndex {
         }
         let e = ids.len();
         let ivf = (Tensor::from_vec(ids, e, &device)?, Tensor::new(offsets.as_slice(), &device)?);
-        let codes = Tensor::cat(&codes, 0)?;
-        let cu = Tensor::new(offs.as_slice(), &device)?;
+        codes.remove(0);
         residuals.remove(0);
-        self.grow_residuals(&residuals)?;
+        let code_store = self.stores.as_ref().map(|(c, _)| c);
+        let (codes, code_store) = append_rows(&self.codes, code_store, &codes)?;
+        let cu = Tensor::new(offs.as_slice(), &device)?;
+        let residual_store = self.grow_residuals(&residuals)?;
+        self.stores = residual_store.map(|r| (code_store, r));
         self.codes = codes;
         self.cu = cu;
         self.offsets = offs;
@@ -508,8 +517,9 @@ impl PlaidIndex {
     pub fn device_bytes(&self) -> usize {
         let bytes = |t: &Tensor| t.elem_count() * t.dtype().size_in_bytes();
         let lists = |l: &Option<(Tensor, Tensor)>| l.as_ref().map_or(0, |(a, b)| bytes(a) + bytes(b));
-        bytes(&self.codes)
-            + if self.host_residuals { 0 } else { bytes(&self.residuals) }
+        let (codes, residuals) = self.stores.as_ref().map_or((&self.codes, &self.residuals), |(c, r)| (c, r));
+        bytes(codes)
+            + if self.host_residuals { 0 } else { bytes(residuals) }
             + lists(&self.ivf)
             + lists(&self.delta_ivf)
             + bytes(&self.cu)
@@ -662,24 +672,23 @@ impl PlaidIndex {
         maxsim_residual_varlen(q, &codes, &residuals, &cu, max_len, &self.codec, true)
     }
 
-    /// The residuals followed by `new` rows. On a GPU that cannot hold the
-    /// old and the grown residuals at once (an index of more than half its
-    /// memory), the old rows go through host memory: the device then holds
-    /// the grown residuals and one piece of the old ones at a time. Should
-    /// the device not hold even that, the residuals stay in host memory (as
+    /// The residuals followed by `new` rows ([`append_rows`]); returns their
+    /// store. On a GPU that cannot hold the old and the grown residuals at
+    /// once (an index of more than half its memory), the old rows go
+    /// through host memory: the device then holds the grown residuals and
+    /// one piece of the old ones at a time. Should the device not hold even
+    /// that, the residuals stay in host memory (as
     /// [`Self::load_with_device_budget`] keeps them): search gives the same
     /// results, its exact stage copying its candidates' rows.
-    fn grow_residuals(&mut self, new: &[Tensor]) -> Result<()> {
-        let mut parts = vec![self.residuals.clone()];
-        parts.extend(new.iter().cloned());
-        let err = match Tensor::cat(&parts, 0) {
-            Ok(t) => {
-                self.residuals = t;
-                return Ok(());
+    fn grow_residuals(&mut self, new: &[Tensor]) -> Result<Option<Tensor>> {
+        let store = self.stores.as_ref().map(|(_, r)| r);
+        let err = match append_rows(&self.residuals, store, new) {
+            Ok((view, store)) => {
+                self.residuals = view;
+                return Ok(Some(store));
             }
             Err(e) => e,
         };
-        drop(parts);
         let dev = self.residuals.device().clone();
         if dev.is_cpu() {
             return Err(err);
@@ -687,6 +696,7 @@ impl PlaidIndex {
         // Most likely out of device memory: the old rows to the host, which
         // frees them on the device (nothing else holds them during an add).
         let host = self.residuals.to_device(&Device::Cpu)?;
+        self.stores = None;
         self.residuals = host.clone();
         self.host_residuals = true;
         let piece = ((256usize << 20) / host.dim(1)?.max(1)).max(1);
@@ -703,7 +713,7 @@ impl PlaidIndex {
                 self.residuals = Tensor::cat(&parts, 0)?;
             }
         }
-        Ok(())
+        Ok(None)
     }
 
     /// The codes and residuals of documents `docs` back to back on the
@@ -743,6 +753,37 @@ impl PlaidIndex {
         };
         Ok((codes, residuals.to_device(self.device())?, cu, max_len))
     }
+}
+
+/// `view` (the first rows of `store`, when there is one) followed by `new`
+/// rows, as `(view, store)`: `new` written into the store's spare rows when
+/// they suffice (nothing else is copied: an add costs what it adds), else
+/// everything into a new store of 1/16 more rows than needed, so that the
+/// next adds find room (one copy of the old rows per 1/16 of growth). A
+/// view's rows are never written: one taken earlier stays as it was.
+fn append_rows(view: &Tensor, store: Option<&Tensor>, new: &[Tensor]) -> Result<(Tensor, Tensor)> {
+    let len = view.dim(0)?;
+    let rows = len + new.iter().map(|t| t.dim(0)).sum::<Result<usize>>()?;
+    let store = match store {
+        Some(s) if s.dim(0)? >= rows => s.clone(),
+        _ => {
+            let mut shape = view.dims().to_vec();
+            shape[0] = rows + rows / 16;
+            let grown = Tensor::zeros(shape, view.dtype(), view.device())?;
+            if len > 0 {
+                grown.slice_set(&view.contiguous()?, 0, 0)?;
+            }
+            grown
+        }
+    };
+    let mut at = len;
+    for t in new {
+        if t.dim(0)? > 0 {
+            store.slice_set(&t.contiguous()?, 0, at)?;
+        }
+        at += t.dim(0)?;
+    }
+    Ok((store.narrow(0, 0, rows)?, store))
 }
 
 /// `old` (in host memory) followed by `new` (on `dev`), on `dev`: the whole

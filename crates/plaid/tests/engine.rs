@@ -122,10 +122,20 @@ fn add_and_delete(dev: &Device) -> Result<()> {
     let mut b = build("life", dev, 200, 4)?;
     let (x2, lens2, _) = clustered(40, 64, 40, 999)?;
     let base_ivf = std::fs::read(b.dir.join("ivf.npy"))?;
-    let added = b.index.add(&PackedDocuments::new(x2.clone(), &lens2)?, 15)?;
+    // Three adds: the first grows the index's tensors with room to spare,
+    // the next two write into that room. A view taken in between keeps its rows.
+    let lens2_u: Vec<usize> = lens2.iter().map(|&l| l as usize).collect();
+    let cut = lens2_u[..36].iter().sum::<usize>();
+    let added = b.index.add(&PackedDocuments::new(x2.narrow(0, 0, cut)?, &lens2[..36])?, 15)?;
+    let held = b.index.residuals.to_device(&Device::Cpu)?.to_vec2::<u8>()?;
+    let view = b.index.residuals.clone();
+    let next = cut + lens2_u[36..38].iter().sum::<usize>();
+    let added2 = b.index.add(&PackedDocuments::new(x2.narrow(0, cut, next - cut)?, &lens2[36..38])?, 15)?;
+    let added3 = b.index.add(&PackedDocuments::new(x2.narrow(0, next, x2.dim(0)? - next)?, &lens2[38..])?, 15)?;
+    assert_eq!(view.to_device(&Device::Cpu)?.to_vec2::<u8>()?, held, "a later add changed an earlier view");
+    assert_eq!((added, added2, added3), (200..236, 236..238, 238..240));
     assert_eq!(std::fs::read(b.dir.join("ivf.npy"))?, base_ivf, "add leaves ivf.npy as it was");
     assert!(b.dir.join("delta_ivf.npy").exists(), "add writes the delta lists");
-    assert_eq!(added, 200..240);
     assert_eq!(b.index.num_documents(), 240);
     let targets: Vec<usize> = (0..40).step_by(4).collect();
     let q = queries_from(&x2, &lens2, &targets, 32, 7)?.to_device(dev)?;
