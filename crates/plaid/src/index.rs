@@ -56,9 +56,9 @@ pub struct PlaidIndex {
     /// Whether `residuals` are kept in host memory (the device budget):
     /// each search then copies only its candidates' rows to the device.
     pub(crate) host_residuals: bool,
-    /// After an add, the tensors `codes` and `residuals` are the first rows
-    /// of, with spare rows for the next adds (see [`append_rows`]).
-    pub(crate) stores: Option<(Tensor, Tensor)>,
+    /// After an add, the tensors `codes`, `residuals` and `cu` are the
+    /// first rows of, with spare rows for the next adds (see [`append_rows`]).
+    pub(crate) stores: Option<(Tensor, Tensor, Tensor)>,
 }
 
 /// One of the two per-token arrays (`codes` or `residuals`), chunk by chunk.
@@ -433,8 +433,9 @@ impl PlaidIndex {
     ) -> Result<()> {
         let device = self.device().clone();
         let (n_c, width) = (self.num_centroids(), self.residuals.dim(1)?);
-        let (mut codes, mut residuals) = (vec![self.codes.clone()], vec![self.residuals.clone()]);
-        let mut offs = self.offsets.clone();
+        let (mut codes, mut residuals) = (Vec::new(), Vec::new());
+        // The new documents' end offsets (the index's own are copied nowhere).
+        let (mut offs, mut last) = (Vec::new(), *self.offsets.last().expect("offsets start with 0"));
         let mut max_len = self.max_len;
         for i in from..to {
             let lens = chunk_lens(&self.dir, i)?;
@@ -446,22 +447,22 @@ impl PlaidIndex {
             codes.push(c);
             residuals.push(r);
             for l in lens {
-                offs.push(offs.last().unwrap() + l as u32);
+                last += l as u32;
+                offs.push(last);
                 max_len = max_len.max(l);
             }
         }
         let e = ids.len();
         let ivf = (Tensor::from_vec(ids, e, &device)?, Tensor::new(offsets.as_slice(), &device)?);
-        codes.remove(0);
-        residuals.remove(0);
-        let code_store = self.stores.as_ref().map(|(c, _)| c);
-        let (codes, code_store) = append_rows(&self.codes, code_store, &codes)?;
-        let cu = Tensor::new(offs.as_slice(), &device)?;
+        let n_new = offs.len();
+        let (codes, code_store) = append_rows(&self.codes, self.stores.as_ref().map(|s| &s.0), &codes)?;
+        let new_cu = [Tensor::from_vec(offs.clone(), n_new, &device)?];
+        let (cu, cu_store) = append_rows(&self.cu, self.stores.as_ref().map(|s| &s.2), &new_cu)?;
         let residual_store = self.grow_residuals(&residuals)?;
-        self.stores = residual_store.map(|r| (code_store, r));
+        self.stores = residual_store.map(|r| (code_store, r, cu_store));
         self.codes = codes;
         self.cu = cu;
-        self.offsets = offs;
+        self.offsets.extend(offs);
         self.max_len = max_len;
         if delta {
             self.delta_ivf = Some(ivf);
@@ -517,12 +518,13 @@ impl PlaidIndex {
     pub fn device_bytes(&self) -> usize {
         let bytes = |t: &Tensor| t.elem_count() * t.dtype().size_in_bytes();
         let lists = |l: &Option<(Tensor, Tensor)>| l.as_ref().map_or(0, |(a, b)| bytes(a) + bytes(b));
-        let (codes, residuals) = self.stores.as_ref().map_or((&self.codes, &self.residuals), |(c, r)| (c, r));
+        let (codes, residuals, cu) =
+            self.stores.as_ref().map_or((&self.codes, &self.residuals, &self.cu), |(c, r, cu)| (c, r, cu));
         bytes(codes)
             + if self.host_residuals { 0 } else { bytes(residuals) }
             + lists(&self.ivf)
             + lists(&self.delta_ivf)
-            + bytes(&self.cu)
+            + bytes(cu)
             + bytes(&self.codec.centroids)
     }
 
@@ -681,7 +683,7 @@ impl PlaidIndex {
     /// [`Self::load_with_device_budget`] keeps them): search gives the same
     /// results, its exact stage copying its candidates' rows.
     fn grow_residuals(&mut self, new: &[Tensor]) -> Result<Option<Tensor>> {
-        let store = self.stores.as_ref().map(|(_, r)| r);
+        let store = self.stores.as_ref().map(|s| &s.1);
         let err = match append_rows(&self.residuals, store, new) {
             Ok((view, store)) => {
                 self.residuals = view;
