@@ -295,11 +295,8 @@ impl PlaidIndex {
             let c = codes_p.chunk(i, rows, &chunk_rows, device)?;
             let r = res_p.chunk(i, rows, &chunk_rows, rdev)?;
             let (c, r) = checked_chunk(i, rows, c, r, n_c, width)?;
-            if rows > 0 {
-                codes.slice_set(&c.contiguous()?, 0, at)?;
-                residuals.slice_set(&r.contiguous()?, 0, at)?;
-            }
-            at += rows;
+            write_rows(&codes, at, &[c])?;
+            at = write_rows(&residuals, at, &[r])?;
         }
         let mut offsets = Vec::with_capacity(lens.len() + 1);
         offsets.push(0u32);
@@ -454,9 +451,8 @@ impl PlaidIndex {
         }
         let e = ids.len();
         let ivf = (Tensor::from_vec(ids, e, &device)?, Tensor::new(offsets.as_slice(), &device)?);
-        let n_new = offs.len();
         let (codes, code_store) = append_rows(&self.codes, self.stores.as_ref().map(|s| &s.0), &codes)?;
-        let new_cu = [Tensor::from_vec(offs.clone(), n_new, &device)?];
+        let new_cu = [Tensor::new(offs.as_slice(), &device)?];
         let (cu, cu_store) = append_rows(&self.cu, self.stores.as_ref().map(|s| &s.2), &new_cu)?;
         let residual_store = self.grow_residuals(&residuals)?;
         self.stores = residual_store.map(|r| (code_store, r, cu_store));
@@ -744,12 +740,13 @@ impl PlaidIndex {
                 if n_rows == 0 {
                     (self.codes.narrow(0, 0, 0)?, self.residuals.narrow(0, 0, 0)?)
                 } else {
+                    let rows = Tensor::from_vec(rows, n_rows, self.device())?;
                     let r = if self.host_residuals {
                         gather_host_rows(&self.residuals, docs, &self.offsets, n_rows)?
                     } else {
-                        self.residuals.index_select(&Tensor::from_slice(&rows, n_rows, self.residuals.device())?, 0)?
+                        self.residuals.index_select(&rows, 0)?
                     };
-                    (self.codes.index_select(&Tensor::from_vec(rows, n_rows, self.device())?, 0)?, r)
+                    (self.codes.index_select(&rows, 0)?, r)
                 }
             }
         };
@@ -772,20 +769,24 @@ fn append_rows(view: &Tensor, store: Option<&Tensor>, new: &[Tensor]) -> Result<
             let mut shape = view.dims().to_vec();
             shape[0] = rows + rows / 16;
             let grown = Tensor::zeros(shape, view.dtype(), view.device())?;
-            if len > 0 {
-                grown.slice_set(&view.contiguous()?, 0, 0)?;
-            }
+            write_rows(&grown, 0, std::slice::from_ref(view))?;
             grown
         }
     };
-    let mut at = len;
-    for t in new {
+    write_rows(&store, len, new)?;
+    Ok((store.narrow(0, 0, rows)?, store))
+}
+
+/// Writes `parts` one after another into `store`'s rows from `at` on
+/// (each copied to the store's device); returns the row after them.
+fn write_rows(store: &Tensor, mut at: usize, parts: &[Tensor]) -> Result<usize> {
+    for t in parts {
         if t.dim(0)? > 0 {
-            store.slice_set(&t.contiguous()?, 0, at)?;
+            store.slice_set(&t.to_device(store.device())?.contiguous()?, 0, at)?;
         }
         at += t.dim(0)?;
     }
-    Ok((store.narrow(0, 0, rows)?, store))
+    Ok(at)
 }
 
 /// `old` (in host memory) followed by `new` (on `dev`), on `dev`: the whole
@@ -799,15 +800,9 @@ fn grow_through_host(old: &Tensor, new: &[Tensor], dev: &Device, piece: usize) -
     let mut at = 0;
     while at < old.dim(0)? {
         let n = piece.min(old.dim(0)? - at);
-        grown.slice_set(&old.narrow(0, at, n)?.to_device(dev)?.contiguous()?, 0, at)?;
-        at += n;
+        at = write_rows(&grown, at, &[old.narrow(0, at, n)?])?;
     }
-    for t in new {
-        if t.dim(0)? > 0 {
-            grown.slice_set(&t.to_device(dev)?.contiguous()?, 0, at)?;
-        }
-        at += t.dim(0)?;
-    }
+    write_rows(&grown, at, new)?;
     Ok(grown)
 }
 
