@@ -1,15 +1,18 @@
-// Top-k of each row of a float matrix (topk_rows): the k largest values and
-// their column indices, best first, equal values in increasing column order,
-// NaN below every number. One block per row:
-//  1. radix select: four 8-bit passes over the row's order-preserving keys,
-//     each a shared-memory histogram of the digit among the keys that match
-//     the digits chosen so far, find the k-th largest key T and how many of
-//     the keys equal to T belong to the top k (the lowest-indexed ones);
-//  2. compaction: each thread owns a contiguous run of the row; two block
-//     scans (keys equal to T, then selected keys) give every selected entry
-//     its slot in column order;
-//  3. a bitonic sort of the k (value, column) pairs in shared memory.
-// Rows are read five times, from L2 for rows of up to a few MB.
+// Top-k of each row of a matrix (topk_rows): the k largest values and their
+// column indices, best first, equal values in increasing column order, NaN
+// below every number. A block selects the top k of one segment of a row:
+//  1. radix select: four 8-bit passes over the segment's order-preserving
+//     keys, each a shared-memory histogram of the digit among the keys that
+//     match the digits chosen so far, find the k-th largest key T and how
+//     many of the keys equal to T belong to the top k (the lowest-indexed);
+//  2. compaction: each thread owns a contiguous run of the segment; two
+//     block scans (keys equal to T, then selected keys) give every selected
+//     entry its slot in column order;
+//  3. (`sort`) a bitonic sort of the k (value, column) pairs in shared memory.
+// Long rows take two launches: segments of `chunk` columns each keep their
+// top k unsorted, in column order (one block per segment, so a row of 136 000
+// is read by 17 blocks instead of one), then one block per row selects and
+// sorts the top k of those candidates, reading their columns from `cols`.
 #include "reduce.cuh"
 
 #define TOPK_THREADS 1024
@@ -20,6 +23,15 @@ __device__ __forceinline__ uint32_t topk_key(float f) {
     const uint32_t u = __float_as_uint(f);
     if (f != f) return 0u;
     return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+// 16-bit types: the same order on their own 16 bits, in the top half of the
+// key (the low half is 0), so two 8-bit radix passes decide it instead of four.
+__device__ __forceinline__ uint32_t topk_key16(uint32_t u, bool nan) {
+    return nan ? 0u : ((u & 0x8000u) ? ~u & 0xffffu : u | 0x8000u) << 16;
+}
+__device__ __forceinline__ uint32_t topk_key(__half h) { return topk_key16(__half_as_ushort(h), __hisnan(h)); }
+__device__ __forceinline__ uint32_t topk_key(__nv_bfloat16 h) {
+    return topk_key16(__bfloat16_as_ushort(h), __hisnan(h));
 }
 
 // Exclusive block-wide prefix sum of one value per thread (TOPK_THREADS
@@ -52,66 +64,88 @@ __device__ __forceinline__ uint32_t block_exclusive_scan(uint32_t v, uint32_t* w
 
 // Mirrors TopkParams in src/cuda/topk.rs.
 struct TopkParams {
-    const float* x;    // [rows, n] (row stride n)
-    float* values;     // [rows, k], best first
-    uint32_t* indices; // [rows, k]
+    const void* x;         // [rows, n] (row stride n)
+    const uint32_t* cols;  // [rows, n] column of each entry of x; null: its position
+    float* values;         // [rows, chunks, k]
+    uint32_t* indices;     // [rows, chunks, k]
     long long n;
-    int k;             // <= min(n, TOPK_MAX_K)
+    long long chunk;       // columns per block
+    int chunks;            // blocks per row: ceil(n / chunk)
+    int k;                 // <= TOPK_MAX_K; a segment shorter than k keeps all of it
+    int sort;              // 1: best first; 0: column order, NaN-padded to k
 };
 
-extern "C" __global__ void __launch_bounds__(TOPK_THREADS) topk_rows(const TopkParams p) {
-    const float* x = p.x;
-    float* values = p.values;
-    uint32_t* indices = p.indices;
-    const long long n = p.n;
-    const int k = p.k;
+template <typename T> __device__ __forceinline__ void topk_block(const TopkParams& p) {
     __shared__ uint32_t hist[256];
     __shared__ uint32_t warp_tot[32];
     __shared__ unsigned long long pairs[TOPK_MAX_K];
     __shared__ uint32_t chosen[2]; // [0]: prefix digits of T; [1]: keys above the prefix still to take
-    const float* row = x + (size_t)blockIdx.x * n;
-    const int tid = threadIdx.x;
+    const int row_i = blockIdx.x / p.chunks, seg = blockIdx.x % p.chunks;
+    const long long start = (long long)seg * p.chunk, n = min(p.chunk, p.n - start);
+    const T* row = reinterpret_cast<const T*>(p.x) + (size_t)row_i * p.n + start;
+    const uint32_t* cols = p.cols ? p.cols + (size_t)row_i * p.n + start : nullptr;
+    const int k = (int)min((long long)p.k, n);
+    const size_t out0 = (size_t)blockIdx.x * p.k;
+    const int tid = threadIdx.x, lane = tid & 31;
+    auto val = [&](long long t) { return Elem<T>::to_float(row[t]); };
+    auto col = [&](long long t) { return cols ? cols[t] : (uint32_t)(start + t); };
 
     // 1. The k-th largest key T, 8 bits at a time from the top.
     uint32_t prefix = 0, want = (uint32_t)k; // want: how many of the keys matching `prefix` are in the top k
-    for (int shift = 24; shift >= 0; shift -= 8) {
+    constexpr int LAST = sizeof(T) == 2 ? 16 : 0; // 16-bit keys: the low digits are all 0
+    for (int shift = 24; shift >= LAST; shift -= 8) {
         for (int b = tid; b < 256; b += TOPK_THREADS) hist[b] = 0u;
         __syncthreads();
         const uint32_t high = shift == 24 ? 0u : 0xffffffffu << (shift + 8);
         for (long long t = tid; t < n; t += TOPK_THREADS) {
             const uint32_t key = topk_key(row[t]);
             // Warp-aggregated: one atomic per distinct digit of the warp (the
-            // high digits of similar values all fall into a few bins).
+            // high digits of similar values all fall into a few bins); after
+            // the first pass most warps have no key left under the prefix.
             const uint32_t d = (key & high) == prefix ? (key >> shift) & 0xffu : 256u;
-            const unsigned peers = __match_any_sync(__activemask(), d);
-            if (d < 256u && (threadIdx.x & 31) == __ffs(peers) - 1) atomicAdd(&hist[d], (uint32_t)__popc(peers));
+            const unsigned active = __activemask();
+            if (!__any_sync(active, d < 256u)) continue;
+            const unsigned peers = __match_any_sync(active, d);
+            if (d < 256u && lane == __ffs(peers) - 1) atomicAdd(&hist[d], (uint32_t)__popc(peers));
         }
         __syncthreads();
-        if (tid == 0) {
-            uint32_t above = 0;
-            int d = 255;
-            for (; d > 0; --d) {
-                if (above + hist[d] >= want) break;
-                above += hist[d];
+        // The digit d where the count of keys above it stays below `want`
+        // and reaches it with d's: warp 0, 8 digits per lane from the top.
+        if (tid < 32) {
+            uint32_t h[8], s = 0;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) s += h[j] = hist[255 - 8 * lane - j];
+            uint32_t incl = s;
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                const uint32_t y = __shfl_up_sync(0xffffffffu, incl, o);
+                if (lane >= o) incl += y;
             }
-            chosen[0] = prefix | ((uint32_t)d << shift);
-            chosen[1] = want - above;
+            uint32_t above = incl - s;
+            if (above < want && (want <= incl || lane == 31)) {
+                int j = 0;
+                for (; j < 7 && above + h[j] < want; ++j) above += h[j];
+                chosen[0] = prefix | ((uint32_t)(255 - 8 * lane - j) << shift);
+                chosen[1] = want - above;
+            }
         }
         __syncthreads();
         prefix = chosen[0];
         want = chosen[1];
         __syncthreads();
     }
-    const uint32_t T = prefix; // `want` keys equal to T are in the top k, the lowest-indexed ones
+    const uint32_t T_ = prefix; // `want` keys equal to T are in the top k, the lowest-indexed ones
+    // The sort key of 16-bit types: the float's (sorted values come back from it).
+    auto skey = [&](long long t) { return sizeof(T) == 2 ? topk_key(val(t)) : topk_key(row[t]); };
 
-    // 2. Each thread's contiguous run of the row, in column order.
+    // 2. Each thread's contiguous run of the segment, in column order.
     const long long per = (n + TOPK_THREADS - 1) / TOPK_THREADS;
     const long long a = min((long long)tid * per, n), b = min(a + per, n);
     uint32_t eq = 0, gt = 0;
     for (long long t = a; t < b; ++t) {
         const uint32_t key = topk_key(row[t]);
-        gt += key > T;
-        eq += key == T;
+        gt += key > T_;
+        eq += key == T_;
     }
     uint32_t tot;
     const uint32_t eq_before = block_exclusive_scan(eq, warp_tot, tot);
@@ -119,11 +153,26 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) topk_rows(const TopkP
     uint32_t slot = block_exclusive_scan(gt + eq_take, warp_tot, tot);
     uint32_t eq_seen = 0;
     for (long long t = a; t < b; ++t) {
-        const float v = row[t];
-        const uint32_t key = topk_key(v);
-        const bool take = key > T || (key == T && eq_seen++ < eq_take);
-        // Sort key: larger value first, then the lower column (complemented).
-        if (take) pairs[slot++] = ((unsigned long long)key << 32) | (0xffffffffu - (uint32_t)t);
+        const uint32_t key = topk_key(row[t]);
+        if (!(key > T_ || (key == T_ && eq_seen++ < eq_take))) continue;
+        const float v = val(t);
+        if (p.sort) {
+            // Sort key: larger value first, then the lower column (complemented).
+            pairs[slot] = ((unsigned long long)skey(t) << 32) | (0xffffffffu - col(t));
+        } else {
+            p.values[out0 + slot] = v;
+            p.indices[out0 + slot] = col(t);
+        }
+        ++slot;
+    }
+    if (!p.sort) {
+        // A short last segment: padding that ranks below every entry of the
+        // row (NaN, and last in column order).
+        for (int s = k + tid; s < p.k; s += TOPK_THREADS) {
+            p.values[out0 + s] = __int_as_float(0x7fffffff);
+            p.indices[out0 + s] = 0xffffffffu;
+        }
+        return;
     }
     int kp = 1;
     while (kp < k) kp <<= 1;
@@ -136,19 +185,27 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) topk_rows(const TopkP
             for (int s = tid; s < kp / 2; s += TOPK_THREADS) {
                 const int lo = 2 * s - (s & (stride - 1)), hi = lo + stride;
                 const bool desc = (lo & size) == 0;
-                const unsigned long long p = pairs[lo], q = pairs[hi];
-                if ((p < q) == desc) {
-                    pairs[lo] = q;
-                    pairs[hi] = p;
+                const unsigned long long u = pairs[lo], w = pairs[hi];
+                if ((u < w) == desc) {
+                    pairs[lo] = w;
+                    pairs[hi] = u;
                 }
             }
             __syncthreads();
         }
     }
+    // The value back from its key (the inverse of topk_key; NaN keeps key 0).
     for (int s = tid; s < k; s += TOPK_THREADS) {
-        const unsigned long long p = pairs[s];
-        const uint32_t col = 0xffffffffu - (uint32_t)p;
-        values[(size_t)blockIdx.x * k + s] = row[col];
-        indices[(size_t)blockIdx.x * k + s] = col;
+        const unsigned long long q = pairs[s];
+        const uint32_t key = (uint32_t)(q >> 32);
+        p.values[out0 + s] = key == 0u ? __int_as_float(0x7fffffff)
+                                       : __uint_as_float((key & 0x80000000u) ? key & 0x7fffffffu : ~key);
+        p.indices[out0 + s] = 0xffffffffu - (uint32_t)q;
     }
 }
+
+#define TOPK_KERNEL(NAME, T) \
+    extern "C" __global__ void __launch_bounds__(TOPK_THREADS) topk_rows_##NAME(const TopkParams p) { topk_block<T>(p); }
+TOPK_KERNEL(f32, float)
+TOPK_KERNEL(f16, __half)
+TOPK_KERNEL(bf16, __nv_bfloat16)

@@ -66,6 +66,22 @@ impl Seqs {
             bail!("{arg}: expected a rank-1 U32 offsets tensor [N+1], got {:?} {:?}", cu.dtype(), cu.dims())
         }
         let host: Vec<u32> = cu.to_vec1()?;
+        Self::packed_host(arg, Arc::new(host), cu.contiguous()?, rows, max_arg, max_len)
+    }
+
+    /// [`Self::packed`] of offsets already on the host (`host`), with their
+    /// device copy `cu_dev` (the caller vouches that they are equal).
+    pub fn packed_host(
+        arg: &str,
+        host: Arc<Vec<u32>>,
+        cu_dev: Tensor,
+        rows: usize,
+        max_arg: &str,
+        max_len: usize,
+    ) -> Result<Self> {
+        if host.is_empty() {
+            bail!("{arg}: expected a rank-1 U32 offsets tensor [N+1], got an empty one")
+        }
         if host[0] != 0 {
             bail!("{arg}: offsets must start at 0, got {}", host[0])
         }
@@ -89,7 +105,7 @@ impl Seqs {
         if longest > max_len {
             bail!("{max_arg}: {max_len} is smaller than the longest sequence in {arg} ({longest})")
         }
-        Ok(Seqs::Packed { cu: Arc::new(host), cu_dev: cu.contiguous()?, max_len })
+        Ok(Seqs::Packed { cu: host, cu_dev, max_len })
     }
 }
 

@@ -116,8 +116,9 @@ pub mod residual {
     //! # Ok::<(), candle_core::Error>(())
     //! ```
     pub use crate::ops::residual::{
-        maxsim_residual, maxsim_residual_pairs, maxsim_residual_varlen, nearest_centroids, pack_bucket_indices,
-        unpack_bucket_indices, BitOrder, ResidualCodec, NO_DOCUMENT,
+        maxsim_residual, maxsim_residual_pairs, maxsim_residual_pairs_offsets, maxsim_residual_varlen,
+        nearest_centroids, pack_bucket_indices, unpack_bucket_indices, BitOrder, DocOffsets, ResidualCodec,
+        NO_DOCUMENT,
     };
 }
 
@@ -140,7 +141,9 @@ pub mod plaid {
     //! assert_eq!(approx.dims(), &[4]);
     //! # Ok::<(), candle_core::Error>(())
     //! ```
-    pub use crate::ops::plaid_approx::{plaid_approx_candidates, plaid_approx_score, plaid_candidates, NO_CENTROID};
+    pub use crate::ops::plaid_approx::{
+        deferred_checks, plaid_approx_candidates, plaid_approx_score, plaid_candidates, NO_CENTROID,
+    };
 }
 
 pub mod nn {

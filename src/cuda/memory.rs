@@ -3,10 +3,11 @@
 //! set.
 
 use super::launch::{grid_stride, kernel, kernel_params, launch, Module};
-use candle_core::backend::BackendStorage;
+use candle_core::backend::{BackendDevice, BackendStorage};
 use candle_core::cuda_backend::cudarc::driver::{sys, CudaSlice, DevicePtr, PinnedHostSlice};
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{bail, CudaDevice, CudaStorage, DType, Layout, Result, Storage, Tensor};
+use std::cell::RefCell;
 use std::sync::Mutex;
 
 /// An uninitialized buffer of `n` elements of `dtype` (the kernels write every element).
@@ -177,6 +178,61 @@ impl HostFlag {
         // SAFETY: the kernels that write it have finished (stream synchronized).
         Ok(unsafe { self.host.read_volatile() })
     }
+}
+
+/// A set flag's error message, from the flag's value.
+type Describe = Box<dyn FnOnce(u32) -> String>;
+
+thread_local! {
+    /// The flags of this thread's [`deferred_checks`] scope, in launch order.
+    static DEFERRED: RefCell<Option<Vec<(HostFlag, CudaDevice, Describe)>>> = const { RefCell::new(None) };
+}
+
+impl HostFlag {
+    /// `Err(describe(value))` if a kernel set the flag (after waiting for
+    /// the stream); inside a [`deferred_checks`] scope on this thread the
+    /// flag is kept for the scope's end instead, and this returns `Ok`.
+    pub(crate) fn check(self, dev: &CudaDevice, describe: impl FnOnce(u32) -> String + 'static) -> Result<()> {
+        let flag = DEFERRED.with_borrow_mut(|d| match d {
+            Some(list) => {
+                list.push((self, dev.clone(), Box::new(describe)));
+                None
+            }
+            None => Some((self, describe)),
+        });
+        match flag {
+            Some((flag, describe)) => match flag.value(dev)? {
+                0 => Ok(()),
+                v => bail!("{}", describe(v)),
+            },
+            None => Ok(()),
+        }
+    }
+}
+
+/// `f()` with the input checks that kernels report through host flags
+/// waiting until `f` returns: one stream sync at the end instead of one per
+/// op. The first flag set, in launch order, is the error (`f`'s own error
+/// first). The kernels clamp or skip what they flag, so no access goes out
+/// of bounds meanwhile; `f`'s results are dropped when a check fails.
+pub(crate) fn deferred_checks<R>(f: impl FnOnce() -> Result<R>) -> Result<R> {
+    let outer = DEFERRED.with_borrow_mut(|d| d.replace(Vec::new()));
+    let res = f();
+    let flags = DEFERRED.with_borrow_mut(|d| std::mem::replace(d, outer)).unwrap_or_default();
+    let res = res?;
+    let mut synced: Vec<CudaDevice> = Vec::new();
+    for (flag, dev, describe) in flags {
+        if !synced.iter().any(|d| d.same_device(&dev)) {
+            dev.cuda_stream().synchronize().w()?;
+            synced.push(dev.clone());
+        }
+        // SAFETY: the stream that runs the flag's kernel is synchronized.
+        match unsafe { flag.host.read_volatile() } {
+            0 => {}
+            v => bail!("{}", describe(v)),
+        }
+    }
+    Ok(res)
 }
 
 impl Drop for HostFlag {

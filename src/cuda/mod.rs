@@ -28,7 +28,7 @@ pub(crate) use device::device_info;
 pub(crate) use hidden::{from_hidden_fwd, FusedHeadPlan};
 pub(crate) use maxsim_bwd::maxsim_bwd;
 pub(crate) use maxsim_fwd::{maxsim_argmax, maxsim_fwd, Variant};
-pub(crate) use memory::i32_bits_as_u32;
+pub(crate) use memory::{deferred_checks, i32_bits_as_u32};
 pub(crate) use normalize::{l2norm_bwd, l2norm_fwd};
 pub(crate) use quantized::{maxsim_quantized, quantized_supported};
 pub(crate) use residual::{compress_residual, decompress_residual, residual_pairs, residual_scores, CodecDev};

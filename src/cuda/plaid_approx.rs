@@ -193,10 +193,8 @@ pub(crate) fn candidates(
     // A warp per (query, probe), 8 per block.
     let func = kernel(&dev, Module::PlaidApprox, "plaid_candidates", 0)?;
     launch(&dev, &func, grid_stride(&dev, nq * n_probe, 8, 256, 16)?, &p)?;
-    match bad.value(&dev)? {
-        0 => Ok(bitmap),
-        f => bail!("{}", bad_argument(f)),
-    }
+    bad.check(&dev, |f| bad_argument(f).to_string())?;
+    Ok(bitmap)
 }
 
 /// The operands of `plaid_approx_candidates` on CUDA, all contiguous.
@@ -246,10 +244,9 @@ pub(crate) fn approx_candidates(a: ApproxCandidates) -> Result<CudaStorage> {
     };
     debug_assert_eq!(m, nq * a.lq);
     // A warp per (query, bitmap word), 8 per block.
-    let func = kernel(&dev, Module::PlaidApprox, &format!("plaid_approx_candidates_{code}_g{g}{part}"), 0)?;
+    let s = if a.qcs.0.dtype() == DType::F16 { "f16_" } else { "" };
+    let func = kernel(&dev, Module::PlaidApprox, &format!("plaid_approx_candidates_{s}{code}_g{g}{part}"), 0)?;
     launch(&dev, &func, grid_stride(&dev, nq * words, 8, 256, 16)?, &p)?;
-    match bad.value(&dev)? {
-        0 => Ok(out),
-        f => bail!("{}", bad_argument(f)),
-    }
+    bad.check(&dev, |f| bad_argument(f).to_string())?;
+    Ok(out)
 }

@@ -286,11 +286,11 @@ fn residual_scores_warp(
     let per_sm = func.occupancy_max_active_blocks_per_multiprocessor(THREADS, 0, None).w()?.max(1) as usize;
     let n_blocks = (device_info(dev)?.sm_count as usize * per_sm).min(n_out.div_ceil(THREADS as usize / 32));
     launch(dev, &func, blocks(n_blocks.max(1) as u32, THREADS, 0), &params)?;
-    match bad.value(dev)? {
-        0 => {}
-        1 => bail!("codes: a code of a scored token is out of range for {n_c} centroids"),
-        _ => bail!("pair_q: a pair's query or document index is out of range ({nq} queries, {nd} documents)"),
-    }
+    bad.check(dev, move |f| match f {
+        1 => format!("codes: a code of a scored token is out of range for {n_c} centroids"),
+        _ => format!("pair_q: a pair's query or document index is out of range ({nq} queries, {nd} documents)"),
+    })?;
+    // Freed in stream order, after the kernel.
     drop((cents, buckets, cu, lens, work, pairs));
     Ok(out)
 }

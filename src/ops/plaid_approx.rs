@@ -137,6 +137,21 @@ impl CustomOp3 for PlaidApprox {
 /// A probe of [`plaid_candidates`] that probes nothing (a padding token's).
 pub const NO_CENTROID: u32 = u32::MAX;
 
+/// `f()` with the input checks of the CUDA ops of a PLAID search
+/// ([`plaid_candidates`], [`plaid_approx_candidates`],
+/// [`maxsim_residual_pairs`](crate::residual::maxsim_residual_pairs)) made
+/// once, when `f` returns, instead of after each op: each check waits for
+/// the device, so a pipeline of these ops otherwise stalls the host once per
+/// op. Errors are the same, the first in launch order (`f`'s own first);
+/// the kernels clamp or skip what they flag, so nothing is read out of
+/// bounds meanwhile. On the CPU, `f()`.
+pub fn deferred_checks<R>(f: impl FnOnce() -> Result<R>) -> Result<R> {
+    #[cfg(feature = "cuda")]
+    return crate::cuda::deferred_checks(f);
+    #[cfg(not(feature = "cuda"))]
+    f()
+}
+
 /// The candidates of a PLAID search: for each query, the documents of the
 /// inverted lists of its probed centroids. `probes [Nq, P]` U32 (the probed
 /// centroids of all of a query's tokens; repeats allowed, [`NO_CENTROID`]
@@ -225,7 +240,7 @@ impl CustomOp3 for Candidates {
 }
 
 /// PLAID's approximate score of every candidate of [`plaid_candidates`]:
-/// `qcs [C, Nq·Lq]` F32 (column `i·Lq + s`: query `i`'s token `s`, e.g.
+/// `qcs [C, Nq·Lq]` F32 or F16 (F16 gathers half the bytes; column `i·Lq + s`: query `i`'s token `s`, e.g.
 /// `centroids · Qᵀ` for `Q [Nq·Lq, dim]`), `codes [T]` U32 or I64 with
 /// `cu_d [Nd + 1]` U32 (document `j` is codes `cu_d[j]..cu_d[j + 1]`), the
 /// candidate bitmap `candidates [Nq, ⌈Nd/32⌉]` U32, and optionally a `mask`
@@ -243,9 +258,11 @@ pub fn plaid_approx_candidates(
     candidates: &Tensor,
     mask: Option<&Tensor>,
 ) -> Result<Tensor> {
-    if qcs.dtype() != DType::F32 || qcs.rank() != 2 {
-        bail!("qcs: expected F32 [C, Nq·Lq], got {:?} {:?}", qcs.dtype(), qcs.dims())
+    if !matches!(qcs.dtype(), DType::F32 | DType::F16) || qcs.rank() != 2 {
+        bail!("qcs: expected F32 or F16 [C, Nq·Lq], got {:?} {:?}", qcs.dtype(), qcs.dims())
     }
+    // The host scores F32 tables (F16 widens exactly).
+    let qcs = &if qcs.device().is_cpu() { qcs.to_dtype(DType::F32)? } else { qcs.clone() };
     if !lq.is_multiple_of(4) || !(4..=64).contains(&lq) {
         bail!("lq: must be a multiple of 4 in 4..=64 (pad queries with zero tokens), got {lq}")
     }

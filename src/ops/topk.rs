@@ -9,15 +9,16 @@ use std::sync::Mutex;
 /// The largest `k` supported per row (the CUDA kernel sorts them in shared memory).
 pub const TOPK_MAX_K: usize = 4096;
 
-/// The `k` largest entries of each row of `x [R, N]` F32, best first:
-/// `(values [R, k'] F32, column indices [R, k'] U32)` with k' = min(k, N).
+/// The `k` largest entries of each row of `x [R, N]` (F32, F16 or BF16),
+/// best first: `(values [R, k'] F32, column indices [R, k'] U32)` with
+/// k' = min(k, N).
 /// Equal values keep the lower column first; NaN ranks below every number
 /// (so a row with fewer than k' numbers ends with its NaN columns, lowest
 /// first). `k` must be in `1..=TOPK_MAX_K`.
 pub fn topk_rows(x: &Tensor, k: usize) -> Result<(Tensor, Tensor)> {
     check_rank("x", x, &[2], "rank 2 [R, N]")?;
-    if x.dtype() != DType::F32 {
-        bail!("x: expected F32 scores, got {:?}", x.dtype())
+    if !matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16) {
+        bail!("x: expected F32, F16 or BF16 scores, got {:?}", x.dtype())
     }
     if k == 0 || k > TOPK_MAX_K {
         bail!("k: must be in 1..={TOPK_MAX_K}, got {k}")
@@ -29,6 +30,8 @@ pub fn topk_rows(x: &Tensor, k: usize) -> Result<(Tensor, Tensor)> {
         let empty = |dt| Tensor::zeros((r.max(1), k.max(1)), dt, x.device())?.narrow(0, 0, r)?.narrow(1, 0, k);
         return Ok((empty(DType::F32)?, empty(DType::U32)?));
     }
+    // The host ranks F32 rows; the CUDA kernels read 16-bit rows as they are.
+    let x = if x.device().is_cpu() { x.to_dtype(DType::F32)? } else { x.clone() };
     let op = TopKRows { k, indices: Mutex::new(None) };
     let values = x.contiguous()?.apply_op1_no_bwd(&op)?;
     let indices = op.indices.lock().unwrap().take();

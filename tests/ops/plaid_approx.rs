@@ -217,7 +217,8 @@ fn packed_index(n_c: usize, nd: usize, max_len: u32, seed: u64) -> Result<(Tenso
 /// bitmaps exactly, scores within 1e-6, -inf exactly where a document is
 /// not a candidate; repeated probes, a per-query and a shared mask, pruned
 /// centroids (rows of -inf), empty documents, U32 and I64 codes, Lq with
-/// full and partial lane groups; on CUDA also an index of 20 000 documents.
+/// full and partial lane groups, F32 and F16 tables; on CUDA also an index
+/// of 20 000 documents.
 fn candidates_match_reference(dev: &Device) -> Result<()> {
     let cpu = Device::Cpu;
     let mut cases = vec![(40usize, 70usize, 3usize, 8usize, 6usize), (13, 33, 2, 4, 3), (64, 100, 2, 12, 5)];
@@ -242,21 +243,29 @@ fn candidates_match_reference(dev: &Device) -> Result<()> {
         let words = nd.div_ceil(32);
         let shared = Tensor::rand(0f32, u32::MAX as f32, (1, words), &cpu)?.to_dtype(DType::U32)?;
         let per_query = Tensor::rand(0f32, u32::MAX as f32, (nq, words), &cpu)?.to_dtype(DType::U32)?;
+        // F16 tables: the reference scores the same values widened to F32.
+        let half = qcs.to_dtype(DType::F16)?;
+        let tables = [(qcs.clone(), qcs.clone()), (half.clone(), half.to_dtype(DType::F32)?)];
         for mask in [None, Some(&shared), Some(&per_query)] {
             for codes in [codes.clone(), codes.to_dtype(DType::I64)?] {
-                let want = r::plaid::plaid_approx_candidates(&qcs, lq, &codes, &cu, &want_bits, mask)?;
-                let mg = mask.map(g).transpose()?;
-                let out = ms::plaid::plaid_approx_candidates(&g(&qcs)?, lq, &g(&codes)?, &g(&cu)?, &bits, mg.as_ref())?;
-                let (ov, wv): (Vec<f32>, Vec<f32>) = (out.flatten_all()?.to_vec1()?, want.flatten_all()?.to_vec1()?);
-                let mut n_cand = 0;
-                for (o, w) in ov.iter().zip(&wv) {
-                    assert_eq!(o.is_finite(), w.is_finite(), "{what}: {o} vs {w}");
-                    if w.is_finite() {
-                        n_cand += 1;
-                        assert!((o - w).abs() <= 1e-5 * w.abs().max(1.0), "{what}: {o} vs {w}");
+                for (table, wide) in &tables {
+                    let what = format!("{what} {:?} {:?} mask {}", table.dtype(), codes.dtype(), mask.is_some());
+                    let want = r::plaid::plaid_approx_candidates(wide, lq, &codes, &cu, &want_bits, mask)?;
+                    let mg = mask.map(g).transpose()?;
+                    let out =
+                        ms::plaid::plaid_approx_candidates(&g(table)?, lq, &g(&codes)?, &g(&cu)?, &bits, mg.as_ref())?;
+                    let (ov, wv): (Vec<f32>, Vec<f32>) =
+                        (out.flatten_all()?.to_vec1()?, want.flatten_all()?.to_vec1()?);
+                    let mut n_cand = 0;
+                    for (o, w) in ov.iter().zip(&wv) {
+                        assert_eq!(o.is_finite(), w.is_finite(), "{what}: {o} vs {w}");
+                        if w.is_finite() {
+                            n_cand += 1;
+                            assert!((o - w).abs() <= 1e-5 * w.abs().max(1.0), "{what}: {o} vs {w}");
+                        }
                     }
+                    assert!(n_cand > 0, "{what}: some candidates");
                 }
-                assert!(n_cand > 0, "{what}: some candidates");
             }
         }
     }
@@ -264,3 +273,59 @@ fn candidates_match_reference(dev: &Device) -> Result<()> {
 }
 
 test_device!(candidates_match_reference, candidates_match_reference_cpu, candidates_match_reference_cuda);
+
+/// Bad inverted files, offsets, codes and probes: an error naming the
+/// argument, from the op itself and from the end of a `deferred_checks`
+/// scope (where the first bad op's error comes back after the later ops
+/// ran); a good pipeline in a scope gives the same results as outside.
+fn candidate_errors_name_the_argument(dev: &Device) -> Result<()> {
+    let cpu = Device::Cpu;
+    let (n_c, nd, nq, lq) = (50usize, 80usize, 2usize, 8usize);
+    let (codes, cu, ivf, off) = packed_index(n_c, nd, 30, 7)?;
+    let g = |t: &Tensor| t.to_device(dev);
+    let probes = Tensor::rand(0f32, n_c as f32, (nq, 6), &cpu)?.to_dtype(DType::U32)?;
+    let qcs = randn(&[n_c, nq * lq], DType::F32, dev)?;
+    let set = |t: &Tensor, i: usize, v: u32| -> Result<Tensor> {
+        let mut x: Vec<u32> = t.flatten_all()?.to_vec1()?;
+        x[i] = v;
+        Tensor::from_vec(x, t.shape(), &cpu)
+    };
+    // Every list names at least one document: a probe of centroid 0 reads ivf[0].
+    let probes0 = set(&probes, 0, 0)?;
+    let n_ivf = ivf.dim(0)?;
+    // A non-empty candidate document of query 0, whose code and offset go bad below.
+    let words: Vec<u32> = r::plaid::plaid_candidates(&probes0, &ivf, &off, nd)?.get(0)?.to_vec1()?;
+    let cu_h: Vec<u32> = cu.to_vec1()?;
+    let j = (0..nd).find(|&j| words[j / 32] >> (j % 32) & 1 == 1 && cu_h[j + 1] > cu_h[j]).expect("a candidate");
+    let pipeline = |probes: &Tensor, ivf: &Tensor, off: &Tensor, codes: &Tensor, cu: &Tensor| -> Result<Vec<f32>> {
+        let bits = ms::plaid::plaid_candidates(&g(probes)?, &g(ivf)?, &g(off)?, nd)?;
+        let s = ms::plaid::plaid_approx_candidates(&qcs, lq, &g(codes)?, &g(cu)?, &bits, None)?;
+        s.flatten_all()?.to_vec1()
+    };
+    let cases: Vec<(&str, Tensor, Tensor, Tensor, Tensor, Tensor)> = vec![
+        ("probes", set(&probes0, 1, n_c as u32)?, ivf.clone(), off.clone(), codes.clone(), cu.clone()),
+        ("ivf", probes0.clone(), set(&ivf, 0, nd as u32 + 3)?, off.clone(), codes.clone(), cu.clone()),
+        ("ivf_offsets", probes0.clone(), ivf.clone(), set(&off, 1, n_ivf as u32 + 9)?, codes.clone(), cu.clone()),
+        ("codes", probes0.clone(), ivf.clone(), off.clone(), set(&codes, cu_h[j] as usize, n_c as u32)?, cu.clone()),
+        ("cu_d", probes0.clone(), ivf.clone(), off.clone(), codes.clone(), set(&cu, j + 1, 100_000)?),
+    ];
+    let good = pipeline(&probes0, &ivf, &off, &codes, &cu)?;
+    let deferred = ms::plaid::deferred_checks(|| pipeline(&probes0, &ivf, &off, &codes, &cu))?;
+    assert_eq!(good.len(), deferred.len());
+    for (a, b) in good.iter().zip(&deferred) {
+        assert!(a.to_bits() == b.to_bits(), "deferred checks change no result: {a} vs {b}");
+    }
+    for (arg, p, i, o, c, u) in cases {
+        for e in [pipeline(&p, &i, &o, &c, &u), ms::plaid::deferred_checks(|| pipeline(&p, &i, &o, &c, &u))] {
+            let e = e.expect_err(arg).to_string();
+            assert!(e.starts_with(&format!("{arg}:")), "{arg}: {e}");
+        }
+    }
+    Ok(())
+}
+
+test_device!(
+    candidate_errors_name_the_argument,
+    candidate_errors_name_the_argument_cpu,
+    candidate_errors_name_the_argument_cuda
+);

@@ -366,6 +366,21 @@ fn residual_pairs_match_reference(dev: &Device) -> Result<()> {
                 for (p, (o, w)) in ov.iter().zip(&wv).enumerate() {
                     assert_eq!(o.is_finite(), w.is_finite(), "{what}: pair {p} is {o}, want {w}");
                 }
+                // The same offsets checked once, either way: the same bits.
+                let host = std::sync::Arc::new(cu.to_vec1::<u32>()?);
+                let rows = *host.last().unwrap() as usize;
+                let once = [
+                    ms::residual::DocOffsets::new(&g(&cu)?, rows, ld)?,
+                    // SAFETY: the device copy is made from `host`.
+                    unsafe { ms::residual::DocOffsets::from_parts(host.clone(), g(&cu)?, rows, ld)? },
+                ];
+                for d in &once {
+                    let (q, codes, pres, pq, pd) = (g(&q)?, g(&codes_t)?, g(&pres)?, g(&pq)?, g(&pd)?);
+                    let o2 =
+                        ms::residual::maxsim_residual_pairs_offsets(&q, &codes, &pres, d, &pq, &pd, &cg, normalize)?;
+                    let o2: Vec<f32> = o2.to_vec1()?;
+                    assert!(o2.iter().zip(&ov).all(|(a, b)| a.to_bits() == b.to_bits()), "{what}: DocOffsets");
+                }
                 let finite = |v: &[f32]| {
                     Tensor::new(v.iter().map(|x| if x.is_finite() { *x } else { 0.0 }).collect::<Vec<f32>>(), &cpu)
                 };
@@ -378,6 +393,39 @@ fn residual_pairs_match_reference(dev: &Device) -> Result<()> {
 }
 
 test_device!(residual_pairs_match_reference, residual_pairs_match_reference_cpu, residual_pairs_match_reference_cuda);
+
+/// Offsets checked once (`DocOffsets`): bad ones are errors naming `cu_d`
+/// (or `max_ld`), and offsets of other documents than the codes' too.
+fn doc_offsets_errors_name_the_argument(dev: &Device) -> Result<()> {
+    use ms::residual::DocOffsets;
+    let t = |v: &[u32]| Tensor::new(v, dev);
+    let arc = |v: &[u32]| std::sync::Arc::new(v.to_vec());
+    let first = |r: Result<DocOffsets>| r.expect_err("bad offsets").to_string();
+    assert!(first(DocOffsets::new(&t(&[0, 3, 2])?, 2, 8)).starts_with("cu_d:"));
+    assert!(first(DocOffsets::new(&t(&[1, 3])?, 3, 8)).starts_with("cu_d:"));
+    assert!(first(DocOffsets::new(&t(&[0, 3, 5])?, 6, 8)).starts_with("cu_d:"));
+    assert!(first(DocOffsets::new(&t(&[0, 3, 9])?, 9, 4)).starts_with("max_ld:"));
+    // SAFETY (each): the device copy holds the host values.
+    assert!(first(unsafe { DocOffsets::from_parts(arc(&[0, 3, 2]), t(&[0, 3, 2])?, 2, 8) }).starts_with("cu_d:"));
+    assert!(first(unsafe { DocOffsets::from_parts(arc(&[0, 3]), t(&[0, 3, 4])?, 3, 8) }).starts_with("cu_d:"));
+    let (nbits, dim) = (4, 64);
+    let (c, codes, res, _) = residual_docs(2, 5, dim, nbits, BitOrder::ColBert, 3)?;
+    let (codes, res) = (codes.flatten_all()?.to_device(dev)?, res.reshape((10, dim * nbits / 8))?.to_device(dev)?);
+    let q = randn(&[1, 4, dim], DType::F16, dev)?;
+    let d = DocOffsets::new(&t(&[0, 3, 7])?, 7, 8)?; // 7 rows, the codes have 10
+    let p = t(&[0, 1])?;
+    let e =
+        ms::residual::maxsim_residual_pairs_offsets(&q, &codes, &res, &d, &t(&[0, 0])?, &p, &codec_on(&c, dev)?, true)
+            .expect_err("offsets of 7 rows against 10 codes");
+    assert!(e.to_string().starts_with("cu_d:"), "{e}");
+    Ok(())
+}
+
+test_device!(
+    doc_offsets_errors_name_the_argument,
+    doc_offsets_errors_name_the_argument_cpu,
+    doc_offsets_errors_name_the_argument_cuda
+);
 
 /// `ResidualCodec::compress` against buckets counted here from the
 /// definition (cutoffs below each residual), packed by

@@ -1,11 +1,11 @@
 //! The PLAID search pipeline (the steps are in the crate docs).
 
-use crate::index::{nonfinite_queries, PlaidIndex};
-use candle_core::{bail, DType, Result, Tensor};
+use crate::index::{query_rows, PlaidIndex};
+use candle_core::{bail, DType, Device, Result, Shape, Tensor};
 use candle_maxsim::{
     nn::{topk_rows, TOPK_MAX_K},
-    plaid::{plaid_approx_candidates, plaid_candidates, NO_CENTROID},
-    residual::{maxsim_residual_pairs, NO_DOCUMENT},
+    plaid::{deferred_checks, plaid_approx_candidates, plaid_candidates, NO_CENTROID},
+    residual::{maxsim_residual_pairs, maxsim_residual_pairs_offsets, NO_DOCUMENT},
 };
 
 /// Parameters of [`PlaidIndex::search`] (fast-plaid's names and defaults).
@@ -118,6 +118,7 @@ impl PlaidIndex {
             0 => (BATCH_BYTES / per_query.max(1)).clamp(1, 1024),
             b => b,
         };
+        let real = query_rows(q)?;
         let mut out = Vec::with_capacity(nq);
         for start in (0..nq).step_by(batch) {
             let n = batch.min(nq - start);
@@ -125,16 +126,20 @@ impl PlaidIndex {
                 Some(Subset::PerQuery(s)) => Some(Subset::PerQuery(&s[start..start + n])),
                 s => s,
             };
-            out.extend(self.search_batch(&q.narrow(0, start, n)?, start, params, sub, mark)?);
+            let real = &real[start * lq..(start + n) * lq];
+            // The ops' input checks wait for the batch's end (one device sync, not four).
+            let res = deferred_checks(|| self.search_batch(&q.narrow(0, start, n)?, real, params, sub, mark))?;
+            out.extend(res);
         }
         Ok(out)
     }
 
-    /// One batch of queries, the first of them query `first` of the call.
+    /// One batch of queries; `real`: whether each of its `Nq·Lq` query rows
+    /// is a token (not padding).
     fn search_batch(
         &self,
         q: &Tensor,
-        first: usize,
+        real: &[bool],
         params: &SearchParams,
         subset: Option<Subset>,
         mark: &mut dyn FnMut(&'static str) -> Result<()>,
@@ -152,13 +157,19 @@ impl PlaidIndex {
             q.clone()
         };
         let m = nq * lqp;
-        let bad = nonfinite_queries(&q)?;
-        // 1. Query-centroid scores in the centroids' dtype (F16: as fast-plaid), then F32.
+        // 1. Query-centroid scores in the centroids' dtype (F16, as fast-plaid):
+        // [C, M] for the approximate scores (F16 on a GPU: half the gathered
+        // bytes; F32 on the host) and [M, C] to pick each token's probes.
         let cents = &self.codec.centroids;
         let qf = q.reshape((m, dim))?.to_dtype(cents.dtype())?;
-        let qcs = cents.matmul(&qf.t()?)?.to_dtype(DType::F32)?; // [C, M]
-        let probe_scores = qf.matmul(&cents.t()?)?.to_dtype(DType::F32)?; // [M, C]
-                                                                          // Centroids a subset's documents do not use are never probed (fast-plaid's subset rule).
+        let table = if dev.is_cuda() && cents.dtype() == DType::F16 { DType::F16 } else { DType::F32 };
+        let qcs = cents.matmul(&qf.t()?)?.to_dtype(table)?; // [C, M]
+        let probe_scores = qf.matmul(&cents.t()?)?; // [M, C]
+        let probe_scores = match probe_scores.dtype() {
+            DType::F16 | DType::BF16 | DType::F32 => probe_scores,
+            _ => probe_scores.to_dtype(DType::F32)?,
+        };
+        // Centroids a subset's documents do not use are never probed (fast-plaid's subset rule).
         let allowed = self.allowed(subset, nq)?;
         let probe_scores = match &allowed {
             Some(a) => self.mask_probes(&probe_scores, a, nq, lqp)?,
@@ -169,12 +180,22 @@ impl PlaidIndex {
             None => qcs,
         };
         mark("query-centroid scores")?;
-        // 2. The probed centroids of every real token (zero rows and -inf scores: none).
-        let (pv, probes) = topk_rows(&probe_scores, params.n_ivf_probe.min(n_c))?;
-        let real = q.reshape((m, dim))?.abs()?.to_dtype(DType::F32)?.max_keepdim(1)?.gt(0f64)?; // [M, 1]
-        let keep = real.broadcast_as(probes.shape())?.mul(&pv.gt(f64::NEG_INFINITY)?)?;
-        let none = Tensor::full(NO_CENTROID, probes.shape(), dev)?;
-        let probes = keep.where_cond(&probes, &none)?.reshape((nq, lqp * params.n_ivf_probe.min(n_c)))?;
+        // 2. The probed centroids of every real token (padding rows and -inf
+        // scores, i.e. centroids outside a subset: none).
+        let n_probe = params.n_ivf_probe.min(n_c);
+        let (pv, probes) = topk_rows(&probe_scores, n_probe)?;
+        let padded = lqp > lq || real.iter().any(|&r| !r);
+        let probes = if padded || allowed.is_some() {
+            let mut keep = pv.gt(f64::NEG_INFINITY)?;
+            if padded {
+                let rows: Vec<u8> = (0..m).map(|r| (r % lqp < lq && real[r / lqp * lq + r % lqp]) as u8).collect();
+                keep = keep.broadcast_mul(&Tensor::from_vec(rows, (m, 1), dev)?)?;
+            }
+            keep.where_cond(&probes, &Tensor::full(NO_CENTROID, probes.shape(), dev)?)?
+        } else {
+            probes
+        };
+        let probes = probes.reshape((nq, lqp * n_probe))?;
         mark("probe")?;
         // 3-4. Candidates and their approximate scores.
         let mut cand = plaid_candidates(&probes, ivf, ivf_off, nd)?;
@@ -217,28 +238,14 @@ impl PlaidIndex {
             maxsim_residual_pairs(&q, &codes, &residuals, &cu, max_len, &pq, &pair_d, &self.codec, true)?
         } else {
             let (pq, pd) = (pair_q.flatten_all()?, ai.flatten_all()?);
-            maxsim_residual_pairs(
-                &q,
-                &self.codes,
-                &self.residuals,
-                &self.cu,
-                self.max_len,
-                &pq,
-                &pd,
-                &self.codec,
-                true,
-            )?
+            let (codes, res) = (&self.codes, &self.residuals);
+            maxsim_residual_pairs_offsets(&q, codes, res, &self.doc_offsets, &pq, &pd, &self.codec, true)?
         }
         .reshape((nq, k1))?;
         mark("exact scores")?;
         let (ev, ei) = topk_rows(&exact, params.top_k.min(k1))?;
         let ids = ai.gather(&ei.contiguous()?, 1)?;
-        // The one host copy: the final top-k, each query's non-finite flag
-        // riding along as one more score column.
-        let ev = Tensor::cat(&[&ev, &bad], 1)?;
-        let (mut ev, ids): (Vec<Vec<f32>>, Vec<Vec<u32>>) = (ev.to_vec2()?, ids.to_vec2()?);
-        let flags: Vec<f32> = ev.iter_mut().map(|r| r.pop().unwrap_or(0.0)).collect();
-        PlaidIndex::check_finite(&flags, first)?;
+        let (ev, ids): (Vec<Vec<f32>>, Vec<Vec<u32>>) = (ev.to_vec2()?, ids.to_vec2()?);
         mark("top-k")?;
         Ok(ev
             .into_iter()
@@ -298,8 +305,7 @@ impl PlaidIndex {
         let mask = a.centroids.unsqueeze(1)?.broadcast_as((rows, lqp, n_c))?;
         let mask = if rows == 1 { mask.broadcast_as((nq, lqp, n_c))? } else { mask };
         let mask = mask.contiguous()?.reshape((nq * lqp, n_c))?;
-        let neg = Tensor::full(f32::NEG_INFINITY, scores.shape(), scores.device())?;
-        mask.where_cond(scores, &neg)
+        mask.where_cond(scores, &neg_inf(scores.shape(), scores.dtype(), scores.device())?)
     }
 }
 
@@ -316,5 +322,14 @@ fn prune(qcs: &Tensor, nq: usize, lq: usize, t: f32) -> Result<Tensor> {
     let n_c = qcs.dim(0)?;
     let best = qcs.reshape((n_c, nq, lq))?.max_keepdim(2)?; // [C, Nq, 1]
     let keep = best.ge(t as f64)?.broadcast_as((n_c, nq, lq))?.contiguous()?.reshape((n_c, nq * lq))?;
-    keep.where_cond(qcs, &Tensor::full(f32::NEG_INFINITY, qcs.shape(), qcs.device())?)
+    keep.where_cond(qcs, &neg_inf(qcs.shape(), qcs.dtype(), qcs.device())?)
+}
+
+/// A tensor of -inf.
+fn neg_inf(shape: &Shape, dtype: DType, dev: &Device) -> Result<Tensor> {
+    match dtype {
+        DType::F16 => Tensor::full(half::f16::NEG_INFINITY, shape, dev),
+        DType::BF16 => Tensor::full(half::bf16::NEG_INFINITY, shape, dev),
+        _ => Tensor::full(f32::NEG_INFINITY, shape, dev)?.to_dtype(dtype),
+    }
 }

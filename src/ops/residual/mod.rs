@@ -21,7 +21,7 @@ mod pairs;
 pub use bits::{pack_bucket_indices, unpack_bucket_indices};
 pub use centroids::nearest_centroids;
 pub use codec::{BitOrder, ResidualCodec};
-pub use pairs::{maxsim_residual_pairs, NO_DOCUMENT};
+pub use pairs::{maxsim_residual_pairs, maxsim_residual_pairs_offsets, DocOffsets, NO_DOCUMENT};
 
 /// Compressed documents as [`score`] takes them.
 struct Docs<'a> {

@@ -28,6 +28,10 @@ pub const NO_DOCUMENT: u32 = u32::MAX;
 /// host copy, so a search can feed it candidates it selected on the device.
 /// Elsewhere the pairs are read on the host and only the documents they
 /// name are gathered and scored.
+///
+/// `cu_d` is copied to the host and checked on every call; a caller that
+/// scores the same documents again and again checks them once with
+/// [`DocOffsets`] and calls [`maxsim_residual_pairs_offsets`].
 #[allow(clippy::too_many_arguments)]
 pub fn maxsim_residual_pairs(
     q: &Tensor,
@@ -40,7 +44,68 @@ pub fn maxsim_residual_pairs(
     codec: &ResidualCodec,
     normalize: bool,
 ) -> Result<Tensor> {
-    let (nq, lq, dim, t) = check_packed(q, codes, residuals, cu_d, codec)?;
+    check_device("cu_d", cu_d, q.device())?;
+    let d = DocOffsets::new(cu_d, codes.dim(0)?, max_ld)?;
+    maxsim_residual_pairs_offsets(q, codes, residuals, &d, pair_q, pair_d, codec, normalize)
+}
+
+/// The document offsets `cu_d [Nd + 1]` U32 of packed documents, checked
+/// once (they start at 0, never decrease and end at the number of packed
+/// rows; no document is longer than `max_ld`) and held on the host and on
+/// their device, for [`maxsim_residual_pairs_offsets`] calls on the same
+/// documents: a search scores candidates of one index many times, and
+/// copying 8 million offsets back for each search cost more than the search.
+#[derive(Clone, Debug)]
+pub struct DocOffsets(Seqs);
+
+impl DocOffsets {
+    /// `cu_d` checked for `rows` packed rows (copied to the host once).
+    pub fn new(cu_d: &Tensor, rows: usize, max_ld: usize) -> Result<Self> {
+        Ok(Self(Seqs::packed("cu_d", cu_d, rows, "max_ld", max_ld)?))
+    }
+
+    /// Offsets held on the host as `host` and on a device as `cu_d`, checked
+    /// on the host only (no copy back).
+    ///
+    /// # Safety
+    /// `cu_d` must hold exactly the values of `host` (rank 1, U32): the
+    /// kernels read `cu_d` and trust the check made on `host`.
+    pub unsafe fn from_parts(host: std::sync::Arc<Vec<u32>>, cu_d: Tensor, rows: usize, max_ld: usize) -> Result<Self> {
+        if cu_d.dtype() != DType::U32 || cu_d.dims() != [host.len()] {
+            bail!("cu_d: expected U32 [{}] offsets, got {:?} {:?}", host.len(), cu_d.dtype(), cu_d.dims())
+        }
+        Ok(Self(Seqs::packed_host("cu_d", host, cu_d, rows, "max_ld", max_ld)?))
+    }
+
+    /// The number of documents.
+    pub fn len(&self) -> usize {
+        self.0.n()
+    }
+
+    /// Whether there are no documents.
+    pub fn is_empty(&self) -> bool {
+        self.0.n() == 0
+    }
+}
+
+/// [`maxsim_residual_pairs`] against documents whose offsets were checked
+/// once ([`DocOffsets`]): no host copy, so the call only launches kernels.
+#[allow(clippy::too_many_arguments)]
+pub fn maxsim_residual_pairs_offsets(
+    q: &Tensor,
+    codes: &Tensor,
+    residuals: &Tensor,
+    cu_d: &DocOffsets,
+    pair_q: &Tensor,
+    pair_d: &Tensor,
+    codec: &ResidualCodec,
+    normalize: bool,
+) -> Result<Tensor> {
+    let Seqs::Packed { cu_dev, .. } = &cu_d.0 else { bail!("cu_d: internal error, not packed offsets") };
+    let (nq, lq, dim, t) = check_packed(q, codes, residuals, cu_dev, codec)?;
+    if cu_d.0.rows() != t {
+        bail!("cu_d: the offsets end at {} rows, but codes has {t}", cu_d.0.rows())
+    }
     for (arg, p) in [("pair_q", pair_q), ("pair_d", pair_d)] {
         check_device(arg, p, q.device())?;
     }
@@ -52,7 +117,7 @@ pub fn maxsim_residual_pairs(
     if pair_q.dim(0)? != pair_d.dim(0)? {
         bail!("pair_d: length {} differs from pair_q's {}", pair_d.dim(0)?, pair_q.dim(0)?)
     }
-    let d = Seqs::packed("cu_d", cu_d, t, "max_ld", max_ld)?;
+    let d = cu_d.0.clone();
     let q = if normalize { l2_normalize(&q.detach())? } else { q.detach() };
     let op = ResidualPairs {
         lq,
