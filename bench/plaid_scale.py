@@ -105,6 +105,13 @@ def main():
             if fb:
                 summary.update({"fast_plaid_build_s": fb["seconds"], "fast_plaid_peak_host_mb": fmem["peak_host_mb"],
                                 "fast_plaid_peak_device_mb": fmem["peak_device_mb"], "fast_plaid_index_mb": du_mb(fp_idx)})
+                # fast-plaid's search of the same queries, default parameters, and its recall.
+                rows, _ = plaid_engine.run(me + ["--phase", "fp-search", "--index", fp_idx, "--out", w("theirs.json")],
+                                           f"fast-plaid search {n}")
+                default = {r["batch"]: r["median_ms"] for r in rows
+                           if r.get("phase") == "search" and (r["n_ivf_probe"], r["n_full_scores"]) == (8, 4096)}
+                theirs = json.load(open(w("theirs.json"))).get("8,4096", {}).get("ids", [])[: a.exact_queries]
+                summary.update({"fast_plaid_search_ms": default, "fast_plaid_recall@10": recall(theirs, exact)})
             for f in ("emb.npy", "lens.npy"):
                 os.remove(w(f))
         print(json.dumps({"summary": summary}), flush=True)

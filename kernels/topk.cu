@@ -209,3 +209,89 @@ template <typename T> __device__ __forceinline__ void topk_block(const TopkParam
 TOPK_KERNEL(f32, float)
 TOPK_KERNEL(f16, __half)
 TOPK_KERNEL(bf16, __nv_bfloat16)
+
+// ---------------------------------------------------------------------------
+// Small k (<= 32, e.g. the probed centroids of each query token): a warp per
+// segment keeps its best k in registers, lane i holding the i-th as one
+// 64-bit key (the value's key above the complemented column: unique, larger
+// is better, so ties need no rule of their own and lists merge by the same
+// insertion). Elements that beat the k-th (a ballot, rare once the list has
+// filled) are inserted by a shift along the lanes. No shared memory and no
+// block barrier: the radix kernel above spends its time in those at k = 8.
+// Long rows take two launches: segments of TOPK_WARP_SEG columns write their
+// lists, then a warp per row merges them (`pairs`).
+// ---------------------------------------------------------------------------
+
+#define TOPK_WARP_SEG 1024
+#define TOPK_WARP_WARPS 8
+
+// Mirrors TopkWarpParams in src/cuda/topk.rs.
+struct TopkWarpParams {
+    const void* x;        // [rows, n] values, or with `pairs` [rows, n] 64-bit keys
+    unsigned long long* keys; // out: [rows, segs, k] 64-bit keys (not `last`)
+    float* values;        // out (`last`): [rows, k]
+    uint32_t* indices;    // out (`last`): [rows, k]
+    long long n;
+    int segs;             // segments per row: ceil(n / TOPK_WARP_SEG), 1 with `pairs`
+    int k;                // <= 32
+    int rows;
+    int last;             // 1: write values and indices, best first
+};
+
+__device__ __forceinline__ float topk_value(uint32_t key) {
+    return key == 0u ? __int_as_float(0x7fffffff) : __uint_as_float((key & 0x80000000u) ? key & 0x7fffffffu : ~key);
+}
+
+template <typename T, bool PAIRS> __device__ __forceinline__ void topk_warp(const TopkWarpParams& p) {
+    const int lane = threadIdx.x & 31;
+    const long long w = (long long)blockIdx.x * TOPK_WARP_WARPS + (threadIdx.x >> 5);
+    if (w >= (long long)p.rows * p.segs) return; // warp-uniform
+    const int row = (int)(w / p.segs), seg = (int)(w % p.segs);
+    const long long start = PAIRS ? 0 : (long long)seg * TOPK_WARP_SEG;
+    const long long n = PAIRS ? p.n : min((long long)TOPK_WARP_SEG, p.n - start);
+    const unsigned full = 0xffffffffu;
+    unsigned long long mine = 0ull, thr = 0ull; // lane i: the i-th best; thr: the k-th
+    auto key_at = [&](long long t) -> unsigned long long {
+        if (PAIRS) return reinterpret_cast<const unsigned long long*>(p.x)[(size_t)row * p.n + t];
+        const float v = Elem<T>::to_float(reinterpret_cast<const T*>(p.x)[(size_t)row * p.n + start + t]);
+        return ((unsigned long long)topk_key(v) << 32) | (0xffffffffu - (uint32_t)(start + t));
+    };
+    for (long long t0 = 0; t0 < n; t0 += 128) {
+        unsigned long long x[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            const long long t = t0 + u * 32 + lane;
+            x[u] = t < n ? key_at(t) : 0ull;
+        }
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            unsigned m = __ballot_sync(full, x[u] > thr);
+            while (m) {
+                const int src = __ffs(m) - 1;
+                m &= m - 1;
+                const unsigned long long v = __shfl_sync(full, x[u], src);
+                if (v <= thr) continue; // the list rose past it meanwhile
+                const int pos = __popc(__ballot_sync(full, mine > v));
+                const unsigned long long up = __shfl_up_sync(full, mine, 1);
+                mine = lane < pos ? mine : lane == pos ? v : up;
+                if (lane >= p.k) mine = 0ull;
+                thr = __shfl_sync(full, mine, p.k - 1);
+            }
+        }
+    }
+    if (!p.last) {
+        if (lane < p.k) p.keys[(size_t)w * p.k + lane] = mine;
+    } else if (lane < p.k) {
+        p.values[(size_t)row * p.k + lane] = topk_value((uint32_t)(mine >> 32));
+        p.indices[(size_t)row * p.k + lane] = 0xffffffffu - (uint32_t)mine;
+    }
+}
+
+#define TOPK_WARP_KERNEL(NAME, T, PAIRS)                                                                     \
+    extern "C" __global__ void __launch_bounds__(32 * TOPK_WARP_WARPS) topk_warp_##NAME(const TopkWarpParams p) { \
+        topk_warp<T, PAIRS>(p);                                                                              \
+    }
+TOPK_WARP_KERNEL(f32, float, false)
+TOPK_WARP_KERNEL(f16, __half, false)
+TOPK_WARP_KERNEL(bf16, __nv_bfloat16, false)
+TOPK_WARP_KERNEL(pairs, float, true)

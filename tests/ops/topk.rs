@@ -11,7 +11,7 @@ use candle_maxsim::{self as ms, reference as r};
 /// 100 000, a short last chunk, k = 4096).
 fn topk_rows_match_reference(dev: &Device) -> Result<()> {
     let cpu = Device::Cpu;
-    let mut cases = vec![(5usize, 37usize, 10usize), (3, 8, 20), (2, 1, 1), (4, 1000, 257), (1, 300, 300)];
+    let mut cases = vec![(5usize, 37usize, 10usize), (3, 8, 20), (2, 1, 1), (4, 1000, 257), (1, 300, 300), (7, 40, 32)];
     if gpu_cases(dev) {
         cases.extend([
             (3, 100_000, 1024),

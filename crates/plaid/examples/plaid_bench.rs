@@ -35,10 +35,6 @@ struct Args {
     /// Run on CUDA device 0 (default: the CPU).
     #[arg(long, global = true)]
     cuda: bool,
-    /// Turn off cudarc's per-buffer event tracking on the device (every
-    /// operation here runs on its one stream, so the events only cost time).
-    #[arg(long, global = true)]
-    no_event_tracking: bool,
 }
 
 #[derive(clap::Args)]
@@ -330,11 +326,6 @@ fn median(mut v: Vec<f64>) -> f64 {
 fn main() -> Result<()> {
     let args = Args::parse();
     let dev = if args.cuda { Device::new_cuda(0)? } else { Device::Cpu };
-    #[cfg(feature = "cuda")]
-    if let (Device::Cuda(d), true) = (&dev, args.no_event_tracking) {
-        // SAFETY: nothing here uses a second stream of this device.
-        unsafe { d.disable_event_tracking() };
-    }
     match args.phase {
         Phase::Build { docs, index, nbits, euclidean, seed } => {
             let collection = docs.open(&dev)?;

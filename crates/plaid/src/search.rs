@@ -46,7 +46,7 @@ pub enum Subset<'a> {
 pub type SearchResults = Vec<Vec<(u32, f32)>>;
 
 /// Device memory one batch may take for its query-centroid tables (two
-/// `[C, Lq]` F32 tables per query).
+/// `[C, Lq]` tables per query).
 const BATCH_BYTES: usize = 1 << 30;
 
 impl PlaidIndex {
@@ -113,7 +113,10 @@ impl PlaidIndex {
         }
         let n_c = self.num_centroids();
         let lqp = lq.div_ceil(4) * 4;
-        let per_query = 2 * n_c * lqp * 4 + self.num_documents() * 8;
+        // Two [C, Lq] score tables per query (2-byte on a GPU with F16
+        // centroids, see search_batch), its approximate scores and bitmap.
+        let table = if self.device().is_cuda() && self.codec.centroids.dtype() == DType::F16 { 2 } else { 4 };
+        let per_query = 2 * n_c * lqp * table + self.num_documents() * 8;
         let batch = match params.batch_size {
             0 => (BATCH_BYTES / per_query.max(1)).clamp(1, 1024),
             b => b,
