@@ -65,10 +65,13 @@
 //! ## Search
 //!
 //! [`PlaidIndex::search`] runs the PLAID pipeline on the index's device for a batch of queries
-//! at a time, with no host round trip but the final top-k:
+//! at a time; the host reads the queries once (non-finite entries are an
+//! error, rows of zeros padding) and the final top-k, and the ops check
+//! their inputs once at the end of each batch
+//! ([`deferred_checks`](candle_maxsim::plaid::deferred_checks)):
 //!
 //! 1. query-centroid scores, `centroids · Qᵀ` (a `[C, Nq·Lq]` table for the
-//!    approximate scores, `Q · centroidsᵀ` rows for probing);
+//!    approximate scores, F16 on a GPU, `Q · centroidsᵀ` rows for probing);
 //! 2. per query token, the `n_ivf_probe` best centroids ([`topk_rows`](candle_maxsim::nn::topk_rows));
 //! 3. their inverted lists, the query's candidates ([`plaid_candidates`](candle_maxsim::plaid::plaid_candidates)),
 //!    less the deleted documents and those outside the subset;
@@ -76,7 +79,8 @@
 //!    ([`plaid_approx_candidates`](candle_maxsim::plaid::plaid_approx_candidates)), centroids below the optional
 //!    `centroid_score_threshold` pruned; the best `n_full_scores / 4` kept;
 //! 5. exact scores of those from their compressed residuals
-//!    ([`maxsim_residual_pairs`](candle_maxsim::residual::maxsim_residual_pairs)), and the `top_k` best.
+//!    ([`maxsim_residual_pairs_offsets`](candle_maxsim::residual::maxsim_residual_pairs_offsets), the
+//!    document offsets checked once at load), and the `top_k` best.
 //!
 //! Parameter names, defaults and the candidate cut are fast-plaid 1.7's: it
 //! too decompresses only the best quarter of its `n_full_scores` candidates.
