@@ -3,8 +3,8 @@
 //! encodes every text query of the batch in one `encode_queries` call, and
 //! runs one `PlaidIndex::search` per group of requests sharing search
 //! parameters (and being filtered or not) on a blocking thread, then hands
-//! each request its own rows of the results. Batches run one at a time:
-//! requests arriving meanwhile wait in the channel and form the next one.
+//! each request its own rows of the results. Batches run one at a time;
+//! the next one gathers while the current one runs.
 
 use crate::error::{Error, Result};
 use crate::Inner;
@@ -70,36 +70,70 @@ impl GroupKey {
 }
 
 /// The batching loop: runs until every sender is gone (the service dropped).
+/// The next batch gathers while the current one runs: it closes when its
+/// window has passed and the current batch is done (or at `max_batch`
+/// queries), then runs. Under load, requests answered by one batch come
+/// back while the next runs and join the one after, instead of each batch
+/// closing on whatever arrived within one window of an idle device.
 pub(crate) async fn run(inner: Weak<Inner>, mut rx: mpsc::Receiver<Job>) {
     let mut carry: Option<Job> = None;
+    let mut running: Option<tokio::task::JoinHandle<()>> = None;
     loop {
         let first = match carry.take() {
             Some(j) => j,
-            None => match rx.recv().await {
-                Some(j) => j,
-                None => return,
-            },
+            None => {
+                let next = rx.recv().await;
+                if let Some(h) = running.take() {
+                    let _ = h.await;
+                }
+                match next {
+                    Some(j) => j,
+                    None => return,
+                }
+            }
         };
         let Some(svc) = inner.upgrade() else { return };
         let (window, max_batch) = (svc.config.batch_window, svc.config.max_batch.max(1));
         let deadline = tokio::time::Instant::now() + window;
         let mut queries = first.queries.len();
         let mut jobs = vec![first];
-        while queries < max_batch {
-            match tokio::time::timeout_at(deadline, rx.recv()).await {
-                Ok(Some(j)) if queries + j.queries.len() > max_batch => {
-                    carry = Some(j);
-                    break;
+        let mut closed = false; // the channel is gone
+        while queries < max_batch && !closed {
+            let window_open = tokio::time::Instant::now() < deadline;
+            if !window_open && running.is_none() {
+                break;
+            }
+            tokio::select! {
+                j = rx.recv() => match j {
+                    Some(j) if queries + j.queries.len() > max_batch => {
+                        carry = Some(j);
+                        break;
+                    }
+                    Some(j) => {
+                        queries += j.queries.len();
+                        jobs.push(j);
+                    }
+                    None => closed = true,
+                },
+                _ = tokio::time::sleep_until(deadline), if window_open => {}
+                r = async { running.as_mut().expect("guarded").await }, if running.is_some() => {
+                    let _ = r;
+                    running = None;
                 }
-                Ok(Some(j)) => {
-                    queries += j.queries.len();
-                    jobs.push(j);
-                }
-                Ok(None) | Err(_) => break,
             }
         }
+        // One batch on the device at a time.
+        if let Some(h) = running.take() {
+            let _ = h.await;
+        }
         // A panic in the batch drops its reply senders: those requests get a 500.
-        let _ = tokio::task::spawn_blocking(move || run_batch(&svc, jobs)).await;
+        running = Some(tokio::task::spawn_blocking(move || run_batch(&svc, jobs)));
+        if closed {
+            if let Some(h) = running.take() {
+                let _ = h.await;
+            }
+            return;
+        }
     }
 }
 
