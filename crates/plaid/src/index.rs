@@ -863,25 +863,33 @@ fn checked_offsets(offsets: &Arc<Vec<u32>>, cu: &Tensor, max_len: usize) -> Resu
 /// copy of the queries and a scan of their exponent bits: ~1 ms for 256
 /// queries of 32 × 128 instead of a dozen device kernels).
 pub(crate) fn query_rows(q: &Tensor) -> Result<Vec<bool>> {
-    let (nq, lq, dim) = q.dims3()?;
-    // (bits, exponent mask, magnitude mask) of each entry, widened to u64.
+    let (_, lq, dim) = q.dims3()?;
     let flat = q.flatten_all()?;
-    let (bits, exp, mag): (Vec<u64>, u64, u64) = match q.dtype() {
-        DType::F16 => (flat.to_vec1::<half::f16>()?.iter().map(|x| x.to_bits() as u64).collect(), 0x7c00, 0x7fff),
-        DType::BF16 => (flat.to_vec1::<half::bf16>()?.iter().map(|x| x.to_bits() as u64).collect(), 0x7f80, 0x7fff),
-        DType::F32 => (flat.to_vec1::<f32>()?.iter().map(|x| x.to_bits() as u64).collect(), 0x7f80_0000, 0x7fff_ffff),
-        _ => (
-            flat.to_dtype(DType::F64)?.to_vec1::<f64>()?.iter().map(|x| x.to_bits()).collect(),
-            0x7ff << 52,
-            !(1 << 63),
-        ),
-    };
-    let mut real = Vec::with_capacity(nq * lq);
-    for (r, row) in bits.chunks(dim.max(1)).enumerate().take(nq * lq) {
-        if row.iter().any(|&b| b & exp == exp) {
+    // Per dtype: the entries' bits, the exponent mask (all ones: NaN or
+    // infinite) and the magnitude mask (zero: +0 or -0).
+    match q.dtype() {
+        DType::F16 => scan_rows(&flat.to_vec1::<half::f16>()?, |x| x.to_bits() as u64, 0x7c00, 0x7fff, lq, dim),
+        DType::BF16 => scan_rows(&flat.to_vec1::<half::bf16>()?, |x| x.to_bits() as u64, 0x7f80, 0x7fff, lq, dim),
+        DType::F32 => scan_rows(&flat.to_vec1::<f32>()?, |x| x.to_bits() as u64, 0x7f80_0000, 0x7fff_ffff, lq, dim),
+        _ => scan_rows(&flat.to_dtype(DType::F64)?.to_vec1::<f64>()?, f64::to_bits, 0x7ff << 52, !(1 << 63), lq, dim),
+    }
+}
+
+/// [`query_rows`] over one dtype's values.
+fn scan_rows<T: Copy>(
+    v: &[T],
+    bits: impl Fn(T) -> u64,
+    exp: u64,
+    mag: u64,
+    lq: usize,
+    dim: usize,
+) -> Result<Vec<bool>> {
+    let mut real = Vec::with_capacity(v.len() / dim.max(1));
+    for (r, row) in v.chunks(dim.max(1)).enumerate() {
+        if row.iter().any(|&x| bits(x) & exp == exp) {
             bail!("q: query {} has a NaN or infinite entry", r / lq.max(1))
         }
-        real.push(row.iter().any(|&b| b & mag != 0));
+        real.push(row.iter().any(|&x| bits(x) & mag != 0));
     }
     Ok(real)
 }
