@@ -113,10 +113,8 @@ impl PlaidIndex {
         }
         let n_c = self.num_centroids();
         let lqp = lq.div_ceil(4) * 4;
-        // Two [C, Lq] score tables per query (2-byte on a GPU with F16
-        // centroids, see search_batch), its approximate scores and bitmap.
-        let table = if self.device().is_cuda() && self.codec.centroids.dtype() == DType::F16 { 2 } else { 4 };
-        let per_query = 2 * n_c * lqp * table + self.num_documents() * 8;
+        // Two [C, Lq] score tables per query, its approximate scores and bitmap.
+        let per_query = 2 * n_c * lqp * self.table_dtype().size_in_bytes() + self.num_documents() * 8;
         let batch = match params.batch_size {
             0 => (BATCH_BYTES / per_query.max(1)).clamp(1, 1024),
             b => b,
@@ -165,8 +163,7 @@ impl PlaidIndex {
         // bytes; F32 on the host) and [M, C] to pick each token's probes.
         let cents = &self.codec.centroids;
         let qf = q.reshape((m, dim))?.to_dtype(cents.dtype())?;
-        let table = if dev.is_cuda() && cents.dtype() == DType::F16 { DType::F16 } else { DType::F32 };
-        let qcs = cents.matmul(&qf.t()?)?.to_dtype(table)?; // [C, M]
+        let qcs = cents.matmul(&qf.t()?)?.to_dtype(self.table_dtype())?; // [C, M]
         let probe_scores = qf.matmul(&cents.t()?)?; // [M, C]
         let probe_scores = match probe_scores.dtype() {
             DType::F16 | DType::BF16 | DType::F32 => probe_scores,
@@ -255,6 +252,16 @@ impl PlaidIndex {
             .zip(ids)
             .map(|(s, i)| i.into_iter().zip(s).filter(|&(d, s)| d != NO_DOCUMENT && s > f32::NEG_INFINITY).collect())
             .collect())
+    }
+
+    /// The dtype of the query-centroid score tables: F16 on a GPU with F16
+    /// centroids (the approximate scores gather half the bytes), else F32.
+    fn table_dtype(&self) -> DType {
+        if self.device().is_cuda() && self.codec.centroids.dtype() == DType::F16 {
+            DType::F16
+        } else {
+            DType::F32
+        }
     }
 
     /// The documents each query may return (subset, less the deleted), and

@@ -116,10 +116,7 @@ pub(crate) async fn run(inner: Weak<Inner>, mut rx: mpsc::Receiver<Job>) {
                     None => closed = true,
                 },
                 _ = tokio::time::sleep_until(deadline), if window_open => {}
-                r = async { running.as_mut().expect("guarded").await }, if running.is_some() => {
-                    let _ = r;
-                    running = None;
-                }
+                _ = async { running.as_mut().expect("guarded").await }, if running.is_some() => running = None,
             }
         }
         // One batch on the device at a time.
