@@ -10,6 +10,11 @@ standard library) plus numpy, so it runs on a bare GPU machine. The clients
 are spread over `--processes` processes (one asyncio loop each): one Python
 loop saturates at a few thousand requests per second.
 
+With `--oha PATH` the requests are sent by oha (a Rust load generator,
+`cargo install oha`; the same bodies, one per line, cycled through) and its
+JSON report is read back: the Python clients' own time is then out of the
+latencies (one asyncio loop spends ~0.1 ms of its own per request).
+
 Queries are rows of a `.npy` of shape [Nq, Lq, dim] (float16 or float32;
 all-zero token rows are dropped as padding) or lines of a text file (for a
 service started with --model); each request takes the next ones in turn.
@@ -23,7 +28,10 @@ import argparse
 import asyncio
 import concurrent.futures
 import json
+import os
+import subprocess
 import sys
+import tempfile
 import time
 import urllib.parse
 
@@ -175,6 +183,30 @@ def measure(args, clients, seconds, payloads, pool):
     return stats, elapsed
 
 
+def measure_oha(args, clients, seconds, body_file):
+    """`clients` oha connections for `seconds`; stats as `measure`'s (the
+    latencies as oha's percentiles, requests cut by the deadline not counted)."""
+    url = args.url.rstrip("/") + "/search"
+    cmd = [args.oha, "-z", f"{seconds}s", "-c", str(clients), "-m", "POST", "-H", "content-type: application/json",
+           "-Z", body_file, "--no-tui", "--output-format", "json", url]
+    if args.api_key:
+        cmd[1:1] = ["-H", f"x-api-key: {args.api_key}"]
+    out = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+    codes = {int(k): v for k, v in out.get("statusCodeDistribution", {}).items()}
+    errors = {k: v for k, v in out.get("errorDistribution", {}).items() if "deadline" not in k}
+    pct = out["latencyPercentiles"]
+    ms = lambda k: round((pct.get(k) or float("nan")) * 1e3, 3)
+    ok = codes.get(200, 0)
+    return {
+        "requests": ok,
+        "failures": sum(v for c, v in codes.items() if c != 200) + sum(errors.values()),
+        "seconds": round(out["summary"]["total"], 3),
+        "p50_ms": ms("p50"), "p90_ms": ms("p90"), "p99_ms": ms("p99"),
+        "mean_ms": round((out["summary"].get("average") or float("nan")) * 1e3, 3),
+        "errors": [f"{k}: {v}" for k, v in errors.items()][:3],
+    }
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", default="http://127.0.0.1:8080")
@@ -195,8 +227,27 @@ def main():
     p.add_argument("--max-bodies", type=int, default=4096, help="distinct request bodies at most")
     p.add_argument("--label", default="", help="copied into every output line")
     p.add_argument("--processes", type=int, default=4, help="client processes (each an asyncio loop)")
+    p.add_argument("--oha", help="send the requests with this oha binary instead of Python clients")
     args = p.parse_args()
     payloads = bodies(args)
+    if args.oha:
+        with tempfile.NamedTemporaryFile("wb", suffix=".jsonl", delete=False) as f:
+            f.write(b"\n".join(payloads) + b"\n")
+        try:
+            for clients in [int(c) for c in args.clients.split(",")]:
+                if args.warmup > 0:
+                    measure_oha(args, clients, args.warmup, f.name)
+                r = measure_oha(args, clients, args.seconds, f.name)
+                line = {"label": args.label, "url": args.url, "clients": clients, "client": "oha",
+                        "queries_per_request": args.queries_per_request, **r,
+                        "throughput_rps": round(r["requests"] / r["seconds"], 2),
+                        "queries_per_s": round(r["requests"] * args.queries_per_request / r["seconds"], 2)}
+                if not line["errors"]:
+                    del line["errors"]
+                print(json.dumps(line), flush=True)
+        finally:
+            os.unlink(f.name)
+        return
     pool = concurrent.futures.ProcessPoolExecutor(max_workers=max(1, args.processes))
     for clients in [int(c) for c in args.clients.split(",")]:
         if args.warmup > 0:

@@ -2,7 +2,10 @@
 """fast-plaid behind the search service's API, for load tests with the same
 client (bench/serve_load.py): `POST /search` with `{"embeddings": [...]}`,
 optional `top_k`, `n_ivf_probe`, `n_full_scores` and
-`filter: {"where": ..., "params": [...]}`; `GET /health`, `GET /stats`.
+`filter: {"where": ..., "params": [...]}`; with `--model DIR` also
+`{"queries": ["text", ...]}`, encoded by Sentence Transformers 6's
+`MultiVectorEncoder.encode_query` (the model in F16); `GET /health`,
+`GET /stats`.
 
 Python's standard library only (plus fast-plaid 1.7, torch and numpy):
 `http.server.ThreadingHTTPServer` with HTTP/1.1 keep-alive, one thread per
@@ -13,7 +16,7 @@ with the parameters bound, on a read-only SQLite connection (`--metadata`,
 e.g. the database the Rust service keeps beside the index), passed to
 fast-plaid as `subset`.
 
-    python3 bench/serve_peer.py --index DIR [--device cuda:0] [--port 8081] [--metadata DB]
+    python3 bench/serve_peer.py --index DIR [--device cuda:0] [--port 8081] [--metadata DB] [--model DIR]
 """
 
 import argparse
@@ -42,10 +45,18 @@ def metadata_conn():
 
 
 def search(req):
-    emb = req.get("embeddings")
-    if not isinstance(emb, list) or not emb:
-        raise ValueError("embeddings: a non-empty [Nq][Lq][dim] list is needed (this peer has no model)")
-    queries = [torch.tensor(np.asarray(q, dtype=np.float32), device=STATE["device"]) for q in emb]
+    texts = req.get("queries")
+    if texts is not None and STATE["model"] is not None:
+        if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
+            raise ValueError("queries: a non-empty list of strings is needed")
+        with LOCK:
+            enc = STATE["model"].encode_query(texts, batch_size=len(texts))
+        queries = [torch.as_tensor(q, device=STATE["device"]).float() for q in enc]
+    else:
+        emb = req.get("embeddings")
+        if not isinstance(emb, list) or not emb:
+            raise ValueError("embeddings: a non-empty [Nq][Lq][dim] list is needed")
+        queries = [torch.tensor(np.asarray(q, dtype=np.float32), device=STATE["device"]) for q in emb]
     if any(q.ndim != 2 or q.shape[1] != STATE["dim"] for q in queries):
         raise ValueError(f"embeddings: each query must be [Lq][{STATE['dim']}]")
     subset = None
@@ -123,13 +134,19 @@ def main():
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8081)
     p.add_argument("--metadata", help="SQLite database with a `metadata(_id, ...)` table, for filters")
+    p.add_argument("--model", help="ColBERT checkpoint (PyLate layout) for text queries")
     args = p.parse_args()
+    model = None
+    if args.model:
+        from sentence_transformers import MultiVectorEncoder
+
+        model = MultiVectorEncoder(args.model, device=args.device).half()
     from fast_plaid import search as fp_search
 
     t = time.time()
     engine = fp_search.FastPlaid(index=args.index, device=args.device)
     centroids = np.load(f"{args.index}/centroids.npy", mmap_mode="r")
-    STATE.update(engine=engine, device=args.device, dim=int(centroids.shape[1]), metadata=args.metadata)
+    STATE.update(engine=engine, device=args.device, dim=int(centroids.shape[1]), metadata=args.metadata, model=model)
     # Warm-up: the first search loads the index onto the device.
     engine.search(queries_embeddings=torch.randn(1, 8, STATE["dim"], device=args.device), top_k=1,
                   show_progress=False)

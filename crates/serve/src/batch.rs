@@ -79,18 +79,19 @@ pub(crate) async fn run(inner: Weak<Inner>, mut rx: mpsc::Receiver<Job>) {
     let mut carry: Option<Job> = None;
     let mut running: Option<tokio::task::JoinHandle<()>> = None;
     loop {
+        // The running batch (if any) is awaited in the gathering below, not
+        // here: what arrives while it runs joins this batch.
         let first = match carry.take() {
             Some(j) => j,
-            None => {
-                let next = rx.recv().await;
-                if let Some(h) = running.take() {
-                    let _ = h.await;
+            None => match rx.recv().await {
+                Some(j) => j,
+                None => {
+                    if let Some(h) = running.take() {
+                        let _ = h.await;
+                    }
+                    return;
                 }
-                match next {
-                    Some(j) => j,
-                    None => return,
-                }
-            }
+            },
         };
         let Some(svc) = inner.upgrade() else { return };
         let (window, max_batch) = (svc.config.batch_window, svc.config.max_batch.max(1));

@@ -19,7 +19,7 @@
 //! let rows = [json!({"year": 2021, "source": "pubmed"}), json!({"year": 2019, "source": "arxiv"})];
 //! meta.add(&[0, 1], &rows.map(|r| r.as_object().cloned()))?;
 //! let ids = meta.filter("year > ? AND source = ?", &[json!(2020), json!("pubmed")])?;
-//! assert_eq!(ids, vec![0]);
+//! assert_eq!(*ids, [0]);
 //! assert_eq!(meta.get(&ids)?[0].as_ref().map(|m| &m["source"]), Some(&json!("pubmed")));
 //! # std::fs::remove_dir_all(&dir).ok();
 //! # Ok::<(), candle_maxsim_serve::Error>(())
@@ -380,7 +380,7 @@ impl Service {
                     return Ok(vec![Vec::new(); nq]);
                 }
                 let key = serde_json::to_string(f).unwrap_or_default();
-                Some((Arc::new(ids), key))
+                Some((ids, key))
             }
         };
         let (reply, rx) = oneshot::channel();

@@ -35,7 +35,7 @@ fn typed_columns_and_filters() {
     let mut cols = m.columns().to_vec();
     cols.sort();
     assert_eq!(cols, ["extra", "info", "open", "score", "source", "year"]);
-    let f = |m: &Metadata, cond: &str, params: Value| m.filter(cond, params.as_array().unwrap()).unwrap();
+    let f = |m: &Metadata, cond: &str, params: Value| m.filter(cond, params.as_array().unwrap()).unwrap().to_vec();
     assert_eq!(f(&m, "year > ?", json!([2020])), vec![1, 3], "integers, and `Year` is column `year`");
     assert_eq!(f(&m, "score >= ? AND score < ?", json!([0.5, 1.0])), vec![0]);
     assert_eq!(f(&m, "open = ?", json!([true])), vec![0]);
@@ -51,7 +51,9 @@ fn typed_columns_and_filters() {
     assert_eq!(got[1], None);
     assert_eq!(got[2], rows[0]);
     assert_eq!(got[3], None);
-    // A row replaced; a row deleted.
+    // A row replaced; a row deleted; each seen by a filter asked before
+    // (filters are kept until the next write).
+    assert!(f(&m, "year < ?", json!([2000])).is_empty());
     m.add(&[1], &[row(json!({"year": 1999}))]).unwrap();
     assert_eq!(f(&m, "year < ?", json!([2000])), vec![1]);
     assert_eq!(m.delete(&[1, 42]).unwrap(), 1);
@@ -87,12 +89,37 @@ fn reconcile_undoes_an_add_and_completes_a_delete() {
     let ids: Vec<u32> = (0..5).chain(10..12).collect();
     let rows: Vec<Option<Row>> = ids.iter().map(|&i| row(json!({"n": i}))).collect();
     m.add(&ids, &rows).unwrap();
+    assert_eq!(*m.filter("1 = 1", &[]).unwrap(), [0, 1, 2, 3, 4, 10, 11]);
     m.reconcile(10, &[3, 4]).unwrap();
-    assert_eq!(m.filter("1 = 1", &[]).unwrap(), vec![0, 1, 2, 5, 6, 7, 8, 9]);
-    assert_eq!(m.filter("n IS NOT NULL", &[]).unwrap(), vec![0, 1, 2]);
+    assert_eq!(*m.filter("1 = 1", &[]).unwrap(), [0, 1, 2, 5, 6, 7, 8, 9]);
+    assert_eq!(*m.filter("n IS NOT NULL", &[]).unwrap(), [0, 1, 2]);
     // Idempotent.
     m.reconcile(10, &[3, 4]).unwrap();
     assert_eq!(m.len().unwrap(), 8);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A filter's ids are kept until the next write, and shared by requests
+/// asking the same; one whose result changes between calls is run each time.
+#[test]
+fn filters_are_kept_until_a_write() {
+    let dir = tmpdir("meta-cache");
+    let mut m = open(&dir);
+    let ids: Vec<u32> = (0..3000).collect();
+    m.add(&ids, &ids.iter().map(|&i| row(json!({"g": i % 10}))).collect::<Vec<_>>()).unwrap();
+    let a = m.filter("g = ?", &[json!(3)]).unwrap();
+    let b = m.filter("g = ?", &[json!(3)]).unwrap();
+    assert!(std::sync::Arc::ptr_eq(&a, &b), "the second request reads the kept ids");
+    assert_eq!(a.len(), 300);
+    assert_eq!(m.filter("g = ?", &[json!(4)]).unwrap().len(), 300, "other params, other ids");
+    m.add(&[5000], &[row(json!({"g": 3}))]).unwrap();
+    assert_eq!(m.filter("g = ?", &[json!(3)]).unwrap().last(), Some(&5000), "an add is seen");
+    m.delete(&[3, 5000]).unwrap();
+    let c = m.filter("g = ?", &[json!(3)]).unwrap();
+    assert_eq!((c.len(), c[0]), (299, 13), "a delete is seen");
+    // 3000 coin flips: equal twice only if the first result was kept.
+    let r = "abs(random()) % 2 = 0";
+    assert_ne!(m.filter(r, &[]).unwrap(), m.filter(r, &[]).unwrap(), "random() is run each time");
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -109,7 +136,7 @@ fn service_open_reconciles_with_the_index() {
     m.add(&ids, &ids.iter().map(|&i| row(json!({"n": i}))).collect::<Vec<_>>()).unwrap();
     let _svc = Service::new(index, None, m, Config::default()).unwrap();
     let m = open(&dir);
-    assert_eq!(m.filter("n IS NOT NULL", &[]).unwrap(), vec![6]);
+    assert_eq!(*m.filter("n IS NOT NULL", &[]).unwrap(), [6]);
     assert_eq!(m.len().unwrap(), 29, "a row per live document");
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -137,7 +164,7 @@ fn concurrent_filters_get_their_own_results() {
                     for round in 0..20u32 {
                         let g = (t + round) % 13;
                         let got = m.filter("g = ? AND h != ?", &[json!(g), json!(3)]).unwrap();
-                        assert_eq!(got, alone(g), "thread {t}, round {round}");
+                        assert_eq!(*got, alone(g), "thread {t}, round {round}");
                         let meta = m.get(&got[..got.len().min(5)]).unwrap();
                         assert!(meta.iter().all(|r| r.as_ref().unwrap()["g"] == json!(g)));
                     }

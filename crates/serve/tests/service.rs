@@ -187,8 +187,19 @@ fn filters_select_the_subset() {
 /// served them in fewer index searches than requests.
 #[test]
 fn concurrent_clients_get_their_own_results() {
-    let config = Config { batch_window: Duration::from_millis(5), ..Default::default() };
-    let (srv, docs) = Server::start("concurrent", 240, config);
+    concurrent_clients("concurrent", Duration::from_millis(5));
+}
+
+/// The same without a window: requests arriving while a batch runs still
+/// join the next one (no batch waits for company when the device is idle).
+#[test]
+fn requests_arriving_during_a_batch_join_the_next() {
+    concurrent_clients("concurrent-no-window", Duration::ZERO);
+}
+
+fn concurrent_clients(name: &str, batch_window: Duration) {
+    let config = Config { batch_window, ..Default::default() };
+    let (srv, docs) = Server::start(name, 240, config);
     let (clients, per_client) = (12, 10);
     let threads: Vec<_> = (0..clients)
         .map(|c| {
