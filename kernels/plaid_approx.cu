@@ -301,6 +301,7 @@ PLAID_APPROX_G(i64, int64_t, 1)
 #define PLAID_BAD_CODES 4u
 #define PLAID_BAD_CU_D 5u
 #define PLAID_BAD_CANDIDATES 6u
+#define PLAID_BAD_DOCS 7u
 
 // Mirrors `CandParams` in src/cuda/plaid_approx.rs (same field order, C layout).
 struct PlaidCandParams {
@@ -339,6 +340,40 @@ extern "C" __global__ void plaid_candidates(const PlaidCandParams p) {
             const uint32_t d = p.ivf[e];
             if (d < (uint32_t)p.nd) atomicOr(row + d / 32, 1u << (d % 32));
             else *p.bad = PLAID_BAD_IVF;
+        }
+    }
+}
+
+// plaid_subset_centroids: the centroids the tokens of the listed documents
+// use, as an [n_centroids] byte mask (zeroed by the host), for a filtered
+// search to probe only those (fast-plaid's subset rule). A warp per listed
+// document; racing stores all write 1.
+// Mirrors `SubsetParams` in src/cuda/plaid_approx.rs (same field order, C layout).
+struct PlaidSubsetParams {
+    const uint32_t* docs;  // [n_docs] document ids, any order
+    const uint32_t* cu_d;  // [nd + 1] document offsets into the codes (checked by the host)
+    const uint32_t* codes; // [n_codes]
+    uint8_t* mask;         // [n_centroids]
+    unsigned int* bad;
+    long long n_centroids, n_codes;
+    int32_t n_docs, nd;
+};
+
+extern "C" __global__ void plaid_subset_centroids(const PlaidSubsetParams p) {
+    const int lane = threadIdx.x & 31;
+    const long long nw = (long long)gridDim.x * blockDim.x / 32;
+    for (long long i = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / 32; i < p.n_docs; i += nw) {
+        const uint32_t d = p.docs[i];
+        if (d >= (uint32_t)p.nd) {
+            if (lane == 0) *p.bad = PLAID_BAD_DOCS;
+            continue;
+        }
+        const long long lo = min((long long)p.cu_d[d], p.n_codes);
+        const long long hi = min((long long)p.cu_d[d + 1], p.n_codes);
+        for (long long t = lo + lane; t < hi; t += 32) {
+            const uint32_t c = p.codes[t];
+            if ((long long)c < p.n_centroids) p.mask[c] = 1;
+            else *p.bad = PLAID_BAD_CODES;
         }
     }
 }

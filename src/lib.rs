@@ -142,7 +142,8 @@ pub mod plaid {
     //! # Ok::<(), candle_core::Error>(())
     //! ```
     pub use crate::ops::plaid_approx::{
-        deferred_checks, plaid_approx_candidates, plaid_approx_score, plaid_candidates, NO_CENTROID,
+        deferred_checks, plaid_approx_candidates, plaid_approx_score, plaid_candidates, plaid_subset_centroids,
+        NO_CENTROID,
     };
 }
 

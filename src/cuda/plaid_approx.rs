@@ -1,7 +1,7 @@
 //! Launch of kernels/plaid_approx.cu: PLAID's centroid-only approximate score.
 
 use super::launch::{blocks, grid_stride, kernel, kernel_params, launch, Module};
-use super::memory::{slice_ptr, storage_ptr, HostFlag};
+use super::memory::{slice_ptr, storage_ptr, tensor_ptr, HostFlag};
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CudaStorage, DType, Layout, Result};
 
@@ -153,8 +153,9 @@ fn bad_argument(flag: u32) -> &'static str {
         1 => "probes: a centroid id is out of range",
         2 => "ivf_offsets: the offsets are not non-decreasing within the inverted file",
         3 => "ivf: a document id is out of range",
-        4 => "codes: a code of a candidate document is out of range",
+        4 => "codes: a code of a candidate (or listed) document is out of range",
         5 => "cu_d: the document offsets are not non-decreasing within the codes",
+        7 => "docs: a document id is out of range",
         _ => "candidates: a candidate bit past the last document is set",
     }
 }
@@ -195,6 +196,58 @@ pub(crate) fn candidates(
     launch(&dev, &func, grid_stride(&dev, nq * n_probe, 8, 256, 16)?, &p)?;
     bad.check(&dev, |f| bad_argument(f).to_string())?;
     Ok(bitmap)
+}
+
+/// Mirror of `PlaidSubsetParams` in kernels/plaid_approx.cu (same field order, C layout).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+struct SubsetParams {
+    docs: u64,
+    cu_d: u64,
+    codes: u64,
+    mask: u64,
+    bad: u64,
+    n_centroids: i64,
+    n_codes: i64,
+    n_docs: i32,
+    nd: i32,
+}
+kernel_params!(SubsetParams);
+
+/// `plaid_subset_centroids` on CUDA: the `[n_centroids]` U8 mask of the
+/// centroids the tokens of `docs [n]` use, from `codes [T]` and the
+/// document offsets `cu_d [nd + 1]` (checked by the caller), all U32 and
+/// contiguous.
+pub(crate) fn subset_centroids(
+    docs: (&CudaStorage, &Layout),
+    codes: (&CudaStorage, &Layout),
+    cu_d: &candle_core::Tensor,
+    nd: usize,
+    n_centroids: usize,
+) -> Result<CudaStorage> {
+    let dev = docs.0.device.clone();
+    let n_docs = docs.1.shape().elem_count();
+    let mask = CudaStorage::wrap_cuda_slice(dev.alloc_zeros::<u8>(n_centroids.max(1))?, dev.clone());
+    if n_docs == 0 || n_centroids == 0 {
+        return Ok(mask);
+    }
+    let bad = HostFlag::new(&dev)?;
+    let p = SubsetParams {
+        docs: storage_ptr(docs.0, docs.1)?,
+        cu_d: tensor_ptr(cu_d)?,
+        codes: ptr_or_null(codes.0, codes.1)?,
+        mask: storage_ptr(&mask, &Layout::contiguous(1))?,
+        bad: bad.dev_ptr(),
+        n_centroids: n_centroids as i64,
+        n_codes: codes.1.shape().elem_count() as i64,
+        n_docs: n_docs as i32,
+        nd: nd as i32,
+    };
+    // A warp per listed document, 8 per block.
+    let func = kernel(&dev, Module::PlaidApprox, "plaid_subset_centroids", 0)?;
+    launch(&dev, &func, grid_stride(&dev, n_docs, 8, 256, 16)?, &p)?;
+    bad.check(&dev, |f| bad_argument(f).to_string())?;
+    Ok(mask)
 }
 
 /// The operands of `plaid_approx_candidates` on CUDA, all contiguous.

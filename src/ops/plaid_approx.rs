@@ -1,9 +1,10 @@
 //! PLAID's centroid-only approximate score (the candidate filter of a PLAID
 //! search): the CustomOp, its CPU implementation and its input checks.
 
+use super::residual::DocOffsets;
 use crate::cpu::storage::slice;
-use crate::layout::{check_device, check_rank};
-use candle_core::{bail, CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor};
+use crate::layout::{check_device, check_rank, Seqs};
+use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 
 /// PLAID's centroid-only approximate score: `score[b] = Σ_s max_{t < len_b}
 /// qcs[codes[b, t], s]` from per-centroid query scores `qcs [C, Lq]` F32,
@@ -236,6 +237,82 @@ impl CustomOp3 for Candidates {
         let nq = l1.shape().dims2()?.0;
         let out = crate::cuda::plaid_approx::candidates((s1, l1), (s2, l2), (s3, l3), self.num_documents)?;
         Ok((out, Shape::from((nq, self.num_documents.div_ceil(32)))))
+    }
+}
+
+/// The centroids the tokens of documents `docs` use, for a search filtered
+/// to those documents to probe only them (fast-plaid's subset rule):
+/// `codes [T]` U32 (the index's centroid codes), `cu_d` its document
+/// offsets (checked for `T` rows), `docs [n]` U32 document ids (any order,
+/// repeats allowed) → `[num_centroids]` U8, 1 where some token of a listed
+/// document has that code. Computed where the codes are: the subset's
+/// tokens never travel to the host.
+pub fn plaid_subset_centroids(
+    codes: &Tensor,
+    cu_d: &DocOffsets,
+    docs: &Tensor,
+    num_centroids: usize,
+) -> Result<Tensor> {
+    for (arg, t) in [("codes", codes), ("docs", docs)] {
+        if t.dtype() != DType::U32 || t.rank() != 1 {
+            bail!("{arg}: expected a rank-1 U32 tensor, got {:?} {:?}", t.dtype(), t.dims())
+        }
+        check_device(arg, t, codes.device())?;
+    }
+    let d = cu_d.seqs().clone();
+    let Seqs::Packed { cu_dev, .. } = &d else { bail!("cu_d: internal error, not packed offsets") };
+    check_device("cu_d", cu_dev, codes.device())?;
+    if d.rows() != codes.dim(0)? {
+        bail!("cu_d: the offsets end at {} rows, but codes has {}", d.rows(), codes.dim(0)?)
+    }
+    if d.n() > i32::MAX as usize || num_centroids > u32::MAX as usize {
+        bail!("cu_d: {} documents exceed the 32-bit document ids", d.n())
+    }
+    let op = SubsetCentroids { d, num_centroids };
+    docs.contiguous()?.apply_op2_no_bwd(&codes.contiguous()?, &op)
+}
+
+struct SubsetCentroids {
+    d: Seqs,
+    num_centroids: usize,
+}
+
+impl CustomOp2 for SubsetCentroids {
+    fn name(&self) -> &'static str {
+        "plaid_subset_centroids"
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (docs, codes) = (slice::<u32>("docs", s1, l1)?, slice::<u32>("codes", s2, l2)?);
+        let (nd, n_c) = (self.d.n(), self.num_centroids);
+        let mut mask = vec![0u8; n_c];
+        for (i, &d) in docs.iter().enumerate() {
+            if d as usize >= nd {
+                bail!("docs: docs[{i}] = {d} is out of range for {nd} documents")
+            }
+            for t in self.d.start(d as usize)..self.d.end(d as usize) {
+                let c = codes[t] as usize;
+                if c >= n_c {
+                    bail!("codes: codes[{t}] = {c} is out of range for {n_c} centroids")
+                }
+                mask[c] = 1;
+            }
+        }
+        Ok((CpuStorage::U8(mask), Shape::from(n_c)))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let Seqs::Packed { cu_dev, .. } = &self.d else { bail!("cu_d: internal error, not packed offsets") };
+        let out =
+            crate::cuda::plaid_approx::subset_centroids((s1, l1), (s2, l2), cu_dev, self.d.n(), self.num_centroids)?;
+        Ok((out, Shape::from(self.num_centroids)))
     }
 }
 

@@ -329,3 +329,57 @@ test_device!(
     candidate_errors_name_the_argument_cpu,
     candidate_errors_name_the_argument_cuda
 );
+
+/// `plaid_subset_centroids` against the inverted file, an independent path
+/// (a centroid is used by a subset iff its list names a listed document):
+/// repeated ids, empty documents, an empty list; on CUDA also an index of
+/// 20 000 documents. Out-of-range ids and codes are errors naming `docs`
+/// and `codes`.
+fn subset_centroids_match_the_inverted_file(dev: &Device) -> Result<()> {
+    let mut cases = vec![(40usize, 70usize, 20usize, 1u64), (13, 33, 50, 2), (300, 500, 0, 3), (64, 100, 1, 5)];
+    if gpu_cases(dev) {
+        cases.push((4096, 20_000, 3_000, 4));
+    }
+    let g = |t: &Tensor| t.to_device(dev);
+    for (n_c, nd, n_list, seed) in cases {
+        let (codes, cu, ivf, off) = packed_index(n_c, nd, 30, seed)?;
+        let (cu_h, ivf_h, off_h): (Vec<u32>, Vec<u32>, Vec<u32>) = (cu.to_vec1()?, ivf.to_vec1()?, off.to_vec1()?);
+        let max_len = cu_h.windows(2).map(|w| (w[1] - w[0]) as usize).max().unwrap_or(0);
+        let offsets = ms::residual::DocOffsets::new(&g(&cu)?, *cu_h.last().unwrap() as usize, max_len)?;
+        // Ids drawn with repeats, the empty documents 0 and 5 among them.
+        let mut docs: Vec<u32> = (0..n_list as u64).map(|i| ((i * 40503 + seed * 7919) % nd as u64) as u32).collect();
+        if n_list > 1 {
+            docs[0] = 0;
+            docs[1] = 5;
+        }
+        let set: std::collections::HashSet<u32> = docs.iter().copied().collect();
+        let want: Vec<u8> = (0..n_c)
+            .map(|c| ivf_h[off_h[c] as usize..off_h[c + 1] as usize].iter().any(|d| set.contains(d)) as u8)
+            .collect();
+        let list = Tensor::from_vec(docs.clone(), docs.len(), &Device::Cpu)?;
+        let got: Vec<u8> = ms::plaid::plaid_subset_centroids(&g(&codes)?, &offsets, &g(&list)?, n_c)?.to_vec1()?;
+        assert_eq!(got, want, "{n_c} centroids, {nd} documents, {n_list} listed");
+        if n_list > 2 {
+            assert!(got.contains(&1), "some centroid used");
+        }
+        // Errors: an id past the last document; a bad code of a listed document.
+        let mut bad = docs.clone();
+        bad.push(nd as u32);
+        let e = ms::plaid::plaid_subset_centroids(&g(&codes)?, &offsets, &g(&Tensor::new(bad, &Device::Cpu)?)?, n_c);
+        assert!(e.expect_err("docs").to_string().starts_with("docs:"));
+        if let Some(&j) = docs.iter().find(|&&j| cu_h[j as usize + 1] > cu_h[j as usize]) {
+            let mut c: Vec<u32> = codes.to_vec1()?;
+            c[cu_h[j as usize] as usize] = n_c as u32;
+            let c = Tensor::from_vec(c, codes.dims1()?, &Device::Cpu)?;
+            let e = ms::plaid::plaid_subset_centroids(&g(&c)?, &offsets, &g(&list)?, n_c);
+            assert!(e.expect_err("codes").to_string().starts_with("codes:"));
+        }
+    }
+    Ok(())
+}
+
+test_device!(
+    subset_centroids_match_the_inverted_file,
+    subset_centroids_match_the_inverted_file_cpu,
+    subset_centroids_match_the_inverted_file_cuda
+);

@@ -86,6 +86,11 @@ impl DocOffsets {
     pub fn is_empty(&self) -> bool {
         self.0.n() == 0
     }
+
+    /// The checked offsets.
+    pub(crate) fn seqs(&self) -> &Seqs {
+        &self.0
+    }
 }
 
 /// [`maxsim_residual_pairs`] against documents whose offsets were checked
