@@ -73,7 +73,9 @@ pub const MAX_TOP_K: usize = 4096;
 /// The service's knobs.
 #[derive(Clone, Debug)]
 pub struct Config {
-    /// How long the batcher gathers requests after the first one arrives.
+    /// How long the batcher gathers requests after the first one arrives
+    /// while no batch runs (default none: requests arriving while a batch
+    /// runs join the next one anyway, and a lone request should not wait).
     pub batch_window: Duration,
     /// Queries per batch at most: a batch is searched as soon as it has
     /// this many (a larger request is searched alone).
@@ -100,7 +102,7 @@ pub struct Config {
 impl Default for Config {
     fn default() -> Self {
         Self {
-            batch_window: Duration::from_millis(2),
+            batch_window: Duration::ZERO,
             max_batch: 256,
             max_body_bytes: 32 << 20,
             max_queries: 256,

@@ -46,8 +46,9 @@ struct Args {
     /// Reads need the key too (all but /health).
     #[arg(long)]
     protect_reads: bool,
-    /// How long concurrent searches are gathered into one batch.
-    #[arg(long, default_value_t = 2.0)]
+    /// How long a search waits for others when no batch runs (those
+    /// arriving while one runs always join the next).
+    #[arg(long, default_value_t = 0.0)]
     batch_window_ms: f64,
     /// Queries per batch at most.
     #[arg(long, default_value_t = 256)]

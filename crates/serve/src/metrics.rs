@@ -50,6 +50,8 @@ struct State {
     requests: BTreeMap<(String, String, u16), u64>,
     latency: BTreeMap<String, Histogram>,
     batch: Histogram,
+    batch_seconds: Histogram,
+    search_seconds: Histogram,
 }
 
 /// The service's metrics.
@@ -65,6 +67,8 @@ impl Metrics {
                 requests: BTreeMap::new(),
                 latency: BTreeMap::new(),
                 batch: Histogram::new(BATCH_BOUNDS),
+                batch_seconds: Histogram::new(LATENCY_BOUNDS),
+                search_seconds: Histogram::new(LATENCY_BOUNDS),
             }),
         }
     }
@@ -81,10 +85,13 @@ impl Metrics {
         s.latency.entry(endpoint.to_string()).or_insert_with(|| Histogram::new(LATENCY_BOUNDS)).observe(seconds);
     }
 
-    /// One index search call of `queries` queries.
-    pub fn batch(&self, queries: usize) {
+    /// One index search call of `queries` queries that took `seconds` from
+    /// the queries' copy in to the results out, `search` of it in the index.
+    pub fn batch(&self, queries: usize, seconds: f64, search: f64) {
         let mut s = self.lock();
         s.batch.observe(queries as f64);
+        s.batch_seconds.observe(seconds);
+        s.search_seconds.observe(search);
     }
 
     /// The text exposition, `extra` (gauges) appended.
@@ -109,6 +116,14 @@ impl Metrics {
         out.push_str("# HELP maxsim_search_batch_queries Queries per index search call (dynamic batching).\n");
         out.push_str("# TYPE maxsim_search_batch_queries histogram\n");
         s.batch.render(&mut out, "maxsim_search_batch_queries", "");
+        out.push_str(
+            "# HELP maxsim_search_batch_seconds Time of each index search call, queries in and results out.\n",
+        );
+        out.push_str("# TYPE maxsim_search_batch_seconds histogram\n");
+        s.batch_seconds.render(&mut out, "maxsim_search_batch_seconds", "");
+        out.push_str("# HELP maxsim_search_index_seconds The index search part of each batch.\n");
+        out.push_str("# TYPE maxsim_search_index_seconds histogram\n");
+        s.search_seconds.render(&mut out, "maxsim_search_index_seconds", "");
         for (name, help, v) in extra {
             let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");
         }

@@ -384,9 +384,17 @@ fn descriptive_endpoints() {
         "maxsim_requests_total{endpoint=\"/search\",method=\"POST\",status=\"400\"} 1",
         "maxsim_request_duration_seconds_bucket{endpoint=\"/search\",le=\"+Inf\"} 2",
         "maxsim_search_batch_queries_count 1",
+        "maxsim_search_batch_seconds_count 1",
+        "maxsim_search_index_seconds_count 1",
     ] {
         assert!(text.lines().any(|l| l == line), "`{line}` not in\n{text}");
     }
+    let sum = |name: &str| -> f64 {
+        let l = text.lines().find(|l| l.starts_with(name)).unwrap_or_else(|| panic!("{name} in {text}"));
+        l.rsplit(' ').next().unwrap().parse().unwrap()
+    };
+    let (batch, index) = (sum("maxsim_search_batch_seconds_sum"), sum("maxsim_search_index_seconds_sum"));
+    assert!(0.0 < index && index <= batch, "the index search is part of its batch: {index} of {batch}");
     let seen: HashSet<&str> = text.lines().filter(|l| l.starts_with("# TYPE")).collect();
-    assert_eq!(seen.len(), 3, "{text}");
+    assert_eq!(seen.len(), 5, "{text}");
 }

@@ -89,7 +89,18 @@ fn text_search_and_text_add() {
     for (i, t) in threads.into_iter().enumerate() {
         let (status, res) = t.join().unwrap();
         assert_eq!(status, 200);
-        assert_eq!(res, if i % 2 == 0 { text_alone.clone() } else { alone.clone() });
+        if i % 2 == 1 {
+            assert_eq!(res, alone, "an embedding query batched with others: the same bits");
+            continue;
+        }
+        // A text query encoded in a batch of texts goes through other GEMM
+        // shapes than alone (another summation order): the same documents,
+        // scores equal to F32 rounding (1e-7 relative seen).
+        let (got, want) = (hits(&res, 0), hits(&text_alone, 0));
+        assert_eq!(got.iter().map(|h| h.0).collect::<Vec<_>>(), want.iter().map(|h| h.0).collect::<Vec<_>>());
+        for (g, w) in got.iter().zip(&want) {
+            assert!((g.1 - w.1).abs() <= 1e-5 * w.1.abs(), "text query {i}: score {} vs {} alone", g.1, w.1);
+        }
     }
     let _ = std::fs::remove_dir_all(&ckpt);
 }
