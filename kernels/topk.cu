@@ -24,6 +24,10 @@ __device__ __forceinline__ uint32_t topk_key(float f) {
     if (f != f) return 0u;
     return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
+// The float of a key (its inverse; key 0 gives NaN).
+__device__ __forceinline__ float topk_value(uint32_t key) {
+    return key == 0u ? __int_as_float(0x7fffffff) : __uint_as_float((key & 0x80000000u) ? key & 0x7fffffffu : ~key);
+}
 // 16-bit types: the same order on their own 16 bits, in the top half of the
 // key (the low half is 0), so two 8-bit radix passes decide it instead of four.
 __device__ __forceinline__ uint32_t topk_key16(uint32_t u, bool nan) {
@@ -135,8 +139,6 @@ template <typename T> __device__ __forceinline__ void topk_block(const TopkParam
         __syncthreads();
     }
     const uint32_t T_ = prefix; // `want` keys equal to T are in the top k, the lowest-indexed ones
-    // The sort key of 16-bit types: the float's (sorted values come back from it).
-    auto skey = [&](long long t) { return sizeof(T) == 2 ? topk_key(val(t)) : topk_key(row[t]); };
 
     // 2. Each thread's contiguous run of the segment, in column order.
     const long long per = (n + TOPK_THREADS - 1) / TOPK_THREADS;
@@ -157,8 +159,9 @@ template <typename T> __device__ __forceinline__ void topk_block(const TopkParam
         if (!(key > T_ || (key == T_ && eq_seen++ < eq_take))) continue;
         const float v = val(t);
         if (p.sort) {
-            // Sort key: larger value first, then the lower column (complemented).
-            pairs[slot] = ((unsigned long long)skey(t) << 32) | (0xffffffffu - col(t));
+            // Sort key: larger value first, then the lower column (complemented);
+            // the float's key for every T, so that the value comes back from it.
+            pairs[slot] = ((unsigned long long)topk_key(v) << 32) | (0xffffffffu - col(t));
         } else {
             p.values[out0 + slot] = v;
             p.indices[out0 + slot] = col(t);
@@ -194,12 +197,9 @@ template <typename T> __device__ __forceinline__ void topk_block(const TopkParam
             __syncthreads();
         }
     }
-    // The value back from its key (the inverse of topk_key; NaN keeps key 0).
     for (int s = tid; s < k; s += TOPK_THREADS) {
         const unsigned long long q = pairs[s];
-        const uint32_t key = (uint32_t)(q >> 32);
-        p.values[out0 + s] = key == 0u ? __int_as_float(0x7fffffff)
-                                       : __uint_as_float((key & 0x80000000u) ? key & 0x7fffffffu : ~key);
+        p.values[out0 + s] = topk_value((uint32_t)(q >> 32));
         p.indices[out0 + s] = 0xffffffffu - (uint32_t)q;
     }
 }
@@ -237,10 +237,6 @@ struct TopkWarpParams {
     int rows;
     int last;             // 1: write values and indices, best first
 };
-
-__device__ __forceinline__ float topk_value(uint32_t key) {
-    return key == 0u ? __int_as_float(0x7fffffff) : __uint_as_float((key & 0x80000000u) ? key & 0x7fffffffu : ~key);
-}
 
 template <typename T, bool PAIRS> __device__ __forceinline__ void topk_warp(const TopkWarpParams& p) {
     const int lane = threadIdx.x & 31;

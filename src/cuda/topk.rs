@@ -68,9 +68,7 @@ pub(crate) fn topk_rows(x: (&CudaStorage, &Layout), k: usize) -> Result<(CudaSto
     }
     let run = |x: u64, cols: u64, dt: DType, n: usize, chunk: usize, chunks: usize, sort: bool| {
         let m = r * chunks * k;
-        let values = alloc_out(dev, DType::F32, m)?;
-        // SAFETY: the kernel writes every index.
-        let idx = CudaStorage::wrap_cuda_slice(unsafe { dev.alloc::<u32>(m) }?, dev.clone());
+        let (values, idx) = outputs(dev, m)?;
         let p = TopkParams {
             x,
             cols,
@@ -99,6 +97,15 @@ pub(crate) fn topk_rows(x: (&CudaStorage, &Layout), k: usize) -> Result<(CudaSto
     run(vp, ip, DType::F32, m, m, 1, true)
 }
 
+/// `m` F32 values and `m` U32 indices, uninitialized: every top-k kernel
+/// writes all of its outputs.
+fn outputs(dev: &candle_core::CudaDevice, m: usize) -> Result<(CudaStorage, CudaStorage)> {
+    let values = alloc_out(dev, DType::F32, m)?;
+    // SAFETY: the kernels write every index.
+    let idx = CudaStorage::wrap_cuda_slice(unsafe { dev.alloc::<u32>(m) }?, dev.clone());
+    Ok((values, idx))
+}
+
 /// The warp kernels (k ≤ 32): segments of `WARP_SEG` columns each keep their
 /// best k, then a warp per row merges them (one launch for short rows).
 fn topk_warp(
@@ -117,9 +124,7 @@ fn topk_warp(
         let func = kernel(dev, Module::Topk, name, 0)?;
         launch(dev, &func, blocks(warps.div_ceil(WARP_WARPS) as u32, 32 * WARP_WARPS as u32, 0), p)
     };
-    let values = alloc_out(dev, DType::F32, r * k)?;
-    // SAFETY: the kernel writes every index.
-    let idx = CudaStorage::wrap_cuda_slice(unsafe { dev.alloc::<u32>(r * k) }?, dev.clone());
+    let (values, idx) = outputs(dev, r * k)?;
     let last = TopkWarpParams {
         x,
         keys: 0,
