@@ -389,7 +389,7 @@ impl Metadata {
         for chunk in ids.chunks(IDS_PER_STATEMENT) {
             let marks = vec!["?"; chunk.len()].join(", ");
             let sql = format!("SELECT _id, _json FROM metadata WHERE _json IS NOT NULL AND _id IN ({marks})");
-            let mut st = conn.prepare(&sql)?;
+            let mut st = conn.prepare_cached(&sql)?;
             let rows = st.query_map(rusqlite::params_from_iter(chunk.iter().map(|&i| i as i64)), |r| {
                 Ok((r.get::<_, i64>(0)?, r.get::<_, String>(1)?))
             })?;
