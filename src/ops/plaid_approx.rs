@@ -290,12 +290,12 @@ impl CustomOp2 for SubsetCentroids {
             if d as usize >= nd {
                 bail!("docs: docs[{i}] = {d} is out of range for {nd} documents")
             }
-            for t in self.d.start(d as usize)..self.d.end(d as usize) {
-                let c = codes[t] as usize;
-                if c >= n_c {
-                    bail!("codes: codes[{t}] = {c} is out of range for {n_c} centroids")
+            let (a, b) = (self.d.start(d as usize), self.d.end(d as usize));
+            for (t, &c) in codes[a..b].iter().enumerate() {
+                if c as usize >= n_c {
+                    bail!("codes: codes[{}] = {c} is out of range for {n_c} centroids", a + t)
                 }
-                mask[c] = 1;
+                mask[c as usize] = 1;
             }
         }
         Ok((CpuStorage::U8(mask), Shape::from(n_c)))
