@@ -124,9 +124,10 @@ pub mod residual {
 
 pub mod plaid {
     //! PLAID's search steps on centroid codes: the candidate documents of
-    //! probed centroids ([`plaid_candidates`]) and the centroid-only
+    //! probed centroids ([`plaid_candidates`]), the centroid-only
     //! approximate score that prunes them ([`plaid_approx_score`],
-    //! [`plaid_approx_candidates`]).
+    //! [`plaid_approx_candidates`]), and the centroids a search filtered to
+    //! a subset of documents may probe ([`plaid_subset_centroids`]).
     //!
     //! ```
     //! use candle_core::{Device, Tensor};

@@ -228,7 +228,7 @@ pub(crate) fn subset_centroids(
     let dev = docs.0.device.clone();
     let n_docs = docs.1.shape().elem_count();
     let mask = CudaStorage::wrap_cuda_slice(dev.alloc_zeros::<u8>(n_centroids.max(1))?, dev.clone());
-    if n_docs == 0 || n_centroids == 0 {
+    if n_docs == 0 {
         return Ok(mask);
     }
     let bad = HostFlag::new(&dev)?;

@@ -140,6 +140,7 @@ pub const NO_CENTROID: u32 = u32::MAX;
 
 /// `f()` with the input checks of the CUDA ops of a PLAID search
 /// ([`plaid_candidates`], [`plaid_approx_candidates`],
+/// [`plaid_subset_centroids`],
 /// [`maxsim_residual_pairs`](crate::residual::maxsim_residual_pairs)) made
 /// once, when `f` returns, instead of after each op: each check waits for
 /// the device, so a pipeline of these ops otherwise stalls the host once per
@@ -261,19 +262,28 @@ pub fn plaid_subset_centroids(
     }
     let d = cu_d.seqs().clone();
     let Seqs::Packed { cu_dev, .. } = &d else { bail!("cu_d: internal error, not packed offsets") };
-    check_device("cu_d", cu_dev, codes.device())?;
+    let cu_dev = cu_dev.clone();
+    check_device("cu_d", &cu_dev, codes.device())?;
     if d.rows() != codes.dim(0)? {
         bail!("cu_d: the offsets end at {} rows, but codes has {}", d.rows(), codes.dim(0)?)
     }
-    if d.n() > i32::MAX as usize || num_centroids > u32::MAX as usize {
+    if d.n() > i32::MAX as usize {
         bail!("cu_d: {} documents exceed the 32-bit document ids", d.n())
     }
-    let op = SubsetCentroids { d, num_centroids };
+    if docs.dim(0)? > i32::MAX as usize {
+        bail!("docs: {} ids exceed one launch", docs.dim(0)?)
+    }
+    if num_centroids > u32::MAX as usize {
+        bail!("num_centroids: {num_centroids} exceeds the 32-bit codes")
+    }
+    let op = SubsetCentroids { d, cu_dev, num_centroids };
     docs.contiguous()?.apply_op2_no_bwd(&codes.contiguous()?, &op)
 }
 
 struct SubsetCentroids {
     d: Seqs,
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    cu_dev: Tensor,
     num_centroids: usize,
 }
 
@@ -309,9 +319,8 @@ impl CustomOp2 for SubsetCentroids {
         s2: &candle_core::CudaStorage,
         l2: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let Seqs::Packed { cu_dev, .. } = &self.d else { bail!("cu_d: internal error, not packed offsets") };
-        let out =
-            crate::cuda::plaid_approx::subset_centroids((s1, l1), (s2, l2), cu_dev, self.d.n(), self.num_centroids)?;
+        let (cu, nd, n_c) = (&self.cu_dev, self.d.n(), self.num_centroids);
+        let out = crate::cuda::plaid_approx::subset_centroids((s1, l1), (s2, l2), cu, nd, n_c)?;
         Ok((out, Shape::from(self.num_centroids)))
     }
 }

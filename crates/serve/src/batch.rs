@@ -40,9 +40,10 @@ impl Queries {
 pub(crate) struct Job {
     pub queries: Queries,
     pub params: SearchParams,
-    /// The ids the filter allows (ascending) and the filter's text, which
-    /// tells requests of the same filter apart from others.
-    pub subset: Option<(Arc<Vec<u32>>, String)>,
+    /// The ids the filter allows (ascending). Requests with the same filter
+    /// between two writes share one list (the store keeps it), which is how
+    /// a batch tells them apart from others.
+    pub subset: Option<Arc<Vec<u32>>>,
     pub reply: oneshot::Sender<Result<SearchResults>>,
 }
 
@@ -239,16 +240,16 @@ fn search_group(svc: &Inner, group: &[Ready], dim: usize) -> Result<SearchResult
     // Rows written by an add whose index commit is in flight may name ids
     // the index does not have yet: they are not searchable, so dropped.
     let clip = |s: &Arc<Vec<u32>>| -> Vec<u32> { s.iter().copied().take_while(|&d| d < nd).collect() };
-    let subsets: Vec<&(Arc<Vec<u32>>, String)> = group.iter().filter_map(|(j, _)| j.subset.as_ref()).collect();
+    let subsets: Vec<&Arc<Vec<u32>>> = group.iter().filter_map(|(j, _)| j.subset.as_ref()).collect();
     let engine = std::time::Instant::now();
     let results = if subsets.is_empty() {
         index.search(&q, &params, None)
-    } else if subsets.iter().all(|s| s.1 == subsets[0].1) {
-        index.search(&q, &params, Some(Subset::Shared(&clip(&subsets[0].0))))
+    } else if subsets.iter().all(|s| Arc::ptr_eq(s, subsets[0])) {
+        index.search(&q, &params, Some(Subset::Shared(&clip(subsets[0]))))
     } else {
         let mut lists = Vec::with_capacity(nq);
         for (job, q) in group {
-            let ids = job.subset.as_ref().map(|s| clip(&s.0)).unwrap_or_default();
+            let ids = job.subset.as_ref().map(clip).unwrap_or_default();
             lists.extend(std::iter::repeat_n(ids, q.len()));
         }
         index.search(&q, &params, Some(Subset::PerQuery(&lists)))

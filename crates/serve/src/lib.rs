@@ -381,8 +381,7 @@ impl Service {
                 if ids.is_empty() {
                     return Ok(vec![Vec::new(); nq]);
                 }
-                let key = serde_json::to_string(f).unwrap_or_default();
-                Some((ids, key))
+                Some(ids)
             }
         };
         let (reply, rx) = oneshot::channel();

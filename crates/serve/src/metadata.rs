@@ -23,9 +23,10 @@
 //! (at most [`FILTER_CACHE_ENTRIES`] filters): concurrent requests with the
 //! same condition and parameters read the table once, not once each (a full
 //! scan per request bounded filtered search at ~1 300 requests per second
-//! over 136 000 rows). Conditions naming SQL functions whose result changes
-//! between calls (`random`, the current date or time, `changes`) are never
-//! kept. The store assumes it is the database's only writer.
+//! over 136 000 rows). Conditions naming SQL functions whose result can
+//! change from one run to the next (`random`, any date or time function,
+//! `changes`) and filters matching more than 4 M ids are never kept. The
+//! store assumes it is the database's only writer.
 
 use crate::error::{Error, Result};
 use rusqlite::{types::Value as SqlValue, Connection, OpenFlags};
@@ -42,7 +43,7 @@ pub type Row = Map<String, Value>;
 /// Parameters bound per statement at most (SQLite's default limit is 32766).
 const IDS_PER_STATEMENT: usize = 500;
 /// Filters whose ids are kept at most, and ids kept in all (64 MB).
-pub const FILTER_CACHE_ENTRIES: usize = 64;
+const FILTER_CACHE_ENTRIES: usize = 64;
 const FILTER_CACHE_IDS: usize = 1 << 24;
 /// The largest string or blob a filter may make (and metadata object read).
 const MAX_VALUE_BYTES: i32 = 16 << 20;
@@ -93,11 +94,12 @@ impl FilterCache {
 }
 
 /// Whether `condition` may be kept: it names none of SQLite's functions
-/// whose result changes between calls (a column name containing one of
+/// whose result can change from one run to the next (`date()` and `time()`
+/// mean now, and so does a bound `'now'`; a column name containing one of
 /// these words only costs the cache).
 fn cacheable(condition: &str) -> bool {
     let c = condition.to_ascii_lowercase();
-    !["random", "now", "current_", "changes", "last_insert_rowid", "julianday", "unixepoch", "strftime"]
+    !["random", "now", "current_", "changes", "last_insert_rowid", "date", "time", "julianday", "unixepoch"]
         .iter()
         .any(|w| c.contains(w))
 }

@@ -85,8 +85,9 @@ impl Metrics {
         s.latency.entry(endpoint.to_string()).or_insert_with(|| Histogram::new(LATENCY_BOUNDS)).observe(seconds);
     }
 
-    /// One index search call of `queries` queries that took `seconds` from
-    /// the queries' copy in to the results out, `search` of it in the index.
+    /// One batch's index search of `queries` queries that took `seconds`
+    /// from the queries' copy in to the results out, `search` of it in the
+    /// index.
     pub fn batch(&self, queries: usize, seconds: f64, search: f64) {
         let mut s = self.lock();
         s.batch.observe(queries as f64);
@@ -117,7 +118,7 @@ impl Metrics {
         out.push_str("# TYPE maxsim_search_batch_queries histogram\n");
         s.batch.render(&mut out, "maxsim_search_batch_queries", "");
         out.push_str(
-            "# HELP maxsim_search_batch_seconds Time of each index search call, queries in and results out.\n",
+            "# HELP maxsim_search_batch_seconds Time of each batch's index search, queries in and results out.\n",
         );
         out.push_str("# TYPE maxsim_search_batch_seconds histogram\n");
         s.batch_seconds.render(&mut out, "maxsim_search_batch_seconds", "");
