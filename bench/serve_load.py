@@ -26,6 +26,7 @@ service started with --model); each request takes the next ones in turn.
 
 import argparse
 import asyncio
+import base64
 import concurrent.futures
 import json
 import os
@@ -63,8 +64,14 @@ def bodies(args):
             group = []
             for row in q[i : i + k]:
                 row = row[np.abs(row).max(axis=1) > 0]  # padding rows out
-                group.append(np.round(row, 6).tolist())
-            out.append(json.dumps({"embeddings": group, **extra}).encode())
+                if args.base64:
+                    group.append(base64.b64encode(row.astype("<f2" if args.base64 == "f16" else "<f4").tobytes()).decode())
+                else:
+                    group.append(np.round(row, 6).tolist())
+            if args.base64:
+                out.append(json.dumps({"embeddings_base64": group, "embeddings_dtype": args.base64, **extra}).encode())
+            else:
+                out.append(json.dumps({"embeddings": group, **extra}).encode())
     if not out:
         sys.exit("no queries")
     return out
@@ -228,6 +235,7 @@ def main():
     p.add_argument("--label", default="", help="copied into every output line")
     p.add_argument("--processes", type=int, default=4, help="client processes (each an asyncio loop)")
     p.add_argument("--oha", help="send the requests with this oha binary instead of Python clients")
+    p.add_argument("--base64", choices=("f32", "f16"), help="send embeddings as base64 bytes of this type")
     args = p.parse_args()
     payloads = bodies(args)
     if args.oha:

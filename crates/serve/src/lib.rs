@@ -116,6 +116,39 @@ impl Default for Config {
     }
 }
 
+/// `Err` (422) naming `field` unless a query of `n` tokens is allowed.
+fn query_tokens(n: usize, field: &str) -> Result<()> {
+    if n == 0 || n > MAX_QUERY_TOKENS {
+        return Err(Error::unprocessable(format!("{field}: {n} tokens, a query has 1 to {MAX_QUERY_TOKENS}")));
+    }
+    Ok(())
+}
+
+/// The values of `text` (base64 of little-endian `dtype` values) as F32.
+fn decode_values(text: &str, dtype: &str, field: &str) -> Result<Vec<f32>> {
+    use base64::Engine;
+    let bytes = base64::engine::general_purpose::STANDARD
+        .decode(text)
+        .map_err(|e| Error::bad_request(format!("{field}: not base64: {e}")))?;
+    let width = match dtype {
+        "f32" => 4,
+        "f16" | "bf16" => 2,
+        d => return Err(Error::unprocessable(format!("embeddings_dtype: `{d}` is none of f32, f16, bf16"))),
+    };
+    if bytes.len() % width != 0 {
+        return Err(Error::unprocessable(format!(
+            "{field}: {} bytes, not a whole number of {dtype} values",
+            bytes.len()
+        )));
+    }
+    let chunks = bytes.chunks_exact(width);
+    Ok(match dtype {
+        "f32" => chunks.map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
+        "f16" => chunks.map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+        _ => chunks.map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+    })
+}
+
 /// A metadata filter: an SQL condition over the metadata columns with `?`
 /// placeholders, and the values bound to them in order.
 #[derive(Clone, Debug, Deserialize, Serialize)]
@@ -138,6 +171,13 @@ pub struct SearchRequest {
     pub queries: Option<Vec<String>>,
     /// Query embeddings: per query, 1 to 64 token vectors of the index's dim.
     pub embeddings: Option<Vec<Vec<Vec<f32>>>>,
+    /// Query embeddings as bytes: per query, base64 (standard alphabet,
+    /// padded) of its `Lq · dim` little-endian values, row-major, in
+    /// `embeddings_dtype`. A quarter to a ninth of the bytes of JSON numbers,
+    /// and no number parsing.
+    pub embeddings_base64: Option<Vec<String>>,
+    /// The values' type in `embeddings_base64`: `f32` (default), `f16` or `bf16`.
+    pub embeddings_dtype: Option<String>,
     /// Results per query (default 10).
     pub top_k: Option<usize>,
     /// Centroids probed per query token (default 8).
@@ -312,11 +352,11 @@ impl Service {
             n if n > max => Err(Error::unprocessable(format!("{field}: {n} queries, at most {max} per request"))),
             _ => Ok(()),
         };
-        match (&req.queries, &req.embeddings) {
-            (Some(_), Some(_)) | (None, None) => {
-                Err(Error::unprocessable("queries, embeddings: give exactly one of the two"))
-            }
-            (Some(texts), None) => {
+        if req.embeddings_dtype.is_some() && req.embeddings_base64.is_none() {
+            return Err(Error::unprocessable("embeddings_dtype: only with embeddings_base64"));
+        }
+        match (&req.queries, &req.embeddings, &req.embeddings_base64) {
+            (Some(texts), None, None) => {
                 count(texts.len(), "queries")?;
                 if self.inner.model.is_none() {
                     return Err(Error::unprocessable(
@@ -325,20 +365,39 @@ impl Service {
                 }
                 Ok(Queries::Texts(texts.clone()))
             }
-            (None, Some(emb)) => {
+            (None, Some(emb), None) => {
                 count(emb.len(), "embeddings")?;
                 let mut out = Vec::with_capacity(emb.len());
                 for (i, q) in emb.iter().enumerate() {
-                    if q.is_empty() || q.len() > MAX_QUERY_TOKENS {
-                        return Err(Error::unprocessable(format!(
-                            "embeddings[{i}]: {} tokens, a query has 1 to {MAX_QUERY_TOKENS}",
-                            q.len()
-                        )));
-                    }
+                    query_tokens(q.len(), &format!("embeddings[{i}]"))?;
                     out.push((self.flatten(q, &format!("embeddings[{i}]"), false)?, q.len()));
                 }
                 Ok(Queries::Embeddings(out))
             }
+            (None, None, Some(b64)) => {
+                count(b64.len(), "embeddings_base64")?;
+                let dtype = req.embeddings_dtype.as_deref().unwrap_or("f32");
+                let mut out = Vec::with_capacity(b64.len());
+                for (i, q) in b64.iter().enumerate() {
+                    let field = format!("embeddings_base64[{i}]");
+                    let flat = decode_values(q, dtype, &field)?;
+                    let dim = self.inner.dim;
+                    if flat.len() % dim != 0 {
+                        return Err(Error::unprocessable(format!(
+                            "{field}: {} values, not a whole number of token vectors of the index's dim {dim}",
+                            flat.len()
+                        )));
+                    }
+                    let lq = flat.len() / dim;
+                    query_tokens(lq, &field)?;
+                    if let Some(j) = flat.iter().position(|v| !v.is_finite()) {
+                        return Err(Error::unprocessable(format!("{field}: token {}: values must be finite", j / dim)));
+                    }
+                    out.push((flat, lq));
+                }
+                Ok(Queries::Embeddings(out))
+            }
+            _ => Err(Error::unprocessable("queries, embeddings, embeddings_base64: give exactly one of the three")),
         }
     }
 

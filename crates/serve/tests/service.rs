@@ -52,6 +52,69 @@ fn search_by_embeddings_equals_library() {
     }
 }
 
+/// Queries sent as base64 bytes: F32 gives the JSON request's results
+/// exactly; F16 and BF16 those of the library on the values rounded to them.
+/// Bad bytes, lengths, types and values are refused naming the field.
+#[test]
+fn search_by_base64_embeddings() {
+    use base64::Engine;
+    let (srv, docs) = Server::start("base64", 200, Config::default());
+    let mut queries: Vec<Vec<Vec<f32>>> = (0..4).map(|i| query_of(&docs[i * 50])).collect();
+    queries.extend(random_docs(2, DIM));
+    let b64 = |bytes: Vec<u8>| base64::engine::general_purpose::STANDARD.encode(bytes);
+    let enc = |q: &[Vec<f32>], dtype: &str| -> String {
+        let vals = q.iter().flatten();
+        b64(match dtype {
+            "f32" => vals.flat_map(|v| v.to_le_bytes()).collect(),
+            "f16" => vals.flat_map(|&v| half::f16::from_f32(v).to_le_bytes()).collect(),
+            _ => vals.flat_map(|&v| half::bf16::from_f32(v).to_le_bytes()).collect(),
+        })
+    };
+    let (_, json_res) = srv.post("/search", &json!({"embeddings": queries, "top_k": 5}));
+    let params = SearchParams { top_k: 5, ..Default::default() };
+    for dtype in ["f32", "f16", "bf16"] {
+        let body = json!({"embeddings_base64": queries.iter().map(|q| enc(q, dtype)).collect::<Vec<_>>(),
+            "embeddings_dtype": dtype, "top_k": 5});
+        let (status, res) = srv.post("/search", &body);
+        assert_eq!(status, 200, "{dtype}: {res}");
+        if dtype == "f32" {
+            assert_eq!(res, json_res, "f32 bytes give the JSON request's results");
+        }
+        let round = |v: f32| match dtype {
+            "f16" => half::f16::from_f32(v).to_f32(),
+            "bf16" => half::bf16::from_f32(v).to_f32(),
+            _ => v,
+        };
+        let rounded: Vec<Vec<Vec<f32>>> =
+            queries.iter().map(|q| q.iter().map(|r| r.iter().map(|&v| round(v)).collect()).collect()).collect();
+        let want = srv.reopen().search(&padded(&rounded), &params, None).unwrap();
+        for (q, w) in want.iter().enumerate() {
+            assert_same(&format!("{dtype} query {q}"), &hits(&res, q), w);
+        }
+    }
+    let q0 = &queries[0];
+    let nan: Vec<Vec<f32>> = vec![vec![f32::NAN; DIM]];
+    let long: Vec<Vec<f32>> = vec![vec![0.5; DIM]; 65];
+    for (what, body, status, text) in [
+        ("not base64", json!({"embeddings_base64": ["%%%"]}), 400, "embeddings_base64[0]: not base64"),
+        ("a partial f32", json!({"embeddings_base64": [b64(vec![0, 0, 0])]}), 422, "whole number of f32"),
+        ("a partial token", json!({"embeddings_base64": [b64(vec![0; 4 * (DIM + 1)])]}), 422, "whole number of token"),
+        ("no tokens", json!({"embeddings_base64": [""]}), 422, "embeddings_base64[0]: 0 tokens"),
+        ("65 tokens", json!({"embeddings_base64": [enc(&long, "f32")]}), 422, "1 to 64"),
+        ("NaN", json!({"embeddings_base64": [enc(q0, "f32"), enc(&nan, "f32")]}), 422, "embeddings_base64[1]: token 0"),
+        (
+            "a bad dtype",
+            json!({"embeddings_base64": [enc(q0, "f32")], "embeddings_dtype": "f64"}),
+            422,
+            "embeddings_dtype",
+        ),
+        ("a dtype alone", json!({"embeddings": [q0], "embeddings_dtype": "f16"}), 422, "embeddings_dtype"),
+        ("two kinds", json!({"embeddings": [q0], "embeddings_base64": [enc(q0, "f32")]}), 422, "exactly one"),
+    ] {
+        assert_error(what, &srv.post("/search", &body), status, text);
+    }
+}
+
 /// Added documents get the next ids, are found by their own embeddings and
 /// carry their metadata; deleted ones are never returned again.
 #[test]
