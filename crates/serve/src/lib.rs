@@ -116,10 +116,11 @@ impl Default for Config {
     }
 }
 
-/// `Err` (422) naming `field` unless a query of `n` tokens is allowed.
-fn query_tokens(n: usize, field: &str) -> Result<()> {
-    if n == 0 || n > MAX_QUERY_TOKENS {
-        return Err(Error::unprocessable(format!("{field}: {n} tokens, a query has 1 to {MAX_QUERY_TOKENS}")));
+/// `Err` (422) naming `field` unless `n` is 1 to `max` tokens (`what`: "a
+/// query", "a document").
+fn token_count(n: usize, max: usize, what: &str, field: &str) -> Result<()> {
+    if n == 0 || n > max {
+        return Err(Error::unprocessable(format!("{field}: {n} tokens, {what} has 1 to {max}")));
     }
     Ok(())
 }
@@ -213,6 +214,12 @@ pub struct AddRequest {
     pub texts: Option<Vec<String>>,
     /// Document embeddings: per document, its token vectors.
     pub embeddings: Option<Vec<Vec<Vec<f32>>>>,
+    /// Document embeddings as bytes: per document, base64 of its `Ld · dim`
+    /// little-endian values, row-major, in `embeddings_dtype` (as
+    /// [`SearchRequest::embeddings_base64`]).
+    pub embeddings_base64: Option<Vec<String>>,
+    /// The values' type in `embeddings_base64`: `f32` (default), `f16` or `bf16`.
+    pub embeddings_dtype: Option<String>,
     /// Per document, its metadata object (or null).
     pub metadata: Option<Vec<Option<Row>>>,
 }
@@ -369,7 +376,7 @@ impl Service {
                 count(emb.len(), "embeddings")?;
                 let mut out = Vec::with_capacity(emb.len());
                 for (i, q) in emb.iter().enumerate() {
-                    query_tokens(q.len(), &format!("embeddings[{i}]"))?;
+                    token_count(q.len(), MAX_QUERY_TOKENS, "a query", &format!("embeddings[{i}]"))?;
                     out.push((self.flatten(q, &format!("embeddings[{i}]"), false)?, q.len()));
                 }
                 Ok(Queries::Embeddings(out))
@@ -380,20 +387,7 @@ impl Service {
                 let mut out = Vec::with_capacity(b64.len());
                 for (i, q) in b64.iter().enumerate() {
                     let field = format!("embeddings_base64[{i}]");
-                    let flat = decode_values(q, dtype, &field)?;
-                    let dim = self.inner.dim;
-                    if flat.len() % dim != 0 {
-                        return Err(Error::unprocessable(format!(
-                            "{field}: {} values, not a whole number of token vectors of the index's dim {dim}",
-                            flat.len()
-                        )));
-                    }
-                    let lq = flat.len() / dim;
-                    query_tokens(lq, &field)?;
-                    if let Some(j) = flat.iter().position(|v| !v.is_finite()) {
-                        return Err(Error::unprocessable(format!("{field}: token {}: values must be finite", j / dim)));
-                    }
-                    out.push((flat, lq));
+                    out.push(self.tokens_from_base64(q, dtype, &field, MAX_QUERY_TOKENS, "a query", false)?);
                 }
                 Ok(Queries::Embeddings(out))
             }
@@ -422,6 +416,40 @@ impl Service {
             flat.extend_from_slice(r);
         }
         Ok(flat)
+    }
+
+    /// Token vectors sent as bytes (`text`: base64 of little-endian `dtype`
+    /// values): a whole number of the index's dim, 1 to `max` of them
+    /// (`what` has), finite and (`nonzero`) none all zeros. Returns the
+    /// row-major values and their number of tokens.
+    fn tokens_from_base64(
+        &self,
+        text: &str,
+        dtype: &str,
+        field: &str,
+        max: usize,
+        what: &str,
+        nonzero: bool,
+    ) -> Result<(Vec<f32>, usize)> {
+        let flat = decode_values(text, dtype, field)?;
+        let dim = self.inner.dim;
+        if flat.len() % dim != 0 {
+            return Err(Error::unprocessable(format!(
+                "{field}: {} values, not a whole number of token vectors of the index's dim {dim}",
+                flat.len()
+            )));
+        }
+        let n = flat.len() / dim;
+        token_count(n, max, what, field)?;
+        for (j, row) in flat.chunks_exact(dim).enumerate() {
+            if row.iter().any(|v| !v.is_finite()) {
+                return Err(Error::unprocessable(format!("{field}: token {j}: values must be finite")));
+            }
+            if nonzero && row.iter().all(|&v| v == 0.0) {
+                return Err(Error::unprocessable(format!("{field}: token {j}: a vector of zeros cannot be indexed")));
+            }
+        }
+        Ok((flat, n))
     }
 
     /// Searches: per query its hits, best first. Concurrent calls are
@@ -468,12 +496,16 @@ impl Service {
     /// metadata and the index committed (see the crate docs).
     pub async fn add(&self, req: AddRequest) -> Result<Vec<u32>> {
         let cfg = &self.inner.config;
-        let n = match (&req.texts, &req.embeddings) {
-            (Some(t), None) => t.len(),
-            (None, Some(e)) => e.len(),
-            _ => return Err(Error::unprocessable("texts, embeddings: give exactly one of the two")),
+        const EXACTLY_ONE: &str = "texts, embeddings, embeddings_base64: give exactly one of the three";
+        let (n, field) = match (&req.texts, &req.embeddings, &req.embeddings_base64) {
+            (Some(t), None, None) => (t.len(), "texts"),
+            (None, Some(e), None) => (e.len(), "embeddings"),
+            (None, None, Some(b)) => (b.len(), "embeddings_base64"),
+            _ => return Err(Error::unprocessable(EXACTLY_ONE)),
         };
-        let field = if req.texts.is_some() { "texts" } else { "embeddings" };
+        if req.embeddings_dtype.is_some() && req.embeddings_base64.is_none() {
+            return Err(Error::unprocessable("embeddings_dtype: only with embeddings_base64"));
+        }
         if n == 0 || n > cfg.max_documents {
             return Err(Error::unprocessable(format!(
                 "{field}: {n} documents, a request adds 1 to {}",
@@ -488,30 +520,39 @@ impl Service {
             }
         };
         Metadata::check_rows(&rows)?;
-        let docs = match (req.texts, req.embeddings) {
-            (Some(texts), _) => {
+        let packed = |flat: Vec<f32>, lens: &[u32]| -> Result<PackedDocuments> {
+            let t = flat.len() / self.inner.dim;
+            Ok(PackedDocuments::new(Tensor::from_vec(flat, (t, self.inner.dim), &Device::Cpu)?, lens)?)
+        };
+        let max = cfg.max_document_tokens;
+        let docs = match (req.texts, req.embeddings, req.embeddings_base64) {
+            (Some(texts), _, _) => {
                 let svc = self.inner.clone();
                 blocking(move || encode_documents(&svc, &texts)).await?
             }
-            (_, Some(emb)) => {
+            (_, Some(emb), _) => {
                 let mut flat = Vec::new();
                 let mut lens = Vec::with_capacity(n);
                 for (i, d) in emb.iter().enumerate() {
-                    if d.is_empty() || d.len() > cfg.max_document_tokens {
-                        return Err(Error::unprocessable(format!(
-                            "embeddings[{i}]: {} tokens, a document has 1 to {}",
-                            d.len(),
-                            cfg.max_document_tokens
-                        )));
-                    }
+                    token_count(d.len(), max, "a document", &format!("embeddings[{i}]"))?;
                     flat.extend(self.flatten(d, &format!("embeddings[{i}]"), true)?);
                     lens.push(d.len() as u32);
                 }
-                let t = flat.len() / self.inner.dim;
-                let x = Tensor::from_vec(flat, (t, self.inner.dim), &Device::Cpu)?;
-                PackedDocuments::new(x, &lens)?
+                packed(flat, &lens)?
             }
-            _ => return Err(Error::unprocessable("texts, embeddings: give exactly one of the two")),
+            (_, _, Some(b64)) => {
+                let dtype = req.embeddings_dtype.as_deref().unwrap_or("f32");
+                let mut flat = Vec::new();
+                let mut lens = Vec::with_capacity(n);
+                for (i, d) in b64.iter().enumerate() {
+                    let field = format!("embeddings_base64[{i}]");
+                    let (values, len) = self.tokens_from_base64(d, dtype, &field, max, "a document", true)?;
+                    flat.extend(values);
+                    lens.push(len as u32);
+                }
+                packed(flat, &lens)?
+            }
+            _ => return Err(Error::unprocessable(EXACTLY_ONE)),
         };
         let svc = self.inner.clone();
         blocking(move || {

@@ -115,6 +115,61 @@ fn search_by_base64_embeddings() {
     }
 }
 
+/// Documents added as base64 bytes are the documents added as JSON: the
+/// same document both ways scores the same for its own query, an F16 one
+/// is found by its own; zero vectors, empty documents and two kinds at
+/// once are refused naming the field.
+#[test]
+fn add_by_base64_embeddings() {
+    use base64::Engine;
+    let (srv, _) = Server::start("add-base64", 200, Config::default());
+    let new = random_docs(2, DIM);
+    let b64 = |d: &[Vec<f32>], f16: bool| -> String {
+        let vals = d.iter().flatten();
+        let bytes: Vec<u8> = match f16 {
+            false => vals.flat_map(|v| v.to_le_bytes()).collect(),
+            true => vals.flat_map(|&v| half::f16::from_f32(v).to_le_bytes()).collect(),
+        };
+        base64::engine::general_purpose::STANDARD.encode(bytes)
+    };
+    let (status, res) = srv.post("/documents", &json!({"embeddings": [new[0].clone()]}));
+    assert_eq!((status, &res["ids"]), (200, &json!([200])), "{res}");
+    let (status, res) =
+        srv.post("/documents", &json!({"embeddings_base64": [b64(&new[0], false)], "metadata": [{"n": 1}]}));
+    assert_eq!((status, &res["ids"]), (200, &json!([201])), "{res}");
+    let body = json!({"embeddings_base64": [b64(&new[1], true)], "embeddings_dtype": "f16"});
+    let (status, res) = srv.post("/documents", &body);
+    assert_eq!((status, &res["ids"]), (200, &json!([202])), "{res}");
+    let (_, res) = srv.post("/search", &json!({"embeddings": [query_of(&new[0]), query_of(&new[1])], "top_k": 3}));
+    let (a, b) = (hits(&res, 0), hits(&res, 1));
+    let top2: HashSet<u32> = a[..2].iter().map(|h| h.0).collect();
+    assert_eq!(top2, HashSet::from([200, 201]), "{a:?}");
+    assert_eq!(a[0].1.to_bits(), a[1].1.to_bits(), "the same document, the same score: {a:?}");
+    assert_eq!(b[0].0, 202, "{b:?}");
+    assert_eq!(
+        res["results"][0].as_array().unwrap().iter().find(|h| h["id"] == 201).unwrap()["metadata"],
+        json!({"n": 1})
+    );
+    let zeros = vec![vec![0.0f32; DIM]; 2];
+    for (what, body, text) in [
+        (
+            "zeros",
+            json!({"embeddings_base64": [b64(&new[0], false), b64(&zeros, false)]}),
+            "embeddings_base64[1]: token 0: a vector of zeros",
+        ),
+        ("empty", json!({"embeddings_base64": [""]}), "embeddings_base64[0]: 0 tokens, a document has"),
+        (
+            "two kinds",
+            json!({"embeddings": [new[0].clone()], "embeddings_base64": [b64(&new[0], false)]}),
+            "exactly one",
+        ),
+        ("a dtype alone", json!({"embeddings": [new[0].clone()], "embeddings_dtype": "f16"}), "embeddings_dtype"),
+    ] {
+        assert_error(what, &srv.post("/documents", &body), 422, text);
+    }
+    assert_eq!(srv.get("/stats").1["documents"], 203, "refused adds wrote nothing");
+}
+
 /// Added documents get the next ids, are found by their own embeddings and
 /// carry their metadata; deleted ones are never returned again.
 #[test]
