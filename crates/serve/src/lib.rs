@@ -125,28 +125,50 @@ fn token_count(n: usize, max: usize, what: &str, field: &str) -> Result<()> {
     Ok(())
 }
 
-/// The values of `text` (base64 of little-endian `dtype` values) as F32.
-fn decode_values(text: &str, dtype: &str, field: &str) -> Result<Vec<f32>> {
+/// The type of the values in `embeddings_base64`.
+#[derive(Clone, Copy)]
+enum Wire {
+    F32,
+    F16,
+    Bf16,
+}
+
+impl Wire {
+    /// `embeddings_dtype` of a request (default f32); `Err` (422) when
+    /// unknown or given without `embeddings_base64`.
+    fn of(dtype: Option<&str>, has_bytes: bool) -> Result<Self> {
+        match (dtype, has_bytes) {
+            (Some(_), false) => Err(Error::unprocessable("embeddings_dtype: only with embeddings_base64")),
+            (None | Some("f32"), true) | (None, false) => Ok(Wire::F32),
+            (Some("f16"), true) => Ok(Wire::F16),
+            (Some("bf16"), true) => Ok(Wire::Bf16),
+            (Some(d), true) => Err(Error::unprocessable(format!("embeddings_dtype: `{d}` is none of f32, f16, bf16"))),
+        }
+    }
+}
+
+/// The values of `text` (base64 of little-endian `wire` values) as F32.
+fn decode_values(text: &str, wire: Wire, field: &str) -> Result<Vec<f32>> {
     use base64::Engine;
     let bytes = base64::engine::general_purpose::STANDARD
         .decode(text)
         .map_err(|e| Error::bad_request(format!("{field}: not base64: {e}")))?;
-    let width = match dtype {
-        "f32" => 4,
-        "f16" | "bf16" => 2,
-        d => return Err(Error::unprocessable(format!("embeddings_dtype: `{d}` is none of f32, f16, bf16"))),
+    let (width, name) = match wire {
+        Wire::F32 => (4, "f32"),
+        Wire::F16 => (2, "f16"),
+        Wire::Bf16 => (2, "bf16"),
     };
     if bytes.len() % width != 0 {
         return Err(Error::unprocessable(format!(
-            "{field}: {} bytes, not a whole number of {dtype} values",
+            "{field}: {} bytes, not a whole number of {name} values",
             bytes.len()
         )));
     }
     let chunks = bytes.chunks_exact(width);
-    Ok(match dtype {
-        "f32" => chunks.map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
-        "f16" => chunks.map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
-        _ => chunks.map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+    Ok(match wire {
+        Wire::F32 => chunks.map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
+        Wire::F16 => chunks.map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+        Wire::Bf16 => chunks.map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
     })
 }
 
@@ -359,9 +381,7 @@ impl Service {
             n if n > max => Err(Error::unprocessable(format!("{field}: {n} queries, at most {max} per request"))),
             _ => Ok(()),
         };
-        if req.embeddings_dtype.is_some() && req.embeddings_base64.is_none() {
-            return Err(Error::unprocessable("embeddings_dtype: only with embeddings_base64"));
-        }
+        let wire = Wire::of(req.embeddings_dtype.as_deref(), req.embeddings_base64.is_some())?;
         match (&req.queries, &req.embeddings, &req.embeddings_base64) {
             (Some(texts), None, None) => {
                 count(texts.len(), "queries")?;
@@ -383,11 +403,10 @@ impl Service {
             }
             (None, None, Some(b64)) => {
                 count(b64.len(), "embeddings_base64")?;
-                let dtype = req.embeddings_dtype.as_deref().unwrap_or("f32");
                 let mut out = Vec::with_capacity(b64.len());
                 for (i, q) in b64.iter().enumerate() {
                     let field = format!("embeddings_base64[{i}]");
-                    out.push(self.tokens_from_base64(q, dtype, &field, MAX_QUERY_TOKENS, "a query", false)?);
+                    out.push(self.tokens_from_base64(q, wire, &field, MAX_QUERY_TOKENS, "a query", false)?);
                 }
                 Ok(Queries::Embeddings(out))
             }
@@ -418,20 +437,20 @@ impl Service {
         Ok(flat)
     }
 
-    /// Token vectors sent as bytes (`text`: base64 of little-endian `dtype`
+    /// Token vectors sent as bytes (`text`: base64 of little-endian `wire`
     /// values): a whole number of the index's dim, 1 to `max` of them
     /// (`what` has), finite and (`nonzero`) none all zeros. Returns the
     /// row-major values and their number of tokens.
     fn tokens_from_base64(
         &self,
         text: &str,
-        dtype: &str,
+        wire: Wire,
         field: &str,
         max: usize,
         what: &str,
         nonzero: bool,
     ) -> Result<(Vec<f32>, usize)> {
-        let flat = decode_values(text, dtype, field)?;
+        let flat = decode_values(text, wire, field)?;
         let dim = self.inner.dim;
         if flat.len() % dim != 0 {
             return Err(Error::unprocessable(format!(
@@ -503,9 +522,7 @@ impl Service {
             (None, None, Some(b)) => (b.len(), "embeddings_base64"),
             _ => return Err(Error::unprocessable(EXACTLY_ONE)),
         };
-        if req.embeddings_dtype.is_some() && req.embeddings_base64.is_none() {
-            return Err(Error::unprocessable("embeddings_dtype: only with embeddings_base64"));
-        }
+        let wire = Wire::of(req.embeddings_dtype.as_deref(), req.embeddings_base64.is_some())?;
         if n == 0 || n > cfg.max_documents {
             return Err(Error::unprocessable(format!(
                 "{field}: {n} documents, a request adds 1 to {}",
@@ -541,12 +558,11 @@ impl Service {
                 packed(flat, &lens)?
             }
             (_, _, Some(b64)) => {
-                let dtype = req.embeddings_dtype.as_deref().unwrap_or("f32");
                 let mut flat = Vec::new();
                 let mut lens = Vec::with_capacity(n);
                 for (i, d) in b64.iter().enumerate() {
                     let field = format!("embeddings_base64[{i}]");
-                    let (values, len) = self.tokens_from_base64(d, dtype, &field, max, "a document", true)?;
+                    let (values, len) = self.tokens_from_base64(d, wire, &field, max, "a document", true)?;
                     flat.extend(values);
                     lens.push(len as u32);
                 }
