@@ -173,7 +173,7 @@ pub mod nn {
     //! ```
     pub use crate::ops::encoder::{attention, attention_softmax, layer_norm, rotary_qk};
     pub use crate::ops::flash_attn::{attention_varlen, attention_varlen_qkv, ATTENTION_HEAD_DIMS};
-    pub use crate::ops::linear::linear;
+    pub use crate::ops::linear::{linear, linear_gelu};
     pub use crate::ops::rows::{add_bias, add_bias_gelu, embedding, geglu, scatter_add_rows};
     pub use crate::ops::topk::{topk_rows, TOPK_MAX_K};
 }

@@ -32,5 +32,5 @@ pub(crate) use memory::{deferred_checks, i32_bits_as_u32};
 pub(crate) use normalize::{l2norm_bwd, l2norm_fwd};
 pub(crate) use quantized::{maxsim_quantized, quantized_supported};
 pub(crate) use residual::{compress_residual, decompress_residual, residual_pairs, residual_scores, CodecDev};
-pub(crate) use rows::{add_bias, gather_rows, geglu, gelu_bwd, scatter_add_rows, sum_rows};
+pub(crate) use rows::{add_bias, add_bias_in_place, gather_rows, geglu, gelu_bwd, scatter_add_rows, sum_rows};
 pub(crate) use topk::topk_rows;

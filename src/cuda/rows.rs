@@ -64,7 +64,23 @@ pub(crate) fn gather_rows(src: (&CudaStorage, &Layout), idx: (&CudaStorage, &Lay
 /// `act` is GELU (erf) when `gelu`, else the identity.
 pub(crate) fn add_bias(x: (&CudaStorage, &Layout), bias: (&CudaStorage, &Layout), gelu: bool) -> Result<CudaStorage> {
     let name = if gelu { "add_bias_gelu" } else { "add_bias" };
-    bias_launch(name, x, bias, None)
+    let out = alloc_out(&x.0.device, x.0.dtype(), x.1.shape().elem_count())?;
+    bias_launch(name, x, bias, None, &out)?;
+    Ok(out)
+}
+
+/// [`add_bias`] in place: `y` `[R, C]` (contiguous from offset 0, a fresh
+/// buffer such as a product's output) becomes `act(y + bias)`. The kernel
+/// reads each element before writing it, in the same thread.
+pub(crate) fn add_bias_in_place(
+    y: &CudaStorage,
+    rows: usize,
+    cols: usize,
+    bias: (&CudaStorage, &Layout),
+    gelu: bool,
+) -> Result<()> {
+    let name = if gelu { "add_bias_gelu" } else { "add_bias" };
+    bias_launch(name, (y, &Layout::contiguous((rows, cols))), bias, None, y)
 }
 
 /// `g · GELU'(x + bias)` in `x`'s dtype, operands as [`add_bias`] and `g`
@@ -74,24 +90,27 @@ pub(crate) fn gelu_bwd(
     bias: (&CudaStorage, &Layout),
     g: (&CudaStorage, &Layout),
 ) -> Result<CudaStorage> {
-    bias_launch("gelu_bwd", x, bias, Some(g))
+    let out = alloc_out(&x.0.device, x.0.dtype(), x.1.shape().elem_count())?;
+    bias_launch("gelu_bwd", x, bias, Some(g), &out)?;
+    Ok(out)
 }
 
-/// The launch of rows.cu's `NAME_<dtype>` over `x`, `bias` and `g`.
+/// The launch of rows.cu's `NAME_<dtype>` over `x`, `bias` and `g` into
+/// `out` (x's dtype and element count; it may be x's own buffer).
 fn bias_launch(
     name: &str,
     x: (&CudaStorage, &Layout),
     bias: (&CudaStorage, &Layout),
     g: Option<(&CudaStorage, &Layout)>,
-) -> Result<CudaStorage> {
+    out: &CudaStorage,
+) -> Result<()> {
     let dev = &x.0.device;
     let (r, c) = x.1.shape().dims2()?;
     if c > i32::MAX as usize {
         bail!("x: {c} columns exceed the bias kernel's 32-bit column index")
     }
-    let out = alloc_out(dev, x.0.dtype(), r * c)?;
     if r * c == 0 {
-        return Ok(out);
+        return Ok(());
     }
     let gp = match g {
         Some((g, lg)) if g.dtype() == x.0.dtype() && lg.shape() == x.1.shape() => storage_ptr(g, lg)?,
@@ -102,13 +121,12 @@ fn bias_launch(
         x: storage_ptr(x.0, x.1)?,
         aux: storage_ptr(bias.0, bias.1)?,
         g: gp,
-        out: storage_ptr(&out, &Layout::contiguous(r * c))?,
+        out: storage_ptr(out, &Layout::contiguous(r * c))?,
         rows: r as i64,
         cols: c as i32,
         ..Default::default()
     };
-    run_rows(dev, &format!("{name}_{}", dtype_tag(x.0.dtype())), &p)?;
-    Ok(out)
+    run_rows(dev, &format!("{name}_{}", dtype_tag(x.0.dtype())), &p)
 }
 
 /// GeGLU of `x [R, 2C]` (contiguous, F16/BF16/F32): `GELU(x[:, :C]) ·

@@ -1,6 +1,7 @@
-//! `x · wᵀ + b`, the projections of an encoder layer. On CUDA and for 16-bit
-//! types this is candle's matmul (cuBLAS, or gemm on the CPU) and
-//! [`crate::nn::add_bias`]. On the CPU in F32 the product is split into
+//! `x · wᵀ + b` (and `GELU(x · wᵀ + b)`), the projections of an encoder
+//! layer. On CUDA and for 16-bit types this is candle's matmul (cuBLAS, or
+//! gemm on the CPU) with the bias of [`crate::nn::add_bias`], one graph node
+//! together. On the CPU in F32 the product is split into
 //! tiles of `ROW_TILE` rows × half the outputs, each one single-threaded
 //! `gemm` call, the tiles on all cores: candle's matmul parallelizes inside
 //! one `gemm` call, which on 16 Xeon cores reached 594-890 GFLOP/s at
@@ -12,7 +13,8 @@
 
 use crate::cpu::storage::{filled, slice};
 use crate::cpu::{gemm_into, Mat, OutPtr};
-use candle_core::{bail, CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
+use candle_core::backend::BackendStorage;
+use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
 /// Rows of `x` per CPU tile: 512 was the fastest of 256 / 512 / 1 024 at
@@ -27,8 +29,23 @@ const MIN_TILED_THREADS: usize = 5;
 /// stored) and `b [N]`, in `x`'s dtype → `[.., N]`. Differentiable in all
 /// three; on the CPU a tiled parallel product in F32 (16-bit inputs widened
 /// and the result rounded once; see the module docs), elsewhere candle's
-/// matmul.
+/// matmul. With a bias outside the tiled CPU path, product and bias are one
+/// graph node (the bias added in place to the product's buffer): the
+/// backward pays no zero-filled gradient and add for the product, and the
+/// product is not kept besides the output.
 pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
+    linear_act(x, w, b, false)
+}
+
+/// `GELU(x · wᵀ + b)` with the exact erf (BERT's intermediate layer),
+/// operands as [`linear`]: the bias added and GELU taken in F32 (F64 for
+/// F64), rounded once. One graph node whose backward recomputes the product
+/// (one GEMM) instead of keeping the pre-activation `[.., N]` alive.
+pub fn linear_gelu(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
+    linear_act(x, w, Some(b), true)
+}
+
+fn linear_act(x: &Tensor, w: &Tensor, b: Option<&Tensor>, gelu: bool) -> Result<Tensor> {
     let k = match x.dims().last() {
         Some(&k) => k,
         None => bail!("x: linear needs at least one axis, got a scalar"),
@@ -41,6 +58,12 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
         bail!("w: expected {:?} [N, {k}] like x, got {:?} {:?}", x.dtype(), w.dtype(), w.dims())
     }
     crate::layout::check_device("w", w, x.device())?;
+    if let Some(b) = b {
+        if b.dims() != [n] || !b.dtype().is_float() {
+            bail!("b: expected a float [{n}], got {:?} {:?}", b.dtype(), b.dims())
+        }
+        crate::layout::check_device("b", b, x.device())?;
+    }
     let mut shape = x.dims().to_vec();
     *shape.last_mut().expect("rank ≥ 1") = n;
     let m = x.elem_count() / k.max(1);
@@ -50,23 +73,104 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
     if x.device().is_cpu() && matches!(x.dtype(), DType::F16 | DType::BF16) {
         // candle's CPU matmul has no fast 16-bit path (BF16 ran at a quarter
         // of F32's speed in the encoder): compute in F32, round once.
-        let y = linear(&x.to_dtype(DType::F32)?, &w.to_dtype(DType::F32)?, b)?;
+        let y = linear_act(&x.to_dtype(DType::F32)?, &w.to_dtype(DType::F32)?, b, gelu)?;
         return y.to_dtype(x.dtype());
     }
     let tiled = x.device().is_cpu() && x.dtype() == DType::F32 && rayon::current_num_threads() >= MIN_TILED_THREADS;
-    let y = if tiled && m * n * k > 0 {
-        x2.contiguous()?.apply_op2(&w.contiguous()?, MatmulT)?
-    } else {
-        x2.matmul(&w.t()?)?
-    };
     let y = match b {
-        Some(b) => crate::ops::rows::add_bias(&y, b)?,
-        None => y,
+        Some(b) if !tiled && m * n * k > 0 => {
+            let acc = if x.dtype() == DType::F64 { DType::F64 } else { DType::F32 };
+            x2.contiguous()?.apply_op3(&w.contiguous()?, &b.to_dtype(acc)?.contiguous()?, LinearBias { gelu })?
+        }
+        _ => {
+            let y = if tiled && m * n * k > 0 {
+                x2.contiguous()?.apply_op2(&w.contiguous()?, MatmulT)?
+            } else {
+                x2.matmul(&w.t()?)?
+            };
+            match b {
+                Some(b) if gelu => crate::ops::rows::add_bias_gelu(&y, b)?,
+                Some(b) => crate::ops::rows::add_bias(&y, b)?,
+                None => y,
+            }
+        }
     };
     if y.dims() == shape.as_slice() {
         Ok(y)
     } else {
         y.reshape(shape)
+    }
+}
+
+/// `act(x [M, K] · w [N, K]ᵀ + b)`: candle's product (cuBLAS on CUDA, gemm on
+/// the CPU), then the bias (and GELU) of [`crate::nn::add_bias`], on CUDA
+/// over the product's own buffer.
+struct LinearBias {
+    gelu: bool,
+}
+
+impl LinearBias {
+    fn dims(lx: &Layout, lw: &Layout) -> Result<(usize, usize, usize)> {
+        let (m, k) = lx.shape().dims2()?;
+        Ok((m, lw.shape().dims2()?.0, k))
+    }
+}
+
+impl CustomOp3 for LinearBias {
+    fn name(&self) -> &'static str {
+        if self.gelu {
+            "linear_gelu"
+        } else {
+            "linear_bias"
+        }
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        lx: &Layout,
+        w: &CpuStorage,
+        lw: &Layout,
+        b: &CpuStorage,
+        lb: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (m, n, k) = Self::dims(lx, lw)?;
+        let y = x.matmul(w, (1, m, n, k), lx, &lw.transpose(0, 1)?)?;
+        let out = crate::ops::rows::add_bias_cpu(&y, &Layout::contiguous((m, n)), b, lb, self.gelu)?;
+        Ok((out, Shape::from((m, n))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        lx: &Layout,
+        w: &candle_core::CudaStorage,
+        lw: &Layout,
+        b: &candle_core::CudaStorage,
+        lb: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let (m, n, k) = Self::dims(lx, lw)?;
+        let y = x.matmul(w, (1, m, n, k), lx, &lw.transpose(0, 1)?)?;
+        crate::cuda::add_bias_in_place(&y, m, n, (b, lb), self.gelu)?;
+        Ok((y, Shape::from((m, n))))
+    }
+
+    /// `dz = g` (with GELU: `g · GELU'(x · wᵀ + b)`, the product recomputed),
+    /// `dx = dz · w`, `dw = dzᵀ · x`, `db` the column sums of `dz`.
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        b: &Tensor,
+        _y: &Tensor,
+        g: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (x, w) = (x.detach(), w.detach());
+        let dz =
+            if self.gelu { crate::ops::rows::gelu_bwd(&x.matmul(&w.t()?)?, b, g)? } else { g.to_dtype(x.dtype())? };
+        let db = crate::ops::rows::sum_rows(&dz)?.to_dtype(b.dtype())?;
+        Ok((Some(dz.matmul(&w)?), Some(dz.t()?.matmul(&x)?), Some(db)))
     }
 }
 

@@ -166,7 +166,7 @@ impl CustomOp2 for GeGluBwd {
 
 /// `dz = g · GELU'(x + b)` in `x`'s dtype (the gradient of `add_bias_gelu`
 /// at its pre-activation); `b` is in the accumulation type.
-fn gelu_bwd(x: &Tensor, b: &Tensor, g: &Tensor) -> Result<Tensor> {
+pub(crate) fn gelu_bwd(x: &Tensor, b: &Tensor, g: &Tensor) -> Result<Tensor> {
     x.contiguous()?.apply_op3_no_bwd(b, &g.to_dtype(x.dtype())?.contiguous()?, &GeluBwd)
 }
 
@@ -191,7 +191,7 @@ fn gelu_f64(z: f64) -> (f64, f64) {
 }
 
 /// The column sums `[C]` F32 of `g` `[R, C]` (F16, BF16 or F32; F64 for F64).
-fn sum_rows(g: &Tensor) -> Result<Tensor> {
+pub(crate) fn sum_rows(g: &Tensor) -> Result<Tensor> {
     g.contiguous()?.apply_op1_no_bwd(&SumRows)
 }
 
@@ -385,6 +385,15 @@ fn bias_map(
     })
 }
 
+/// `act(x + b)` on the CPU, as [`add_bias`] / [`add_bias_gelu`] compute it.
+pub(crate) fn add_bias_cpu(x: &CpuStorage, lx: &Layout, b: &CpuStorage, lb: &Layout, gelu: bool) -> Result<CpuStorage> {
+    if gelu {
+        bias_map(x, lx, b, lb, None, BiasFn { narrow: |z, _| gelu_f32(z), wide: |z, _| gelu_f64(z).0 })
+    } else {
+        bias_map(x, lx, b, lb, None, BiasFn { narrow: |z, _| z, wide: |z, _| z })
+    }
+}
+
 impl CustomOp2 for GatherRows {
     fn name(&self) -> &'static str {
         "gather_rows"
@@ -436,12 +445,7 @@ impl CustomOp2 for AddBias {
     }
 
     fn cpu_fwd(&self, x: &CpuStorage, lx: &Layout, b: &CpuStorage, lb: &Layout) -> Result<(CpuStorage, Shape)> {
-        let out = if self.gelu {
-            bias_map(x, lx, b, lb, None, BiasFn { narrow: |z, _| gelu_f32(z), wide: |z, _| gelu_f64(z).0 })?
-        } else {
-            bias_map(x, lx, b, lb, None, BiasFn { narrow: |z, _| z, wide: |z, _| z })?
-        };
-        Ok((out, lx.shape().clone()))
+        Ok((add_bias_cpu(x, lx, b, lb, self.gelu)?, lx.shape().clone()))
     }
 
     fn bwd(&self, x: &Tensor, b: &Tensor, _y: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {

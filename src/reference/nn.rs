@@ -152,3 +152,10 @@ pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
     }
     y.to_dtype(x.dtype())
 }
+
+/// Naive [`crate::nn::linear_gelu`]: GELU (exact erf) of [`linear`] in F64,
+/// rounded to `x`'s dtype (differentiable).
+pub fn linear_gelu(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
+    let (x64, w64) = (x.to_dtype(DType::F64)?, w.to_dtype(DType::F64)?);
+    x64.broadcast_matmul(&w64.t()?)?.broadcast_add(&b.to_dtype(DType::F64)?)?.gelu_erf()?.to_dtype(x.dtype())
+}

@@ -213,8 +213,8 @@ test_device!(embedding_matches_index_select, embedding_matches_index_select_cpu,
 
 /// The linear projection against `x · wᵀ + b` in F64: rank-2 and rank-3
 /// inputs, row counts below, at and across the CPU op's 512-row tiles, an
-/// odd output width (unequal column tiles), with and without a bias; the
-/// gradients of x, w and b through candle's autograd of the reference. In
+/// odd output width (unequal column tiles), with and without a bias, and
+/// `linear_gelu` against GELU of the same in F64; the gradients of x, w and b through candle's autograd of the reference. In
 /// a pool of one thread and of eight: the CPU op tiles from five threads.
 fn linear_matches_reference(dev: &Device) -> Result<()> {
     for threads in [1, 8] {
@@ -225,30 +225,47 @@ fn linear_matches_reference(dev: &Device) -> Result<()> {
     expect_err(ms::nn::linear(&t(&[4, 6])?, &t(&[3, 5])?, None), "w");
     expect_err(ms::nn::linear(&t(&[4, 6])?, &t(&[3, 6, 1])?, None), "w");
     expect_err(ms::nn::linear(&t(&[4, 6])?, &t(&[3, 6])?, Some(&t(&[4])?)), "b");
+    expect_err(ms::nn::linear_gelu(&t(&[4, 6])?, &t(&[3, 6])?, &t(&[3, 1])?), "b");
+    expect_err(ms::nn::linear_gelu(&t(&[4, 6])?, &t(&[3, 5])?, &t(&[3])?), "w");
     Ok(())
 }
 
 fn linear_cases(dev: &Device) -> Result<()> {
     let cpu = Device::Cpu;
     for (dt, tol) in [(DType::F32, 1e-5), (DType::F16, 3e-3), (DType::BF16, 2e-2)] {
-        for &(lead, k, n, bias) in &[(&[3][..], 5, 7, true), (&[2, 300][..], 24, 33, false), (&[1030][..], 17, 1, true)]
-        {
-            let what = format!("linear {lead:?}x{k} -> {n} bias {bias} {dt:?} on {dev:?}");
+        let cases = [
+            (&[3][..], 5, 7, true, false),
+            (&[2, 300][..], 24, 33, false, false),
+            (&[1030][..], 17, 1, true, false),
+            (&[3][..], 5, 7, true, true),
+            (&[2, 300][..], 24, 33, true, true),
+            (&[1030][..], 17, 5, true, true),
+        ];
+        for &(lead, k, n, bias, gelu) in &cases {
+            let what = format!("linear {lead:?}x{k} -> {n} bias {bias} gelu {gelu} {dt:?} on {dev:?}");
             let xs: Vec<usize> = lead.iter().copied().chain([k]).collect();
             let (x, w, b) = (randn(&xs, dt, &cpu)?, randn(&[n, k], dt, &cpu)?, randn(&[n], DType::F32, &cpu)?);
             let b = bias.then_some(&b);
-            let want = reference::nn::linear(&x, &w, b)?;
+            let reference = |x: &Tensor, w: &Tensor, b: Option<&Tensor>| match b {
+                Some(b) if gelu => reference::nn::linear_gelu(x, w, b),
+                b => reference::nn::linear(x, w, b),
+            };
+            let want = reference(&x, &w, b)?;
             let g = |t: &Tensor| t.to_device(dev);
             let vars = [&x, &w].map(|t| g(t).and_then(|t| Var::from_tensor(&t)).expect("a var"));
             let bv = b.map(|b| Var::from_tensor(&g(b)?)).transpose()?;
-            let y = ms::nn::linear(vars[0].as_tensor(), vars[1].as_tensor(), bv.as_ref().map(|v| v.as_tensor()))?;
+            let (xt, wt) = (vars[0].as_tensor(), vars[1].as_tensor());
+            let y = match &bv {
+                Some(bv) if gelu => ms::nn::linear_gelu(xt, wt, bv.as_tensor())?,
+                bv => ms::nn::linear(xt, wt, bv.as_ref().map(|v| v.as_tensor()))?,
+            };
             assert_eq!(y.dims(), want.dims(), "{what}");
             assert_close(&what, &y, &want, tol)?;
             let wt = randn(want.dims(), DType::F64, &cpu)?;
             let gr = y.to_dtype(DType::F64)?.mul(&g(&wt)?)?.sum_all()?.backward()?;
             let f64v = |t: &Tensor| Var::from_tensor(&t.to_dtype(DType::F64).expect("f64")).expect("a var");
             let (xr, wr, br) = (f64v(&x), f64v(&w), b.map(f64v));
-            let yr = reference::nn::linear(xr.as_tensor(), wr.as_tensor(), br.as_ref().map(|v| v.as_tensor()))?;
+            let yr = reference(xr.as_tensor(), wr.as_tensor(), br.as_ref().map(|v| v.as_tensor()))?;
             let grf = yr.mul(&wt)?.sum_all()?.backward()?;
             // Each gradient is a sum of products of both signs (over the
             // outputs for x, over the rows for w and b), judged against the

@@ -19,8 +19,9 @@ fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
     linear_act(x, w, b, None)
 }
 
-/// `act(x · wᵀ + b)`: the bias and an exact GELU are one fused op (one
-/// kernel each way, instead of a graph node per element-wise step).
+/// `act(x · wᵀ + b)`: the product, the bias and an exact GELU are one fused
+/// op (instead of a graph node per step, each costing the backward a
+/// zero-filled gradient and an add over the activations).
 fn linear_act(x: &Tensor, w: &Tensor, b: Option<&Tensor>, act: Option<Act>) -> Result<Tensor> {
     let w = w.to_dtype(x.dtype())?;
     let dims = x.dims().to_vec();
@@ -30,19 +31,17 @@ fn linear_act(x: &Tensor, w: &Tensor, b: Option<&Tensor>, act: Option<Act>) -> R
     // Reshapes only where the rank changes: each is a graph node, and each
     // node costs the backward a zero-filled gradient and an add.
     let x2 = if x.rank() == 2 { x.clone() } else { x.reshape((rows, inner))? };
-    let mut y = candle_maxsim::nn::linear(&x2, &w, None)?;
-    match (b, act) {
-        (Some(b), Some(Act::Gelu)) => y = candle_maxsim::nn::add_bias_gelu(&y, b)?,
+    // Product, bias (and BERT's GELU) in one graph node each.
+    let y = match (b, act) {
+        (Some(b), Some(Act::Gelu)) => candle_maxsim::nn::linear_gelu(&x2, &w, b)?,
         (b, act) => {
-            if let Some(b) = b {
-                // One fused op with a one-kernel backward (the column sums).
-                y = candle_maxsim::nn::add_bias(&y, b)?;
-            }
-            if let Some(act) = act {
-                y = act.apply(&y)?;
+            let y = candle_maxsim::nn::linear(&x2, &w, b)?;
+            match act {
+                Some(act) => act.apply(&y)?,
+                None => y,
             }
         }
-    }
+    };
     let mut shape = dims;
     *shape.last_mut().unwrap() = out;
     if y.dims() == shape.as_slice() {
