@@ -22,6 +22,7 @@ struct SoftmaxParams {
 // dy for the backward), f32 weight w and bias b (may be null), out.
 struct LayerNormParams {
     const void* x;
+    const void* res; // a residual added to x before the norm, or null
     const void* dy;
     const float* w;
     const float* b;
@@ -98,49 +99,65 @@ __device__ void attn_softmax_bwd(const T* p, const T* dp, T* ds, long long rows,
     }
 }
 
+// Row r of the normalized input: x, or x + res rounded to T as the separate
+// add it replaces would round it (the residual connection before a norm).
+template <typename T> struct NormRow {
+    const T *x, *res;
+    __device__ __forceinline__ NormRow(const void* x_, const void* res_, long long r, int c)
+        : x(static_cast<const T*>(x_) + r * c), res(res_ ? static_cast<const T*>(res_) + r * c : nullptr) {}
+    __device__ __forceinline__ float operator[](int j) const {
+        const float v = Elem<T>::to_float(x[j]);
+        return res ? Elem<T>::to_float(Elem<T>::from(v + Elem<T>::to_float(res[j]))) : v;
+    }
+};
+
 // Mean and 1 / sqrt(biased variance + eps) of a row, every lane of the warp.
 template <typename T>
-__device__ __forceinline__ void row_stats(const T* xr, int c, int lane, float eps, float& mean, float& rstd) {
+__device__ __forceinline__ void row_stats(const NormRow<T>& xr, int c, int lane, float eps, float& mean, float& rstd) {
     float s = 0.f;
-    for (int j = lane; j < c; j += 32) s += Elem<T>::to_float(xr[j]);
+    for (int j = lane; j < c; j += 32) s += xr[j];
     mean = warp_sum(s) / c;
     float v = 0.f;
     for (int j = lane; j < c; j += 32) {
-        const float d = Elem<T>::to_float(xr[j]) - mean;
+        const float d = xr[j] - mean;
         v += d * d;
     }
     rstd = 1.f / sqrtf(warp_sum(v) / c + eps);
 }
 
 // y = (x - mean) * rstd * w + b over rows of c; w, b f32 (b may be null).
-template <typename T>
-__device__ void layer_norm_fwd(const T* x, const float* w, const float* b, T* y, long long rows, int c, float eps) {
-    WARP_ROWS(r, rows) {
-        const T* xr = x + r * c;
+template <typename T> __device__ void layer_norm_fwd(const LayerNormParams& p) {
+    const int c = p.c;
+    T* y = static_cast<T*>(p.out);
+    WARP_ROWS(r, p.rows) {
+        const NormRow<T> xr(p.x, p.res, r, c);
         float mean, rstd;
-        row_stats(xr, c, lane, eps, mean, rstd);
+        row_stats(xr, c, lane, p.eps, mean, rstd);
         for (int j = lane; j < c; j += 32)
-            y[r * c + j] = Elem<T>::from((Elem<T>::to_float(xr[j]) - mean) * rstd * w[j] + (b ? b[j] : 0.f));
+            y[r * c + j] = Elem<T>::from((xr[j] - mean) * rstd * p.w[j] + (p.b ? p.b[j] : 0.f));
     }
 }
 
 // dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dy * w.
-template <typename T>
-__device__ void layer_norm_bwd_x(const T* x, const float* w, const T* dy, T* dx, long long rows, int c, float eps) {
-    WARP_ROWS(r, rows) {
-        const T *xr = x + r * c, *gr = dy + r * c;
+template <typename T> __device__ void layer_norm_bwd_x(const LayerNormParams& p) {
+    const int c = p.c;
+    const float* w = p.w;
+    T* dx = static_cast<T*>(p.out);
+    WARP_ROWS(r, p.rows) {
+        const NormRow<T> xr(p.x, p.res, r, c);
+        const T* gr = static_cast<const T*>(p.dy) + r * c;
         float mean, rstd;
-        row_stats(xr, c, lane, eps, mean, rstd);
+        row_stats(xr, c, lane, p.eps, mean, rstd);
         float sg = 0.f, sgx = 0.f;
         for (int j = lane; j < c; j += 32) {
             const float g = Elem<T>::to_float(gr[j]) * w[j];
             sg += g;
-            sgx += g * (Elem<T>::to_float(xr[j]) - mean) * rstd;
+            sgx += g * (xr[j] - mean) * rstd;
         }
         sg = warp_sum(sg) / c;
         sgx = warp_sum(sgx) / c;
         for (int j = lane; j < c; j += 32) {
-            const float xh = (Elem<T>::to_float(xr[j]) - mean) * rstd;
+            const float xh = (xr[j] - mean) * rstd;
             dx[r * c + j] = Elem<T>::from(rstd * (Elem<T>::to_float(gr[j]) * w[j] - sg - xh * sgx));
         }
     }
@@ -149,18 +166,20 @@ __device__ void layer_norm_bwd_x(const T* x, const float* w, const T* dy, T* dx,
 // dwb[0:c] += sum over rows of dy * xhat, dwb[c:2c] += sum of dy (dwb zeroed
 // by the host): each block sums its rows in shared memory (2c floats), then
 // one global atomic per column.
-template <typename T>
-__device__ void layer_norm_bwd_wb(const T* x, const T* dy, float* dwb, long long rows, int c, float eps) {
+template <typename T> __device__ void layer_norm_bwd_wb(const LayerNormParams& p) {
     extern __shared__ float acc[];
+    const int c = p.c;
+    float* dwb = static_cast<float*>(p.out);
     for (int j = threadIdx.x; j < 2 * c; j += blockDim.x) acc[j] = 0.f;
     __syncthreads();
-    WARP_ROWS(r, rows) {
-        const T *xr = x + r * c, *gr = dy + r * c;
+    WARP_ROWS(r, p.rows) {
+        const NormRow<T> xr(p.x, p.res, r, c);
+        const T* gr = static_cast<const T*>(p.dy) + r * c;
         float mean, rstd;
-        row_stats(xr, c, lane, eps, mean, rstd);
+        row_stats(xr, c, lane, p.eps, mean, rstd);
         for (int j = lane; j < c; j += 32) {
             const float g = Elem<T>::to_float(gr[j]);
-            atomicAdd(acc + j, g * (Elem<T>::to_float(xr[j]) - mean) * rstd);
+            atomicAdd(acc + j, g * (xr[j] - mean) * rstd);
             atomicAdd(acc + c + j, g);
         }
     }
@@ -205,17 +224,9 @@ __device__ void rotary_qk(const RotaryParams& p) {
         attn_softmax_bwd(static_cast<const T*>(p.x), static_cast<const T*>(p.g), static_cast<T*>(p.out),   \
                          p.rows, p.lk, p.scale);                                                            \
     }                                                                                                      \
-    extern "C" __global__ void layer_norm_fwd_##NAME(const LayerNormParams p) {                             \
-        layer_norm_fwd(static_cast<const T*>(p.x), p.w, p.b, static_cast<T*>(p.out), p.rows, p.c, p.eps);  \
-    }                                                                                                      \
-    extern "C" __global__ void layer_norm_bwd_x_##NAME(const LayerNormParams p) {                           \
-        layer_norm_bwd_x(static_cast<const T*>(p.x), p.w, static_cast<const T*>(p.dy), static_cast<T*>(p.out), \
-                         p.rows, p.c, p.eps);                                                               \
-    }                                                                                                      \
-    extern "C" __global__ void layer_norm_bwd_wb_##NAME(const LayerNormParams p) {                          \
-        layer_norm_bwd_wb(static_cast<const T*>(p.x), static_cast<const T*>(p.dy), static_cast<float*>(p.out), \
-                          p.rows, p.c, p.eps);                                                              \
-    }                                                                                                      \
+    extern "C" __global__ void layer_norm_fwd_##NAME(const LayerNormParams p) { layer_norm_fwd<T>(p); }     \
+    extern "C" __global__ void layer_norm_bwd_x_##NAME(const LayerNormParams p) { layer_norm_bwd_x<T>(p); } \
+    extern "C" __global__ void layer_norm_bwd_wb_##NAME(const LayerNormParams p) { layer_norm_bwd_wb<T>(p); } \
     extern "C" __global__ void rotary_qk_##NAME(const RotaryParams p) { rotary_qk<T>(p); }
 ENCODER_KERNELS(f16, __half)
 ENCODER_KERNELS(bf16, __nv_bfloat16)

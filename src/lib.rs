@@ -171,7 +171,7 @@ pub mod nn {
     //! assert_eq!((p.dims(), y.dims()), (scores.dims(), x.dims()));
     //! # Ok::<(), candle_core::Error>(())
     //! ```
-    pub use crate::ops::encoder::{attention, attention_softmax, layer_norm, rotary_qk};
+    pub use crate::ops::encoder::{attention, attention_softmax, layer_norm, residual_layer_norm, rotary_qk};
     pub use crate::ops::flash_attn::{attention_varlen, attention_varlen_qkv, ATTENTION_HEAD_DIMS};
     pub use crate::ops::linear::{linear, linear_gelu};
     pub use crate::ops::rows::{add_bias, add_bias_gelu, embedding, geglu, scatter_add_rows};

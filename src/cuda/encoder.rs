@@ -29,6 +29,7 @@ struct SoftmaxParams {
 #[derive(Clone, Copy, Debug, Default)]
 struct LayerNormParams {
     x: u64,
+    res: u64,
     dy: u64,
     w: u64,
     b: u64,
@@ -141,10 +142,23 @@ pub(crate) fn attn_softmax_bwd(
 }
 
 /// The layer-norm launch's parameters over the rows of `x` (`c` columns).
-fn norm_params(x: (&CudaStorage, &Layout), c: usize, out: &CudaStorage, eps: f32) -> Result<(LayerNormParams, usize)> {
+/// `res`: a residual (x's dtype and shape) added to `x` before the norm.
+fn norm_params(
+    x: (&CudaStorage, &Layout),
+    res: Option<(&CudaStorage, &Layout)>,
+    c: usize,
+    out: &CudaStorage,
+    eps: f32,
+) -> Result<(LayerNormParams, usize)> {
     let n = x.1.shape().elem_count();
+    let res = match res {
+        Some((r, lr)) if r.dtype() == x.0.dtype() && lr.shape() == x.1.shape() => storage_ptr(r, lr)?,
+        Some(_) => bail!("res: internal error, the residual differs from x in dtype or shape"),
+        None => 0,
+    };
     let p = LayerNormParams {
         x: storage_ptr(x.0, x.1)?,
+        res,
         out: storage_ptr(out, &Layout::contiguous(1))?,
         rows: (n / c.max(1)) as i64,
         c: int("x", c)?,
@@ -154,9 +168,10 @@ fn norm_params(x: (&CudaStorage, &Layout), c: usize, out: &CudaStorage, eps: f32
     Ok((p, n / c.max(1)))
 }
 
-/// The layer norm of the rows of `x [R, C]` with F32 `w` (and `b`) `[C]`.
+/// The layer norm of the rows of `x [R, C]` (plus `res`) with F32 `w` (and `b`) `[C]`.
 pub(crate) fn layer_norm_fwd(
     x: (&CudaStorage, &Layout),
+    res: Option<(&CudaStorage, &Layout)>,
     w: (&CudaStorage, &Layout),
     b: Option<(&CudaStorage, &Layout)>,
     eps: f32,
@@ -164,7 +179,7 @@ pub(crate) fn layer_norm_fwd(
     let dev = &x.0.device;
     let c = w.1.shape().elem_count();
     let out = alloc_out(dev, x.0.dtype(), x.1.shape().elem_count())?;
-    let (mut p, rows) = norm_params(x, c, &out, eps)?;
+    let (mut p, rows) = norm_params(x, res, c, &out, eps)?;
     if rows == 0 {
         return Ok(out);
     }
@@ -174,9 +189,10 @@ pub(crate) fn layer_norm_fwd(
     Ok(out)
 }
 
-/// `dx` of the layer norm from `x`, F32 `w [C]` and `dy` (x's dtype and shape).
+/// `dx` of the layer norm from `x` (plus `res`), F32 `w [C]` and `dy` (x's dtype and shape).
 pub(crate) fn layer_norm_bwd_x(
     x: (&CudaStorage, &Layout),
+    res: Option<(&CudaStorage, &Layout)>,
     w: (&CudaStorage, &Layout),
     dy: (&CudaStorage, &Layout),
     eps: f32,
@@ -184,7 +200,7 @@ pub(crate) fn layer_norm_bwd_x(
     let dev = &x.0.device;
     let c = w.1.shape().elem_count();
     let out = alloc_out(dev, x.0.dtype(), x.1.shape().elem_count())?;
-    let (mut p, rows) = norm_params(x, c, &out, eps)?;
+    let (mut p, rows) = norm_params(x, res, c, &out, eps)?;
     if rows == 0 {
         return Ok(out);
     }
@@ -197,13 +213,14 @@ pub(crate) fn layer_norm_bwd_x(
 /// `[2, C]` F32: the sums over rows of `dy ⊙ x̂` (the weight's gradient) and of `dy` (the bias's).
 pub(crate) fn layer_norm_bwd_wb(
     x: (&CudaStorage, &Layout),
+    res: Option<(&CudaStorage, &Layout)>,
     dy: (&CudaStorage, &Layout),
     c: usize,
     eps: f32,
 ) -> Result<CudaStorage> {
     let dev = &x.0.device;
     let out = CudaStorage::wrap_cuda_slice(dev.alloc_zeros::<f32>((2 * c).max(1))?, dev.clone());
-    let (mut p, rows) = norm_params(x, c, &out, eps)?;
+    let (mut p, rows) = norm_params(x, res, c, &out, eps)?;
     if rows == 0 {
         return Ok(out);
     }

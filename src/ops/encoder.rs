@@ -356,6 +356,44 @@ pub fn layer_norm(x: &Tensor, w: &Tensor, b: Option<&Tensor>, eps: f64) -> Resul
     x.apply_op3(&w, &b, LayerNorm { eps: eps as f32 })
 }
 
+/// `layer_norm(x + res, w, b, eps)`, the residual connection and the norm
+/// after it as one op: the sum is rounded to `x`'s dtype as a separate add
+/// would round it, and is not kept (the backward's kernels add it again
+/// as they read it). Composed, the sum is one more graph node: a pass each
+/// way, a zero-filled gradient and an add, and `[.., C]` of memory kept.
+/// `res` is like `x` (dtype, shape, device); both get the same gradient.
+pub fn residual_layer_norm(x: &Tensor, res: &Tensor, w: &Tensor, b: Option<&Tensor>, eps: f64) -> Result<Tensor> {
+    if res.dims() != x.dims() || res.dtype() != x.dtype() {
+        bail!("res: expected {:?} {:?} like x, got {:?} {:?}", x.dtype(), x.dims(), res.dtype(), res.dims())
+    }
+    crate::layout::check_device("res", res, x.device())?;
+    let c = match x.dims().last() {
+        Some(&c) => c,
+        None => bail!("x: layer_norm needs at least one axis, got a scalar"),
+    };
+    if !matches!(x.dtype(), DType::F16 | DType::BF16 | DType::F32) {
+        bail!("x: expected F16, BF16 or F32, got {:?}", x.dtype())
+    }
+    for (arg, t) in [("w", Some(w)), ("b", b)] {
+        let Some(t) = t else { continue };
+        if t.dims() != [c] || !t.dtype().is_float() {
+            bail!("{arg}: expected a float [{c}], got {:?} {:?}", t.dtype(), t.dims())
+        }
+        crate::layout::check_device(arg, t, x.device())?;
+    }
+    if x.elem_count() == 0 {
+        return x + res;
+    }
+    // The weight and the bias (or zeros) as one [2, C] F32 operand.
+    let w = w.to_dtype(DType::F32)?;
+    let b = match b {
+        Some(b) => b.to_dtype(DType::F32)?,
+        None => Tensor::zeros(c, DType::F32, x.device())?,
+    };
+    let wb = Tensor::stack(&[&w, &b], 0)?;
+    x.contiguous()?.apply_op3(&res.contiguous()?, &wb, ResidualLayerNorm { eps: eps as f32 })
+}
+
 #[derive(Clone, Copy)]
 struct AttentionSoftmax {
     scale: f32,
@@ -378,14 +416,62 @@ struct LayerNorm {
     eps: f32,
 }
 
-/// `(x, w, dy) → dx`.
+/// `(x, res, [w; b]) → layer_norm(x + res)`.
+struct ResidualLayerNorm {
+    eps: f32,
+}
+
+/// `(x, w, dy) → dx`, the norm's input being `x + res` with a residual.
 struct LayerNormBwdX {
     eps: f32,
+    res: Option<Tensor>,
 }
 
 /// `(x, dy) → [2, C]` F32: the gradients of the weight and of the bias.
 struct LayerNormBwdWb {
     eps: f32,
+    res: Option<Tensor>,
+}
+
+/// The rows a layer norm normalizes, in F32: `x`, or `x + res` rounded to
+/// `x`'s dtype.
+fn norm_rows<'a>(
+    x: &'a CpuStorage,
+    lx: &Layout,
+    res: Option<(&CpuStorage, &Layout)>,
+) -> Result<std::borrow::Cow<'a, [f32]>> {
+    let xs = f32s("x", x, lx)?;
+    let Some((r, lr)) = res else { return Ok(xs) };
+    let rs = f32s("res", r, lr)?;
+    if rs.len() != xs.len() || r.dtype() != x.dtype() {
+        bail!("res: internal error, the residual differs from x in dtype or shape")
+    }
+    let sum = xs.iter().zip(rs.iter()).map(|(&a, &b)| a + b);
+    Ok(std::borrow::Cow::Owned(match x.dtype() {
+        DType::F16 => sum.map(|v| half::f16::from_f32(v).to_f32()).collect(),
+        DType::BF16 => sum.map(|v| half::bf16::from_f32(v).to_f32()).collect(),
+        _ => sum.collect(),
+    }))
+}
+
+/// A backward op's residual (a CPU tensor, if any) as storage, applied to `f`.
+fn with_cpu_res<R>(res: Option<&Tensor>, f: impl FnOnce(Option<(&CpuStorage, &Layout)>) -> Result<R>) -> Result<R> {
+    let Some(res) = res else { return f(None) };
+    let (r, lr) = res.storage_and_layout();
+    let candle_core::Storage::Cpu(r) = &*r else { bail!("res: internal error, expected a CPU tensor") };
+    f(Some((r, lr)))
+}
+
+/// A backward op's residual (a CUDA tensor, if any) as storage, applied to `f`.
+#[cfg(feature = "cuda")]
+fn with_cuda_res<R>(
+    res: Option<&Tensor>,
+    f: impl FnOnce(Option<(&candle_core::CudaStorage, &Layout)>) -> Result<R>,
+) -> Result<R> {
+    let Some(res) = res else { return f(None) };
+    let (r, lr) = res.storage_and_layout();
+    let candle_core::Storage::Cuda(r) = &*r else { bail!("res: internal error, expected a CUDA tensor") };
+    f(Some((r, lr)))
 }
 
 /// Rows per rayon task of the row-wise CPU loops: enough work per task to
@@ -483,8 +569,15 @@ fn row_stats(r: &[f32], eps: f32) -> (f32, f32) {
 }
 
 impl LayerNorm {
-    fn cpu(&self, x: &CpuStorage, lx: &Layout, w: &[f32], b: &[f32]) -> Result<CpuStorage> {
-        let x32 = f32s("x", x, lx)?;
+    fn cpu(
+        &self,
+        x: &CpuStorage,
+        lx: &Layout,
+        res: Option<(&CpuStorage, &Layout)>,
+        w: &[f32],
+        b: &[f32],
+    ) -> Result<CpuStorage> {
+        let x32 = norm_rows(x, lx, res)?;
         let c = w.len().max(1);
         // SAFETY: the rows cover y, and each row's loop writes all of it.
         let y = unsafe {
@@ -500,11 +593,12 @@ impl LayerNorm {
         store(y, x.dtype())
     }
 
-    fn backward(&self, x: &Tensor, w: &Tensor, dy: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
-        let dy = dy.contiguous()?;
-        let dx = x.apply_op3_no_bwd(w, &dy, &LayerNormBwdX { eps: self.eps })?;
-        let wb = x.apply_op2_no_bwd(&dy, &LayerNormBwdWb { eps: self.eps })?;
-        Ok((dx, wb.get(0)?, wb.get(1)?))
+    /// `dx` and the `[2, C]` gradient of the weight and the bias.
+    fn backward(&self, x: &Tensor, res: Option<&Tensor>, w: &Tensor, dy: &Tensor) -> Result<(Tensor, Tensor)> {
+        let (dy, res) = (dy.contiguous()?, res.map(|r| r.detach()));
+        let dx = x.apply_op3_no_bwd(w, &dy, &LayerNormBwdX { eps: self.eps, res: res.clone() })?;
+        let wb = x.apply_op2_no_bwd(&dy, &LayerNormBwdWb { eps: self.eps, res })?;
+        Ok((dx, wb))
     }
 }
 
@@ -522,7 +616,7 @@ impl CustomOp3 for LayerNorm {
         b: &CpuStorage,
         lb: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        Ok((self.cpu(x, lx, &f32s("w", w, lw)?, &f32s("b", b, lb)?)?, lx.shape().clone()))
+        Ok((self.cpu(x, lx, None, &f32s("w", w, lw)?, &f32s("b", b, lb)?)?, lx.shape().clone()))
     }
 
     #[cfg(feature = "cuda")]
@@ -535,7 +629,7 @@ impl CustomOp3 for LayerNorm {
         b: &candle_core::CudaStorage,
         lb: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        Ok((crate::cuda::encoder::layer_norm_fwd((x, lx), (w, lw), Some((b, lb)), self.eps)?, lx.shape().clone()))
+        Ok((crate::cuda::encoder::layer_norm_fwd((x, lx), None, (w, lw), Some((b, lb)), self.eps)?, lx.shape().clone()))
     }
 
     fn bwd(
@@ -546,8 +640,59 @@ impl CustomOp3 for LayerNorm {
         _y: &Tensor,
         dy: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let (dx, dw, db) = self.backward(x, w, dy)?;
-        Ok((Some(dx), Some(dw), Some(db)))
+        let (dx, wb) = self.backward(x, None, w, dy)?;
+        Ok((Some(dx), Some(wb.get(0)?), Some(wb.get(1)?)))
+    }
+}
+
+impl CustomOp3 for ResidualLayerNorm {
+    fn name(&self) -> &'static str {
+        "residual_layer_norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        lx: &Layout,
+        r: &CpuStorage,
+        lr: &Layout,
+        wb: &CpuStorage,
+        lwb: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let wb = f32s("wb", wb, lwb)?;
+        let (w, b) = wb.split_at(wb.len() / 2);
+        Ok((LayerNorm { eps: self.eps }.cpu(x, lx, Some((r, lr)), w, b)?, lx.shape().clone()))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        lx: &Layout,
+        r: &candle_core::CudaStorage,
+        lr: &Layout,
+        wb: &candle_core::CudaStorage,
+        lwb: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let c = lwb.shape().elem_count() / 2;
+        let (lw, lb) = (
+            Layout::contiguous_with_offset(c, lwb.start_offset()),
+            Layout::contiguous_with_offset(c, lwb.start_offset() + c),
+        );
+        let y = crate::cuda::encoder::layer_norm_fwd((x, lx), Some((r, lr)), (wb, &lw), Some((wb, &lb)), self.eps)?;
+        Ok((y, lx.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        res: &Tensor,
+        wb: &Tensor,
+        _y: &Tensor,
+        dy: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (dx, dwb) = LayerNorm { eps: self.eps }.backward(x, Some(res), &wb.get(0)?, dy)?;
+        Ok((Some(dx.clone()), Some(dx), Some(dwb)))
     }
 }
 
@@ -565,7 +710,8 @@ impl CustomOp3 for LayerNormBwdX {
         g: &CpuStorage,
         lg: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (x32, w32, g32) = (f32s("x", x, lx)?, f32s("w", w, lw)?, f32s("g", g, lg)?);
+        let x32 = with_cpu_res(self.res.as_ref(), |r| Ok(norm_rows(x, lx, r)?.into_owned()))?;
+        let (w32, g32) = (f32s("w", w, lw)?, f32s("g", g, lg)?);
         let c = w32.len().max(1);
         let mut dx = vec![0f32; x32.len()];
         let rows = dx.par_chunks_mut(c).zip(x32.par_chunks(c)).zip(g32.par_chunks(c));
@@ -594,7 +740,10 @@ impl CustomOp3 for LayerNormBwdX {
         g: &candle_core::CudaStorage,
         lg: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        Ok((crate::cuda::encoder::layer_norm_bwd_x((x, lx), (w, lw), (g, lg), self.eps)?, lx.shape().clone()))
+        let dx = with_cuda_res(self.res.as_ref(), |r| {
+            crate::cuda::encoder::layer_norm_bwd_x((x, lx), r, (w, lw), (g, lg), self.eps)
+        })?;
+        Ok((dx, lx.shape().clone()))
     }
 }
 
@@ -604,7 +753,8 @@ impl CustomOp2 for LayerNormBwdWb {
     }
 
     fn cpu_fwd(&self, x: &CpuStorage, lx: &Layout, g: &CpuStorage, lg: &Layout) -> Result<(CpuStorage, Shape)> {
-        let (x32, g32) = (f32s("x", x, lx)?, f32s("g", g, lg)?);
+        let x32 = with_cpu_res(self.res.as_ref(), |r| Ok(norm_rows(x, lx, r)?.into_owned()))?;
+        let g32 = f32s("g", g, lg)?;
         let c = *lx.dims().last().unwrap_or(&1);
         // Blocks of rows summed in parallel, then the blocks in order: the
         // same sums whatever the thread count.
@@ -641,6 +791,9 @@ impl CustomOp2 for LayerNormBwdWb {
         lg: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let c = *lx.dims().last().unwrap_or(&1);
-        Ok((crate::cuda::encoder::layer_norm_bwd_wb((x, lx), (g, lg), c, self.eps)?, Shape::from((2, c))))
+        let wb = with_cuda_res(self.res.as_ref(), |r| {
+            crate::cuda::encoder::layer_norm_bwd_wb((x, lx), r, (g, lg), c, self.eps)
+        })?;
+        Ok((wb, Shape::from((2, c))))
     }
 }

@@ -135,10 +135,15 @@ test_device!(
     attention_softmax_rejects_bad_input_cuda
 );
 
-fn layer_norm_case(dev: &Device, rows: usize, c: usize, bias: bool, dt: DType, tol: f64) -> Result<()> {
+/// `layer_norm` (or with `residual`, `residual_layer_norm` of x and a
+/// residual, against the reference's norm of their sum; both get its gradient).
+fn layer_norm_case(dev: &Device, rows: usize, c: usize, bias: bool, residual: bool, dt: DType, tol: f64) -> Result<()> {
     let cpu = Device::Cpu;
-    let what = format!("layer_norm {rows}x{c} bias {bias} {dt:?} on {dev:?}");
+    let what = format!("layer_norm {rows}x{c} bias {bias} residual {residual} {dt:?} on {dev:?}");
     let x = randn(&[rows, 1, c], DType::F32, &cpu)?.affine(2.0, 0.5)?.to_dtype(dt)?;
+    let r = randn(&[rows, 1, c], DType::F32, &cpu)?.to_dtype(dt)?;
+    let rv = Var::from_tensor(&r.to_device(dev)?)?;
+    let rn = Var::from_tensor(&r.to_dtype(DType::F64)?)?;
     let w = randn(&[c], DType::F32, &cpu)?.affine(0.5, 1.0)?;
     let b = randn(&[c], DType::F32, &cpu)?;
     let up = randn(&[rows, 1, c], dt, &cpu)?.to_dtype(DType::F64)?;
@@ -148,7 +153,17 @@ fn layer_norm_case(dev: &Device, rows: usize, c: usize, bias: bool, dt: DType, t
         Var::from_tensor(&w.to_device(dev)?)?,
         Var::from_tensor(&b.to_device(dev)?)?,
     );
-    let y = ms::nn::layer_norm(xv.as_tensor(), wv.as_tensor(), bias.then_some(bv.as_tensor()), eps)?;
+    let y = if residual {
+        ms::nn::residual_layer_norm(
+            xv.as_tensor(),
+            rv.as_tensor(),
+            wv.as_tensor(),
+            bias.then_some(bv.as_tensor()),
+            eps,
+        )?
+    } else {
+        ms::nn::layer_norm(xv.as_tensor(), wv.as_tensor(), bias.then_some(bv.as_tensor()), eps)?
+    };
     assert_eq!(y.dtype(), dt);
     let g = y.to_dtype(DType::F64)?.mul(&up.to_device(dev)?)?.sum_all()?.backward()?;
     let (xn, wn, bn) = (
@@ -156,11 +171,15 @@ fn layer_norm_case(dev: &Device, rows: usize, c: usize, bias: bool, dt: DType, t
         Var::from_tensor(&w.to_dtype(DType::F64)?)?,
         Var::from_tensor(&b.to_dtype(DType::F64)?)?,
     );
-    let yn = reference::nn::layer_norm(xn.as_tensor(), wn.as_tensor(), bias.then_some(bn.as_tensor()), eps)?;
+    let input = if residual { (xn.as_tensor() + rn.as_tensor())? } else { xn.as_tensor().clone() };
+    let yn = reference::nn::layer_norm(&input, wn.as_tensor(), bias.then_some(bn.as_tensor()), eps)?;
     let gn = yn.mul(&up)?.sum_all()?.backward()?;
     assert_close(&format!("{what} forward"), &y, &yn, tol)?;
     let grad = |g: &candle_core::backprop::GradStore, v: &Var| g.get(v.as_tensor()).expect("grad").to_device(&cpu);
     assert_close(&format!("{what} dx"), &grad(&g, &xv)?, &grad(&gn, &xn)?, tol)?;
+    if residual {
+        assert_close(&format!("{what} dres"), &grad(&g, &rv)?, &grad(&gn, &rn)?, tol)?;
+    }
     // dw and db sum over rows: relative to the sum of |terms|, as the sum's size grows with them.
     let tol_w = tol * (rows as f64).sqrt();
     assert_close(&format!("{what} dw"), &grad(&g, &wv)?, &grad(&gn, &wn)?, tol_w)?;
@@ -173,13 +192,21 @@ fn layer_norm_case(dev: &Device, rows: usize, c: usize, bias: bool, dt: DType, t
 }
 
 /// Row widths within one and across several lanes' passes (BERT's 384 and
-/// 768), more rows than the CUDA grid has warps, with and without a bias.
+/// 768), more rows than the CUDA grid has warps, with and without a bias,
+/// alone and after a residual; bad input names the argument.
 fn layer_norm_matches_reference(dev: &Device) -> Result<()> {
     for (dt, tol) in [(DType::F32, 1e-5), (DType::F16, 3e-3), (DType::BF16, 2e-2)] {
         for (rows, c, bias) in [(7, 5, true), (37, 33, false), (300, 384, true), (5000, 96, true), (40, 768, false)] {
-            layer_norm_case(dev, rows, c, bias, dt, tol)?;
+            for residual in [false, true] {
+                layer_norm_case(dev, rows, c, bias, residual, dt, tol)?;
+            }
         }
     }
+    let t = |s: &[usize]| randn(s, DType::F32, dev);
+    let w = t(&[6])?;
+    expect_err(ms::nn::residual_layer_norm(&t(&[4, 6])?, &t(&[4, 5])?, &w, None, 1e-5), "res");
+    expect_err(ms::nn::residual_layer_norm(&t(&[4, 6])?, &t(&[4, 6])?.to_dtype(DType::F16)?, &w, None, 1e-5), "res");
+    expect_err(ms::nn::residual_layer_norm(&t(&[4, 6])?, &t(&[4, 6])?, &t(&[5])?, None, 1e-5), "w");
     Ok(())
 }
 

@@ -72,6 +72,11 @@ impl Norm {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         candle_maxsim::nn::layer_norm(x, &self.w, self.b.as_ref(), self.eps)
     }
+    /// The norm of `x + res` (a post-norm residual connection), one op: the
+    /// sum is neither a graph node nor kept.
+    fn forward_residual(&self, x: &Tensor, res: &Tensor) -> Result<Tensor> {
+        candle_maxsim::nn::residual_layer_norm(x, res, &self.w, self.b.as_ref(), self.eps)
+    }
 }
 
 /// Scaled dot-product attention of `q, k, v [B, L, H·dh]` (heads side by
@@ -253,9 +258,9 @@ impl Bert {
             let k = linear(&x, &layer.k.0, Some(&layer.k.1))?;
             let v = linear(&x, &layer.v.0, Some(&layer.v.1))?;
             let a = linear(&attention(&q, &k, &v, &bias, self.heads)?, &layer.o.0, Some(&layer.o.1))?;
-            x = layer.attn_norm.forward(&(a + &x)?)?;
+            x = layer.attn_norm.forward_residual(&a, &x)?;
             let m = linear_act(&x, &layer.up.0, Some(&layer.up.1), Some(self.act))?;
-            x = layer.out_norm.forward(&(linear(&m, &layer.down.0, Some(&layer.down.1))? + &x)?)?;
+            x = layer.out_norm.forward_residual(&linear(&m, &layer.down.0, Some(&layer.down.1))?, &x)?;
         }
         Ok(x)
     }
@@ -275,9 +280,9 @@ impl Bert {
             let b = Tensor::cat(&[&layer.q.1, &layer.k.1, &layer.v.1], 0)?;
             let qkv = linear(&x, &w, Some(&b))?;
             let a = linear(&attention_packed(&qkv, cu, self.heads, None)?, &layer.o.0, Some(&layer.o.1))?;
-            x = layer.attn_norm.forward(&(a + &x)?)?;
+            x = layer.attn_norm.forward_residual(&a, &x)?;
             let m = linear_act(&x, &layer.up.0, Some(&layer.up.1), Some(self.act))?;
-            x = layer.out_norm.forward(&(linear(&m, &layer.down.0, Some(&layer.down.1))? + &x)?)?;
+            x = layer.out_norm.forward_residual(&linear(&m, &layer.down.0, Some(&layer.down.1))?, &x)?;
         }
         Ok(x)
     }
