@@ -90,7 +90,7 @@ def main():
             rows, _ = plaid_engine.run([B, *dev, "update", *gen, "--index", idx, "--add", str(max(1, n // 1000)),
                                         "--delete", "100"], f"update {n}")
             upd = next((r for r in rows if r.get("phase") == "update"), {})
-            summary.update({k: upd.get(k) for k in ("add_seconds", "add_one_seconds", "delete_seconds", "compact_seconds")})
+            summary.update({k: upd.get(k) for k in ("add_seconds", "add_again_seconds", "add_one_seconds", "delete_seconds", "compact_seconds")})
             if summary.get("add_seconds") is not None:
                 summary["add_over_build"] = summary["add_seconds"] / build["seconds"]
         if tokens <= a.fast_plaid_max_tokens:
