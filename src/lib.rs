@@ -154,10 +154,11 @@ pub mod nn {
     //! softmax (scale, additive mask and softmax in one pass), multi-head
     //! attention, FlashAttention-2 over packed variable-length sequences
     //! ([`attention_varlen`]: no padding, no `[B, H, L, L]`, a sliding
-    //! window), the linear projection (tiled on all CPU cores), layer norm
-    //! with F32 statistics, bias + GELU, GeGLU, rotary embeddings of a fused
-    //! QKV projection, embedding lookup, row scatter-add,
-    //! and the top-k of each row.
+    //! window), the linear projection (tiled on all CPU cores; product,
+    //! bias and BERT's GELU one graph node), layer norm with F32 statistics
+    //! (also of a residual sum, without keeping the sum), bias + GELU,
+    //! GeGLU, rotary embeddings of a fused QKV projection, embedding lookup,
+    //! row scatter-add, and the top-k of each row.
     //!
     //! ```
     //! use candle_core::{DType, Device, Tensor};

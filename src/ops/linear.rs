@@ -83,7 +83,9 @@ fn linear_act(x: &Tensor, w: &Tensor, b: Option<&Tensor>, gelu: bool) -> Result<
             x2.contiguous()?.apply_op3(&w.contiguous()?, &b.to_dtype(acc)?.contiguous()?, LinearBias { gelu })?
         }
         _ => {
-            let y = if tiled && m * n * k > 0 {
+            // On CUDA one node (candle's `w.t()` would be another, with its
+            // own zero-filled gradient and add in the backward).
+            let y = if (tiled || x.device().is_cuda()) && m * n * k > 0 {
                 x2.contiguous()?.apply_op2(&w.contiguous()?, MatmulT)?
             } else {
                 x2.matmul(&w.t()?)?
@@ -174,7 +176,8 @@ impl CustomOp3 for LinearBias {
     }
 }
 
-/// `x [M, K] · w [N, K]ᵀ` in F32 on the CPU, tiled (see the module docs).
+/// `x [M, K] · w [N, K]ᵀ`: in F32 on the CPU, tiled (see the module docs);
+/// on CUDA candle's product (cuBLAS).
 struct MatmulT;
 
 impl CustomOp2 for MatmulT {
@@ -218,8 +221,21 @@ impl CustomOp2 for MatmulT {
         Ok((CpuStorage::F32(out), Shape::from((m, n))))
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        lx: &Layout,
+        w: &candle_core::CudaStorage,
+        lw: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let (m, n, k) = LinearBias::dims(lx, lw)?;
+        Ok((x.matmul(w, (1, m, n, k), lx, &lw.transpose(0, 1)?)?, Shape::from((m, n))))
+    }
+
     /// `dx = g · w`, `dw = gᵀ · x`.
     fn bwd(&self, x: &Tensor, w: &Tensor, _y: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        Ok((Some(g.matmul(w)?), Some(g.t()?.matmul(x)?)))
+        let (x, w) = (x.detach(), w.detach());
+        Ok((Some(g.matmul(&w)?), Some(g.t()?.matmul(&x)?)))
     }
 }
