@@ -412,8 +412,8 @@ struct AttentionSoftmaxBwd {
 }
 
 #[derive(Clone, Copy)]
-struct LayerNorm {
-    eps: f32,
+pub(crate) struct LayerNorm {
+    pub(crate) eps: f32,
 }
 
 /// `(x, res, [w; b]) → layer_norm(x + res)`.
@@ -569,7 +569,7 @@ fn row_stats(r: &[f32], eps: f32) -> (f32, f32) {
 }
 
 impl LayerNorm {
-    fn cpu(
+    pub(crate) fn cpu(
         &self,
         x: &CpuStorage,
         lx: &Layout,
@@ -593,8 +593,15 @@ impl LayerNorm {
         store(y, x.dtype())
     }
 
-    /// `dx` and the `[2, C]` gradient of the weight and the bias.
-    fn backward(&self, x: &Tensor, res: Option<&Tensor>, w: &Tensor, dy: &Tensor) -> Result<(Tensor, Tensor)> {
+    /// `dx` and the `[2, C]` gradient of the weight and the bias, for the
+    /// norm of `x` (plus `res`) with the F32 weight `w`.
+    pub(crate) fn backward(
+        &self,
+        x: &Tensor,
+        res: Option<&Tensor>,
+        w: &Tensor,
+        dy: &Tensor,
+    ) -> Result<(Tensor, Tensor)> {
         let (dy, res) = (dy.contiguous()?, res.map(|r| r.detach()));
         let dx = x.apply_op3_no_bwd(w, &dy, &LayerNormBwdX { eps: self.eps, res: res.clone() })?;
         let wb = x.apply_op2_no_bwd(&dy, &LayerNormBwdWb { eps: self.eps, res })?;

@@ -82,6 +82,31 @@ pub fn attention_varlen_qkv(
     }
 }
 
+/// [`attention_varlen_qkv`] computed outside the graph, keeping what its
+/// backward needs, for an op that fuses it into a larger node.
+pub(crate) struct QkvAttention(FlashAttnQkv);
+
+impl QkvAttention {
+    /// `None` where the fused kernels do not run (F32 on CUDA, a GPU before
+    /// sm_80): the caller composes instead.
+    pub(crate) fn new(qkv: &Tensor, cu_seqlens: &Tensor, heads: usize, scale: f64) -> Result<Option<Self>> {
+        let hd = qkv.dims2()?.1 / 3;
+        let (q, k, v) = (qkv.narrow(1, 0, hd)?, qkv.narrow(1, hd, hd)?, qkv.narrow(1, 2 * hd, hd)?);
+        Ok(plan(&q, &k, &v, cu_seqlens, heads, scale, None).map_err(rename_q)?.map(|op| Self(FlashAttnQkv(op))))
+    }
+
+    /// The attention of the rows of `qkv` (contiguous), its log-sum-exp kept.
+    pub(crate) fn forward(&self, qkv: &Tensor) -> Result<Tensor> {
+        qkv.apply_op1_no_bwd(&self.0)
+    }
+
+    /// The gradient `[T, 3·H·dh]` of `qkv` from that of the output `out`.
+    pub(crate) fn backward(&self, qkv: &Tensor, out: &Tensor, grad: &Tensor) -> Result<Tensor> {
+        CustomOp1::bwd(&self.0, qkv, out, grad)?
+            .ok_or_else(|| candle_core::Error::Msg("attention_varlen: internal error, no gradient".into()))
+    }
+}
+
 /// An error of [`plan`] about `q` as one about `qkv`.
 fn rename_q(e: candle_core::Error) -> candle_core::Error {
     match e.to_string().strip_prefix("q: ") {

@@ -3,6 +3,7 @@
 //! layouts lower to one op (`maxsim::MaxSimOp`), which the residual and
 //! projection-head ops call for the parts they do not fuse.
 
+pub(crate) mod bert_layer;
 pub(crate) mod dense;
 pub(crate) mod encoder;
 pub(crate) mod flash_attn;

@@ -7,6 +7,7 @@
 #[path = "../common/mod.rs"]
 mod common;
 
+mod bert_layer;
 mod dense;
 mod encoder;
 mod errors;

@@ -273,7 +273,25 @@ impl Bert {
         let x = (self.word.embedding_rows(ids)? + self.position.embedding_rows(&pos)?)?
             .broadcast_add(&self.token_type.get(0)?)?;
         let mut x = self.emb_norm.forward(&x.to_dtype(dt)?)?;
+        let h = x.dim(1)?;
+        let fused = self.act == Act::Gelu && candle_maxsim::nn::ATTENTION_HEAD_DIMS.contains(&(h / self.heads));
         for layer in &self.layers {
+            if let (true, Some(b1), Some(b2)) = (fused, &layer.attn_norm.b, &layer.out_norm.b) {
+                // The whole layer one graph node when training (see
+                // `candle_maxsim::nn::bert_layer`), the same ops otherwise.
+                let w = candle_maxsim::nn::BertLayerWeights {
+                    query: (&layer.q.0, &layer.q.1),
+                    key: (&layer.k.0, &layer.k.1),
+                    value: (&layer.v.0, &layer.v.1),
+                    output: (&layer.o.0, &layer.o.1),
+                    attention_norm: (&layer.attn_norm.w, b1),
+                    intermediate: (&layer.up.0, &layer.up.1),
+                    down: (&layer.down.0, &layer.down.1),
+                    output_norm: (&layer.out_norm.w, b2),
+                };
+                x = candle_maxsim::nn::bert_layer(&x, cu, &w, self.heads, layer.attn_norm.eps)?;
+                continue;
+            }
             // One QKV projection (its weights stacked, a small copy): one
             // node feeding the attention, whose gradient comes back whole.
             let w = Tensor::cat(&[&layer.q.0, &layer.k.0, &layer.v.0], 0)?;
