@@ -175,7 +175,9 @@ pub mod nn {
     //! ```
     pub use crate::ops::bert_layer::{bert_layer, BertLayerWeights};
     pub use crate::ops::encoder::{attention, attention_softmax, layer_norm, residual_layer_norm, rotary_qk};
-    pub use crate::ops::flash_attn::{attention_varlen, attention_varlen_qkv, ATTENTION_HEAD_DIMS};
+    pub use crate::ops::flash_attn::{
+        attention_varlen, attention_varlen_qkv, attention_varlen_qkv_offsets, SeqOffsets, ATTENTION_HEAD_DIMS,
+    };
     pub use crate::ops::linear::{linear, linear_gelu};
     pub use crate::ops::rows::{add_bias, add_bias_gelu, embedding, geglu, scatter_add_rows};
     pub use crate::ops::topk::{topk_rows, TOPK_MAX_K};

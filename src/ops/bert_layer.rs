@@ -10,7 +10,7 @@
 //! the node instead of the graph).
 
 use crate::ops::encoder::{residual_layer_norm, LayerNorm};
-use crate::ops::flash_attn::QkvAttention;
+use crate::ops::flash_attn::{QkvAttention, SeqOffsets};
 use crate::ops::linear::{linear, linear_gelu};
 use crate::ops::rows::{gelu_bwd, sum_rows};
 use candle_core::{bail, CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
@@ -98,7 +98,7 @@ impl Pack {
 /// block's output `h1 = residual_layer_norm(linear(attention(linear(x, w_qkv,
 /// b_qkv)), w_o, b_o), x)` with `u = linear_gelu(h1, w_up, b_up)`: one
 /// post-norm BERT layer over the packed rows `x [T, C]` (F16, BF16 or F32)
-/// of the sequences of `cu_seqlens` (U32 `[B + 1]`), `heads` attention heads
+/// of the sequences of `offsets` (see [`SeqOffsets`]), `heads` attention heads
 /// of `C / heads` columns, GELU with the exact erf, layer norms in F32 with
 /// `eps`. Weights in any float dtype (linear weights are cast to `x`'s,
 /// biases and norms computed in F32), each differentiable.
@@ -110,7 +110,7 @@ impl Pack {
 /// values.
 pub fn bert_layer(
     x: &Tensor,
-    cu_seqlens: &Tensor,
+    offsets: &SeqOffsets,
     weights: &BertLayerWeights<'_>,
     heads: usize,
     eps: f64,
@@ -163,27 +163,27 @@ pub fn bert_layer(
     }
     let tracked = x.track_op() || parts.iter().any(|t| t.track_op());
     if !tracked {
-        return composed(x, cu_seqlens, weights, heads, eps);
+        return composed(x, offsets, weights, heads, eps);
     }
     let wpack =
         Tensor::cat(&parts.map(|t| t.to_dtype(DType::F32)?.flatten_all()).into_iter().collect::<Result<Vec<_>>>()?, 0)?;
     let x = x.contiguous()?;
-    let Some(stash) = Stash::forward(&x.detach(), &wpack.detach(), cu_seqlens, pack, heads, eps)? else {
-        return composed(&x, cu_seqlens, weights, heads, eps);
+    let Some(stash) = Stash::forward(&x.detach(), &wpack.detach(), offsets, pack, heads, eps)? else {
+        return composed(&x, offsets, weights, heads, eps);
     };
-    let op = BertLayerOp { pack, heads, eps, cu: cu_seqlens.clone(), stash: Mutex::new(Some(stash)) };
+    let op = BertLayerOp { pack, heads, eps, offsets: offsets.clone(), stash: Mutex::new(Some(stash)) };
     x.apply_op2(&wpack, op)
 }
 
 /// [`bert_layer`] composed of this crate's differentiable ops.
-fn composed(x: &Tensor, cu: &Tensor, w: &BertLayerWeights<'_>, heads: usize, eps: f64) -> Result<Tensor> {
+fn composed(x: &Tensor, offsets: &SeqOffsets, w: &BertLayerWeights<'_>, heads: usize, eps: f64) -> Result<Tensor> {
     let dt = x.dtype();
     let f32 = |t: &Tensor| t.to_dtype(DType::F32);
     let wqkv = Tensor::cat(&[w.query.0, w.key.0, w.value.0], 0)?.to_dtype(dt)?;
     let bqkv = Tensor::cat(&[f32(w.query.1)?, f32(w.key.1)?, f32(w.value.1)?], 0)?;
     let qkv = linear(x, &wqkv, Some(&bqkv))?;
     let dh = x.dim(1)? / heads.max(1);
-    let a = crate::ops::flash_attn::attention_varlen_qkv(&qkv, cu, heads, (dh as f64).powf(-0.5), None)?;
+    let a = crate::ops::flash_attn::attention_varlen_qkv_offsets(&qkv, offsets, heads, (dh as f64).powf(-0.5), None)?;
     let o = linear(&a, &w.output.0.to_dtype(dt)?, Some(w.output.1))?;
     let h1 = residual_layer_norm(&o, x, w.attention_norm.0, Some(w.attention_norm.1), eps)?;
     let u = linear_gelu(&h1, &w.intermediate.0.to_dtype(dt)?, w.intermediate.1)?;
@@ -213,13 +213,20 @@ struct Stash {
 
 impl Stash {
     /// `None` where the fused attention does not run.
-    fn forward(x: &Tensor, wpack: &Tensor, cu: &Tensor, pack: Pack, heads: usize, eps: f64) -> Result<Option<Self>> {
+    fn forward(
+        x: &Tensor,
+        wpack: &Tensor,
+        offsets: &SeqOffsets,
+        pack: Pack,
+        heads: usize,
+        eps: f64,
+    ) -> Result<Option<Self>> {
         let (c, i, dt) = (pack.c, pack.i, x.dtype());
         let block = |b: usize| pack.block(wpack, b);
         let wqkv = block(0)?.reshape((3 * c, c))?.to_dtype(dt)?;
         let qkv = linear(x, &wqkv, Some(&block(1)?))?;
         let dh = c / heads.max(1);
-        let Some(attention) = QkvAttention::new(&qkv, cu, heads, (dh as f64).powf(-0.5))? else { return Ok(None) };
+        let Some(attention) = QkvAttention::new(&qkv, offsets, heads, (dh as f64).powf(-0.5))? else { return Ok(None) };
         let a = attention.forward(&qkv)?;
         let wo = block(2)?.reshape((c, c))?.to_dtype(dt)?;
         let o = linear(&a, &wo, Some(&block(3)?))?;
@@ -242,7 +249,7 @@ struct BertLayerOp {
     pack: Pack,
     heads: usize,
     eps: f64,
-    cu: Tensor,
+    offsets: SeqOffsets,
     /// Taken by the backward (a second backward recomputes it).
     stash: Mutex<Option<Stash>>,
 }
@@ -307,7 +314,7 @@ impl CustomOp2 for BertLayerOp {
         let x = x.detach();
         let s = match stash {
             Some(s) => s,
-            None => Stash::forward(&x, &wpack.detach(), &self.cu, self.pack, self.heads, self.eps)?
+            None => Stash::forward(&x, &wpack.detach(), &self.offsets, self.pack, self.heads, self.eps)?
                 .ok_or_else(|| candle_core::Error::Msg("bert_layer: internal error, no fused attention".into()))?,
         };
         let norm = LayerNorm { eps: self.eps as f32 };

@@ -15,6 +15,62 @@ use std::sync::Mutex;
 /// The head dims the attention kernels are built for.
 pub const ATTENTION_HEAD_DIMS: [usize; 3] = [32, 64, 128];
 
+/// The offsets `cu_seqlens` of a packed batch (U32 `[B+1]`: 0, then the
+/// end of each sequence, non-decreasing), checked once and held both where
+/// the kernels read them and on the host, where each call plans from them.
+/// [`attention_varlen`] given a tensor copies it to the host on every call
+/// (on a GPU, a synchronization); an encoder that attends in every layer
+/// builds one `SeqOffsets` per batch and calls
+/// [`attention_varlen_qkv_offsets`] (or [`crate::nn::bert_layer`]).
+#[derive(Clone, Debug)]
+pub struct SeqOffsets {
+    host: std::sync::Arc<Vec<u32>>,
+    device: Tensor,
+}
+
+impl SeqOffsets {
+    /// From `cu_seqlens` on any device (one copy to the host).
+    pub fn new(cu_seqlens: &Tensor) -> Result<Self> {
+        if cu_seqlens.dtype() != DType::U32 || cu_seqlens.rank() != 1 || cu_seqlens.dim(0)? == 0 {
+            bail!("cu_seqlens: expected U32 [B+1], got {:?} {:?}", cu_seqlens.dtype(), cu_seqlens.dims())
+        }
+        let host = cu_seqlens.to_vec1::<u32>()?;
+        Self::check(&host)?;
+        Ok(Self { host: std::sync::Arc::new(host), device: cu_seqlens.clone() })
+    }
+
+    /// From offsets on the host, copied to `device` once.
+    pub fn from_slice(cu_seqlens: &[u32], device: &candle_core::Device) -> Result<Self> {
+        if cu_seqlens.is_empty() {
+            bail!("cu_seqlens: expected U32 [B+1], got no offsets")
+        }
+        Self::check(cu_seqlens)?;
+        Ok(Self { host: std::sync::Arc::new(cu_seqlens.to_vec()), device: Tensor::new(cu_seqlens, device)? })
+    }
+
+    fn check(cu: &[u32]) -> Result<()> {
+        if cu[0] != 0 || cu.windows(2).any(|w| w[1] < w[0]) {
+            bail!("cu_seqlens: expected offsets from 0, non-decreasing, got {cu:?}")
+        }
+        Ok(())
+    }
+
+    /// The offsets as a U32 `[B+1]` tensor on their device.
+    pub fn tensor(&self) -> &Tensor {
+        &self.device
+    }
+
+    /// The offsets on the host.
+    pub fn host(&self) -> &[u32] {
+        &self.host
+    }
+
+    /// The rows of the batch (the last offset).
+    pub fn total(&self) -> usize {
+        *self.host.last().expect("checked non-empty") as usize
+    }
+}
+
 /// `softmax(scale · q_h k_hᵀ) v_h` of every head h within each sequence of
 /// a packed batch: `q`, `k`, `v` are `[T, H·dh]` (heads side by side, one
 /// dtype: F16, BF16 or F32; column slices of one fused QKV projection pass
@@ -40,7 +96,8 @@ pub fn attention_varlen(
     scale: f64,
     window: Option<usize>,
 ) -> Result<Tensor> {
-    match plan(q, k, v, cu_seqlens, heads, scale, window)? {
+    let offsets = SeqOffsets::new(cu_seqlens)?;
+    match plan(q, k, v, &offsets, heads, scale, window)? {
         Some(op) => {
             // Rows with a unit column stride pass as they are (CUDA reads strided rows).
             let rows = |x: &Tensor| -> Result<Tensor> {
@@ -69,6 +126,18 @@ pub fn attention_varlen_qkv(
     scale: f64,
     window: Option<usize>,
 ) -> Result<Tensor> {
+    attention_varlen_qkv_offsets(qkv, &SeqOffsets::new(cu_seqlens)?, heads, scale, window)
+}
+
+/// [`attention_varlen_qkv`] with offsets checked once ([`SeqOffsets`]): no
+/// copy of them to the host per call.
+pub fn attention_varlen_qkv_offsets(
+    qkv: &Tensor,
+    offsets: &SeqOffsets,
+    heads: usize,
+    scale: f64,
+    window: Option<usize>,
+) -> Result<Tensor> {
     let w =
         qkv.dims2().map_err(|_| candle_core::Error::Msg(format!("qkv: expected [T, 3·H·dh], got {:?}", qkv.dims())))?.1;
     if w % 3 != 0 {
@@ -76,9 +145,9 @@ pub fn attention_varlen_qkv(
     }
     let hd = w / 3;
     let (q, k, v) = (qkv.narrow(1, 0, hd)?, qkv.narrow(1, hd, hd)?, qkv.narrow(1, 2 * hd, hd)?);
-    match plan(&q, &k, &v, cu_seqlens, heads, scale, window).map_err(rename_q)? {
+    match plan(&q, &k, &v, offsets, heads, scale, window).map_err(rename_q)? {
         Some(op) => qkv.contiguous()?.apply_op1(FlashAttnQkv(op)),
-        None => crate::reference::nn::attention_varlen(&q, &k, &v, cu_seqlens, heads, scale, window),
+        None => crate::reference::nn::attention_varlen(&q, &k, &v, offsets.tensor(), heads, scale, window),
     }
 }
 
@@ -89,10 +158,10 @@ pub(crate) struct QkvAttention(FlashAttnQkv);
 impl QkvAttention {
     /// `None` where the fused kernels do not run (F32 on CUDA, a GPU before
     /// sm_80): the caller composes instead.
-    pub(crate) fn new(qkv: &Tensor, cu_seqlens: &Tensor, heads: usize, scale: f64) -> Result<Option<Self>> {
+    pub(crate) fn new(qkv: &Tensor, offsets: &SeqOffsets, heads: usize, scale: f64) -> Result<Option<Self>> {
         let hd = qkv.dims2()?.1 / 3;
         let (q, k, v) = (qkv.narrow(1, 0, hd)?, qkv.narrow(1, hd, hd)?, qkv.narrow(1, 2 * hd, hd)?);
-        Ok(plan(&q, &k, &v, cu_seqlens, heads, scale, None).map_err(rename_q)?.map(|op| Self(FlashAttnQkv(op))))
+        Ok(plan(&q, &k, &v, offsets, heads, scale, None).map_err(rename_q)?.map(|op| Self(FlashAttnQkv(op))))
     }
 
     /// The attention of the rows of `qkv` (contiguous), its log-sum-exp kept.
@@ -121,7 +190,7 @@ fn plan(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
-    cu_seqlens: &Tensor,
+    offsets: &SeqOffsets,
     heads: usize,
     scale: f64,
     window: Option<usize>,
@@ -150,13 +219,10 @@ fn plan(
     if !scale.is_finite() {
         bail!("scale: {scale} is not finite")
     }
-    if cu_seqlens.dtype() != DType::U32 || cu_seqlens.rank() != 1 || cu_seqlens.dim(0)? == 0 {
-        bail!("cu_seqlens: expected U32 [B+1], got {:?} {:?}", cu_seqlens.dtype(), cu_seqlens.dims())
-    }
-    crate::layout::check_device("cu_seqlens", cu_seqlens, q.device())?;
-    let cu = cu_seqlens.to_vec1::<u32>()?;
-    if cu[0] != 0 || cu.windows(2).any(|w| w[1] < w[0]) || *cu.last().unwrap() as usize != t {
-        bail!("cu_seqlens: expected offsets from 0, non-decreasing, ending at q's {t} rows, got {cu:?}")
+    crate::layout::check_device("cu_seqlens", offsets.tensor(), q.device())?;
+    let cu = offsets.host();
+    if offsets.total() != t {
+        bail!("cu_seqlens: expected offsets ending at q's {t} rows, got {cu:?}")
     }
     let max_len = cu.windows(2).map(|w| (w[1] - w[0]) as usize).max().unwrap_or(0);
     let geom = Geom { batch: cu.len() - 1, heads, dh, total: t, max_len, window, scale: scale as f32 };
@@ -174,7 +240,7 @@ fn plan(
             return Ok(None);
         }
     }
-    Ok(Some(FlashAttn { geom, cu: cu_seqlens.clone(), cu_host: cu, lse: Mutex::new(None) }))
+    Ok(Some(FlashAttn { geom, cu: offsets.tensor().clone(), cu_host: cu.to_vec(), lse: Mutex::new(None) }))
 }
 
 /// The problem: `batch` sequences of at most `max_len` rows, `total` in all.

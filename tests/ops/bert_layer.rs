@@ -55,7 +55,7 @@ fn weights(v: &[Tensor]) -> ms::nn::BertLayerWeights<'_> {
 }
 
 /// The layer composed of the public ops (`reference`'s in F64 when `naive`).
-fn composed(x: &Tensor, cu: &Tensor, v: &[Tensor], heads: usize, eps: f64, naive: bool) -> Result<Tensor> {
+fn composed(x: &Tensor, cu: &ms::nn::SeqOffsets, v: &[Tensor], heads: usize, eps: f64, naive: bool) -> Result<Tensor> {
     let dt = x.dtype();
     let scale = ((x.dim(1)? / heads) as f64).powf(-0.5);
     let wqkv = Tensor::cat(&[&v[0], &v[2], &v[4]], 0)?.to_dtype(dt)?;
@@ -65,7 +65,7 @@ fn composed(x: &Tensor, cu: &Tensor, v: &[Tensor], heads: usize, eps: f64, naive
         let qkv = r::linear(x, &wqkv, Some(&bqkv))?;
         let c = x.dim(1)?;
         let part = |k: usize| qkv.narrow(1, k * c, c);
-        let a = r::attention_varlen(&part(0)?, &part(1)?, &part(2)?, cu, heads, scale, None)?;
+        let a = r::attention_varlen(&part(0)?, &part(1)?, &part(2)?, cu.tensor(), heads, scale, None)?;
         let o = r::linear(&a, &v[6].to_dtype(dt)?, Some(&v[7]))?;
         let h1 = r::layer_norm(&(o + x)?, &v[8], Some(&v[9]), eps)?;
         let u = r::linear_gelu(&h1, &v[10].to_dtype(dt)?, &v[11])?;
@@ -74,7 +74,7 @@ fn composed(x: &Tensor, cu: &Tensor, v: &[Tensor], heads: usize, eps: f64, naive
     }
     use ms::nn as n;
     let qkv = n::linear(x, &wqkv, Some(&bqkv))?;
-    let a = n::attention_varlen_qkv(&qkv, cu, heads, scale, None)?;
+    let a = n::attention_varlen_qkv_offsets(&qkv, cu, heads, scale, None)?;
     let o = n::linear(&a, &v[6].to_dtype(dt)?, Some(&v[7]))?;
     let h1 = n::residual_layer_norm(&o, x, &v[8], Some(&v[9]), eps)?;
     let u = n::linear_gelu(&h1, &v[10].to_dtype(dt)?, &v[11])?;
@@ -117,7 +117,7 @@ fn bert_layer_matches_composed(dev: &Device) -> Result<()> {
     let cu: Vec<u32> =
         std::iter::once(0).chain(lens.iter().scan(0, |a, &l| Some(*a + l).inspect(|s| *a = *s))).collect();
     let t = *cu.last().unwrap() as usize;
-    let cu_dev = Tensor::new(cu.as_slice(), dev)?;
+    let cu_dev = ms::nn::SeqOffsets::from_slice(&cu, dev)?;
     for (dt, tol) in [(DType::F32, 1e-5), (DType::BF16, 2e-2), (DType::F16, 1e-2)] {
         let what = format!("bert_layer {dt:?} on {dev:?}");
         let x0 = randn(&[t, c], dt, &Device::Cpu)?;
@@ -152,7 +152,7 @@ fn bert_layer_matches_composed(dev: &Device) -> Result<()> {
             let xn = f64v(x.as_tensor())?;
             let vn = vars.iter().map(|v| f64v(v.as_tensor())).collect::<Result<Vec<_>>>()?;
             let vnt: Vec<Tensor> = vn.iter().map(|v| v.as_tensor().clone()).collect();
-            let cu_cpu = Tensor::new(cu.as_slice(), &Device::Cpu)?;
+            let cu_cpu = ms::nn::SeqOffsets::from_slice(&cu, &Device::Cpu)?;
             let yn = composed(xn.as_tensor(), &cu_cpu, &vnt, heads, eps, true)?;
             let (yn, gn) = run(&yn, &up, &xn, &vn)?;
             assert_close(&format!("{what} forward vs F64"), &yf, &yn, tol)?;

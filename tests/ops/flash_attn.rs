@@ -125,8 +125,9 @@ fn attention_varlen_equals_padded(dev: &Device) -> Result<()> {
 test_device!(attention_varlen_equals_padded, attention_varlen_equals_padded_cpu, attention_varlen_equals_padded_cuda);
 
 /// q, k and v as column slices of one `[T, 3·H·dh]` projection, and the
-/// whole projection through `attention_varlen_qkv`, give the same values
-/// and the same gradient of the projection as contiguous copies.
+/// whole projection through `attention_varlen_qkv` (offsets as a tensor, or
+/// checked once as `SeqOffsets`), give the same values and the same
+/// gradient of the projection as contiguous copies.
 fn attention_varlen_takes_fused_qkv(dev: &Device) -> Result<()> {
     for dt in [DType::F32, DType::BF16, DType::F16] {
         let (heads, dh) = (2, 64);
@@ -146,6 +147,9 @@ fn attention_varlen_takes_fused_qkv(dev: &Device) -> Result<()> {
             };
             let out = if how == 2 {
                 ms::nn::attention_varlen_qkv(qkv.as_tensor(), &cu, heads, 0.125, Some(8))?
+            } else if how == 3 {
+                let offsets = ms::nn::SeqOffsets::new(&cu)?;
+                ms::nn::attention_varlen_qkv_offsets(qkv.as_tensor(), &offsets, heads, 0.125, Some(8))?
             } else {
                 ms::nn::attention_varlen(&part(0)?, &part(1)?, &part(2)?, &cu, heads, 0.125, Some(8))?
             };
@@ -153,7 +157,7 @@ fn attention_varlen_takes_fused_qkv(dev: &Device) -> Result<()> {
             Ok((out, g.get(qkv.as_tensor()).expect("a gradient").clone()))
         };
         let (want, gw) = run(1)?;
-        for (how, what) in [(0, "column slices"), (2, "attention_varlen_qkv")] {
+        for (how, what) in [(0, "column slices"), (2, "attention_varlen_qkv"), (3, "attention_varlen_qkv_offsets")] {
             let (out, g) = run(how)?;
             assert_close(&format!("{what} forward {dt:?} on {dev:?}"), &out, &want, 1e-6)?;
             assert_close(&format!("{what} gradient {dt:?} on {dev:?}"), &g, &gw, 1e-6)?;
@@ -182,6 +186,13 @@ fn attention_varlen_rejects_bad_input(dev: &Device) -> Result<()> {
     expect_err(run(&cu(vec![0, 4, 5])?, 2, None), "cu_seqlens");
     expect_err(run(&cu(vec![1, 6])?, 2, None), "cu_seqlens");
     expect_err(run(&Tensor::new(&[0i64, 6], dev)?, 2, None), "cu_seqlens");
+    for bad in [vec![0, 4, 2, 6], vec![1, 6], vec![]] {
+        expect_err(ms::nn::SeqOffsets::from_slice(&bad, dev), "cu_seqlens");
+    }
+    expect_err(ms::nn::SeqOffsets::new(&Tensor::new(&[0f32, 6.], dev)?), "cu_seqlens");
+    let offsets = ms::nn::SeqOffsets::from_slice(&[0, 4, 5], dev)?;
+    let qkv = x(6, 3 * 64)?;
+    expect_err(ms::nn::attention_varlen_qkv_offsets(&qkv, &offsets, 2, 1.0, None), "cu_seqlens");
     expect_err(run(&cu(vec![0, 6])?, 2, Some(0)), "window");
     expect_err(run(&cu(vec![0, 6])?, 3, None), "heads");
     expect_err(run(&cu(vec![0, 6])?, 4, None), "q");

@@ -12,6 +12,7 @@
 //! through the values).
 
 use candle_core::{bail, DType, Device, Module, Result, Tensor, D};
+use candle_maxsim::nn::SeqOffsets;
 use candle_nn::VarBuilder;
 
 /// `x · wᵀ + b` over the last dim, `w` cast to `x`'s dtype.
@@ -97,39 +98,38 @@ fn padding_bias(attention: &Tensor) -> Result<Tensor> {
     attention.where_cond(&zero, &min)?.reshape((b, 1, 1, l))
 }
 
-/// Self-attention of packed rows within the sequences of `cu_seqlens`,
-/// from one fused projection `qkv [T, 3·H·dh]`: the fused varlen op (one
-/// graph node) for the head dims it is built for, otherwise the same
-/// function composed of candle ops.
-fn attention_packed(qkv: &Tensor, cu: &Tensor, heads: usize, window: Option<usize>) -> Result<Tensor> {
+/// Self-attention of packed rows within the sequences of `offsets`, from
+/// one fused projection `qkv [T, 3·H·dh]`: the fused varlen op (one graph
+/// node) for the head dims it is built for, otherwise the same function
+/// composed of candle ops.
+fn attention_packed(qkv: &Tensor, offsets: &SeqOffsets, heads: usize, window: Option<usize>) -> Result<Tensor> {
     let hd = qkv.dim(1)? / 3;
     let dh = hd / heads;
     let scale = (dh as f64).powf(-0.5);
     if candle_maxsim::nn::ATTENTION_HEAD_DIMS.contains(&dh) {
-        candle_maxsim::nn::attention_varlen_qkv(qkv, cu, heads, scale, window)
+        candle_maxsim::nn::attention_varlen_qkv_offsets(qkv, offsets, heads, scale, window)
     } else {
-        let part = |i: usize| qkv.narrow(1, i * hd, hd);
+        let (part, cu) = (|i: usize| qkv.narrow(1, i * hd, hd), offsets.tensor());
         candle_maxsim::reference::nn::attention_varlen(&part(0)?, &part(1)?, &part(2)?, cu, heads, scale, window)
     }
 }
 
-/// The position of each packed row within its sequence (U32 `[T]`), after
-/// checking `cu_seqlens` against `ids [T]` and `max_positions`.
-fn packed_positions(ids: &Tensor, cu: &Tensor, max_positions: usize) -> Result<Tensor> {
+/// `cu_seqlens` checked against `ids [T]` and `max_positions` (copied to
+/// the host once per batch, not once per layer), and the position of each
+/// packed row within its sequence (U32 `[T]`).
+fn packed_positions(ids: &Tensor, cu: &Tensor, max_positions: usize) -> Result<(SeqOffsets, Tensor)> {
     let t =
         ids.dims1().map_err(|_| candle_core::Error::Msg(format!("ids: expected packed [T], got {:?}", ids.dims())))?;
-    if cu.dtype() != DType::U32 || cu.rank() != 1 || cu.dim(0)? == 0 {
-        bail!("cu_seqlens: expected U32 [B+1], got {:?} {:?}", cu.dtype(), cu.dims())
-    }
-    let c = cu.to_vec1::<u32>()?;
-    if c[0] != 0 || c.windows(2).any(|w| w[1] < w[0]) || *c.last().unwrap() as usize != t {
+    let offsets = SeqOffsets::new(cu)?;
+    let c = offsets.host();
+    if offsets.total() != t {
         bail!("cu_seqlens: expected offsets from 0, non-decreasing, ending at the {t} ids")
     }
     let pos: Vec<u32> = c.windows(2).flat_map(|w| 0..w[1] - w[0]).collect();
     if let Some(l) = c.windows(2).map(|w| (w[1] - w[0]) as usize).max().filter(|&l| l > max_positions) {
         bail!("ids: a sequence of {l} tokens exceeds the {max_positions} positions of the encoder")
     }
-    Tensor::from_vec(pos, t, ids.device())
+    Ok((offsets, Tensor::from_vec(pos, t, ids.device())?))
 }
 
 fn usize_of(c: &serde_json::Value, key: &str) -> Result<usize> {
@@ -269,7 +269,7 @@ impl Bert {
 impl Bert {
     /// [`Encoder::forward_packed`] for BERT.
     fn forward_packed(&self, ids: &Tensor, cu: &Tensor, dt: DType) -> Result<Tensor> {
-        let pos = packed_positions(ids, cu, self.position.dim(0)?)?;
+        let (offsets, pos) = packed_positions(ids, cu, self.position.dim(0)?)?;
         let x = (self.word.embedding_rows(ids)? + self.position.embedding_rows(&pos)?)?
             .broadcast_add(&self.token_type.get(0)?)?;
         let mut x = self.emb_norm.forward(&x.to_dtype(dt)?)?;
@@ -289,7 +289,7 @@ impl Bert {
                     down: (&layer.down.0, &layer.down.1),
                     output_norm: (&layer.out_norm.w, b2),
                 };
-                x = candle_maxsim::nn::bert_layer(&x, cu, &w, self.heads, layer.attn_norm.eps)?;
+                x = candle_maxsim::nn::bert_layer(&x, &offsets, &w, self.heads, layer.attn_norm.eps)?;
                 continue;
             }
             // One QKV projection (its weights stacked, a small copy): one
@@ -297,7 +297,7 @@ impl Bert {
             let w = Tensor::cat(&[&layer.q.0, &layer.k.0, &layer.v.0], 0)?;
             let b = Tensor::cat(&[&layer.q.1, &layer.k.1, &layer.v.1], 0)?;
             let qkv = linear(&x, &w, Some(&b))?;
-            let a = linear(&attention_packed(&qkv, cu, self.heads, None)?, &layer.o.0, Some(&layer.o.1))?;
+            let a = linear(&attention_packed(&qkv, &offsets, self.heads, None)?, &layer.o.0, Some(&layer.o.1))?;
             x = layer.attn_norm.forward_residual(&a, &x)?;
             let m = linear_act(&x, &layer.up.0, Some(&layer.up.1), Some(self.act))?;
             x = layer.out_norm.forward_residual(&linear(&m, &layer.down.0, Some(&layer.down.1))?, &x)?;
@@ -483,12 +483,12 @@ impl ModernBert {
     /// projection ([`candle_maxsim::nn::rotary_qk`]), the attention on it
     /// whole, the GeGLU one op: each block a few graph nodes, not tens.
     fn forward_packed(&self, ids: &Tensor, cu: &Tensor, dt: DType) -> Result<Tensor> {
-        let pos = packed_positions(ids, cu, usize::MAX)?;
+        let (offsets, pos) = packed_positions(ids, cu, usize::MAX)?;
         let dev = ids.device();
         let mut x = self.emb_norm.forward(&self.tok.embedding_rows(ids)?.to_dtype(dt)?)?;
         let h = x.dim(1)?;
         let dh = h / self.heads;
-        let longest = pos.max(0).and_then(|m| m.to_scalar::<u32>()).map_or(0, |m| m as usize + 1);
+        let longest = offsets.host().windows(2).map(|w| (w[1] - w[0]) as usize).max().unwrap_or(0);
         let mut tables: Vec<(f64, (Tensor, Tensor))> = Vec::new();
         for layer in &self.layers {
             if !tables.iter().any(|c| c.0 == layer.theta) {
@@ -503,7 +503,7 @@ impl ModernBert {
                 None => x.clone(),
             };
             let qkv = candle_maxsim::nn::rotary_qk(&linear(&xn, &layer.wqkv, None)?, cos, sin, self.heads)?;
-            let a = attention_packed(&qkv, cu, self.heads, layer.window)?;
+            let a = attention_packed(&qkv, &offsets, self.heads, layer.window)?;
             x = (&x + linear(&a, &layer.wo, None)?)?;
             let up = linear(&layer.mlp_norm.forward(&x)?, &layer.wi, None)?;
             let m = if self.act == Act::Gelu {
