@@ -391,6 +391,10 @@ impl CustomOp3 for FlashAttn {
         out: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        if self.geom.total == 0 {
+            let z = || q.zeros_like().map(Some);
+            return Ok((z()?, z()?, z()?));
+        }
         // Taken, not cloned: freed with this backward; a second one recomputes it.
         let lse = match self.lse.lock().unwrap().take() {
             Some(l) => l,

@@ -161,6 +161,21 @@ fn bert_layer_matches_composed(dev: &Device) -> Result<()> {
             }
         }
     }
+    // No rows at all: an empty output and zero gradients.
+    {
+        let vars = layer_vars(c, i, dev)?;
+        let vt: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+        let x = Var::from_tensor(&Tensor::zeros((0, c), DType::F32, dev)?)?;
+        let y =
+            ms::nn::bert_layer(x.as_tensor(), &ms::nn::SeqOffsets::from_slice(&[0], dev)?, &weights(&vt), heads, eps)?;
+        assert_eq!(y.dims(), &[0, c]);
+        let g = y.sum_all()?.backward()?;
+        for v in &vars {
+            if let Some(gv) = g.get(v.as_tensor()) {
+                assert_eq!(max_abs_diff(gv, &gv.zeros_like()?)?, 0.0, "a weight's gradient from no rows");
+            }
+        }
+    }
     // Bad input names the argument.
     let vars = layer_vars(c, i, dev)?;
     let mut vt: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();

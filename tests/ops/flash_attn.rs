@@ -127,7 +127,8 @@ test_device!(attention_varlen_equals_padded, attention_varlen_equals_padded_cpu,
 /// q, k and v as column slices of one `[T, 3·H·dh]` projection, and the
 /// whole projection through `attention_varlen_qkv` (offsets as a tensor, or
 /// checked once as `SeqOffsets`), give the same values and the same
-/// gradient of the projection as contiguous copies.
+/// gradient of the projection as contiguous copies; no rows at all give an
+/// empty output and gradient.
 fn attention_varlen_takes_fused_qkv(dev: &Device) -> Result<()> {
     for dt in [DType::F32, DType::BF16, DType::F16] {
         let (heads, dh) = (2, 64);
@@ -162,6 +163,14 @@ fn attention_varlen_takes_fused_qkv(dev: &Device) -> Result<()> {
             assert_close(&format!("{what} forward {dt:?} on {dev:?}"), &out, &want, 1e-6)?;
             assert_close(&format!("{what} gradient {dt:?} on {dev:?}"), &g, &gw, 1e-6)?;
         }
+    }
+    // No rows: an empty output, and a backward that gives zeros.
+    for dt in [DType::F32, DType::BF16] {
+        let qkv = Var::from_tensor(&Tensor::zeros((0, 3 * 128), dt, dev)?)?;
+        let out = ms::nn::attention_varlen_qkv(qkv.as_tensor(), &Tensor::new(&[0u32], dev)?, 2, 0.125, None)?;
+        assert_eq!(out.dims(), &[0, 128]);
+        let g = out.to_dtype(DType::F32)?.sum_all()?.backward()?;
+        assert_eq!(g.get(qkv.as_tensor()).expect("a gradient").dims(), &[0, 3 * 128]);
     }
     let ok = Tensor::new(&[0u32, 6], dev)?;
     expect_err(ms::nn::attention_varlen_qkv(&randn(&[6, 64], DType::F32, dev)?, &ok, 2, 1.0, None), "qkv");
