@@ -270,8 +270,10 @@ impl Bert {
     /// [`Encoder::forward_packed`] for BERT.
     fn forward_packed(&self, ids: &Tensor, cu: &Tensor, dt: DType) -> Result<Tensor> {
         let (offsets, pos) = packed_positions(ids, cu, self.position.dim(0)?)?;
-        let x = (self.word.embedding_rows(ids)? + self.position.embedding_rows(&pos)?)?
-            .broadcast_add(&self.token_type.get(0)?)?;
+        // Token type 0 as a bias of rows: its gradient is one column-sum
+        // kernel (candle's broadcast add sums one strided element per thread).
+        let x = (self.word.embedding_rows(ids)? + self.position.embedding_rows(&pos)?)?;
+        let x = candle_maxsim::nn::add_bias(&x, &self.token_type.get(0)?)?;
         let mut x = self.emb_norm.forward(&x.to_dtype(dt)?)?;
         let h = x.dim(1)?;
         let fused = self.act == Act::Gelu && candle_maxsim::nn::ATTENTION_HEAD_DIMS.contains(&(h / self.heads));
