@@ -328,14 +328,9 @@ impl ColBert {
 
     /// The projection and L2 normalization of hidden rows `[R, H]` → `[R, dim]`.
     fn head(&self, hidden: &Tensor) -> Result<Tensor> {
+        // One graph node (product and bias), as the encoder's projections.
         let x = match &self.projection {
-            Some(p) => {
-                let y = hidden.matmul(&p.weight.to_dtype(self.dtype)?.t()?)?;
-                match &p.bias {
-                    Some(b) => y.broadcast_add(&b.to_dtype(self.dtype)?)?,
-                    None => y,
-                }
-            }
+            Some(p) => candle_maxsim::nn::linear(hidden, &p.weight.to_dtype(hidden.dtype())?, p.bias.as_ref())?,
             None => hidden.clone(),
         };
         l2_normalize(&x)?.to_dtype(self.out_dtype)
