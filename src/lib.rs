@@ -156,8 +156,9 @@ pub mod nn {
     //! ([`attention_varlen`]: no padding, no `[B, H, L, L]`, a sliding
     //! window), the linear projection (tiled on all CPU cores; product,
     //! bias and BERT's GELU one graph node), layer norm with F32 statistics
-    //! (also of a residual sum, without keeping the sum), a whole post-norm
-    //! BERT layer as one graph node ([`bert_layer`]), bias + GELU,
+    //! (also of a residual sum, without keeping the sum), a whole BERT or
+    //! ModernBERT layer as one graph node ([`bert_layer`],
+    //! [`modernbert_layer`]), bias + GELU,
     //! GeGLU, rotary embeddings of a fused QKV projection, embedding lookup,
     //! row scatter-add, and the top-k of each row.
     //!
@@ -173,8 +174,8 @@ pub mod nn {
     //! assert_eq!((p.dims(), y.dims()), (scores.dims(), x.dims()));
     //! # Ok::<(), candle_core::Error>(())
     //! ```
-    pub use crate::ops::bert_layer::{bert_layer, BertLayerWeights};
     pub use crate::ops::encoder::{attention, attention_softmax, layer_norm, residual_layer_norm, rotary_qk};
+    pub use crate::ops::encoder_layer::{bert_layer, modernbert_layer, BertLayerWeights, ModernBertLayerWeights};
     pub use crate::ops::flash_attn::{
         attention_varlen, attention_varlen_qkv, attention_varlen_qkv_offsets, SeqOffsets, ATTENTION_HEAD_DIMS,
     };

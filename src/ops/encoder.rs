@@ -79,6 +79,12 @@ pub fn rotary_qk(qkv: &Tensor, cos: &Tensor, sin: &Tensor, heads: usize) -> Resu
 }
 
 /// [`rotary_qk`] (or its inverse, the backward) as one op.
+/// The gradient of [`rotary_qk`]'s input from its output's `g`: the
+/// rotation back (q and k by the opposite angles, v as it is).
+pub(crate) fn rotary_qk_bwd(g: &Tensor, cos: &Tensor, sin: &Tensor, heads: usize) -> Result<Tensor> {
+    g.contiguous()?.apply_op3_no_bwd(cos, sin, &RotaryQk { heads, inverse: true })
+}
+
 struct RotaryQk {
     heads: usize,
     inverse: bool,

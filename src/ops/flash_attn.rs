@@ -158,10 +158,16 @@ pub(crate) struct QkvAttention(FlashAttnQkv);
 impl QkvAttention {
     /// `None` where the fused kernels do not run (F32 on CUDA, a GPU before
     /// sm_80): the caller composes instead.
-    pub(crate) fn new(qkv: &Tensor, offsets: &SeqOffsets, heads: usize, scale: f64) -> Result<Option<Self>> {
+    pub(crate) fn new(
+        qkv: &Tensor,
+        offsets: &SeqOffsets,
+        heads: usize,
+        scale: f64,
+        window: Option<usize>,
+    ) -> Result<Option<Self>> {
         let hd = qkv.dims2()?.1 / 3;
         let (q, k, v) = (qkv.narrow(1, 0, hd)?, qkv.narrow(1, hd, hd)?, qkv.narrow(1, 2 * hd, hd)?);
-        Ok(plan(&q, &k, &v, offsets, heads, scale, None).map_err(rename_q)?.map(|op| Self(FlashAttnQkv(op))))
+        Ok(plan(&q, &k, &v, offsets, heads, scale, window).map_err(rename_q)?.map(|op| Self(FlashAttnQkv(op))))
     }
 
     /// The attention of the rows of `qkv` (contiguous), its log-sum-exp kept.

@@ -3,9 +3,9 @@
 //! layouts lower to one op (`maxsim::MaxSimOp`), which the residual and
 //! projection-head ops call for the parts they do not fuse.
 
-pub(crate) mod bert_layer;
 pub(crate) mod dense;
 pub(crate) mod encoder;
+pub(crate) mod encoder_layer;
 pub(crate) mod flash_attn;
 pub(crate) mod hidden;
 pub(crate) mod linear;

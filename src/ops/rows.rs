@@ -90,7 +90,7 @@ pub fn geglu(x: &Tensor) -> Result<Tensor> {
 }
 
 /// [`geglu`]'s backward from `x` and the output's gradient `g [R, C]`: `[R, 2C]`.
-fn geglu_bwd(x: &Tensor, g: &Tensor) -> Result<Tensor> {
+pub(crate) fn geglu_bwd(x: &Tensor, g: &Tensor) -> Result<Tensor> {
     x.contiguous()?.apply_op2_no_bwd(&g.to_dtype(x.dtype())?.contiguous()?, &GeGluBwd)
 }
 

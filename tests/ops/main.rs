@@ -7,9 +7,9 @@
 #[path = "../common/mod.rs"]
 mod common;
 
-mod bert_layer;
 mod dense;
 mod encoder;
+mod encoder_layer;
 mod errors;
 mod flash_attn;
 mod grads;

@@ -500,6 +500,21 @@ impl ModernBert {
                 tables.push((layer.theta, (at(cos)?, at(sin)?)));
             }
             let (cos, sin) = &tables.iter().find(|c| c.0 == layer.theta).unwrap().1;
+            if self.act == Act::Gelu && candle_maxsim::nn::ATTENTION_HEAD_DIMS.contains(&dh) {
+                // The whole layer one graph node when training (see
+                // `candle_maxsim::nn::modernbert_layer`), the same ops otherwise.
+                let w = candle_maxsim::nn::ModernBertLayerWeights {
+                    attention_norm: layer.attn_norm.as_ref().map(|n| (&n.w, n.b.as_ref())),
+                    wqkv: &layer.wqkv,
+                    wo: &layer.wo,
+                    mlp_norm: (&layer.mlp_norm.w, layer.mlp_norm.b.as_ref()),
+                    wi: &layer.wi,
+                    wo_mlp: &layer.wo_mlp,
+                };
+                let eps = layer.mlp_norm.eps;
+                x = candle_maxsim::nn::modernbert_layer(&x, &offsets, &w, self.heads, layer.window, (cos, sin), eps)?;
+                continue;
+            }
             let xn = match &layer.attn_norm {
                 Some(n) => n.forward(&x)?,
                 None => x.clone(),
