@@ -155,7 +155,7 @@ pub mod nn {
     //! attention, FlashAttention-2 over packed variable-length sequences
     //! ([`attention_varlen`]: no padding, no `[B, H, L, L]`, a sliding
     //! window), the linear projection (tiled on all CPU cores; product,
-    //! bias and BERT's GELU one graph node), layer norm with F32 statistics
+    //! bias and BERT's GELU one graph node elsewhere), layer norm with F32 statistics
     //! (also of a residual sum, without keeping the sum), a whole BERT or
     //! ModernBERT layer as one graph node ([`bert_layer`],
     //! [`modernbert_layer`]), bias + GELU,

@@ -78,13 +78,13 @@ pub fn rotary_qk(qkv: &Tensor, cos: &Tensor, sin: &Tensor, heads: usize) -> Resu
     qkv.contiguous()?.apply_op3(&cos.contiguous()?, &sin.contiguous()?, RotaryQk { heads, inverse: false })
 }
 
-/// [`rotary_qk`] (or its inverse, the backward) as one op.
 /// The gradient of [`rotary_qk`]'s input from its output's `g`: the
 /// rotation back (q and k by the opposite angles, v as it is).
 pub(crate) fn rotary_qk_bwd(g: &Tensor, cos: &Tensor, sin: &Tensor, heads: usize) -> Result<Tensor> {
-    g.contiguous()?.apply_op3_no_bwd(cos, sin, &RotaryQk { heads, inverse: true })
+    g.contiguous()?.apply_op3_no_bwd(&cos.contiguous()?, &sin.contiguous()?, &RotaryQk { heads, inverse: true })
 }
 
+/// [`rotary_qk`] (or its inverse, the backward) as one op.
 struct RotaryQk {
     heads: usize,
     inverse: bool,
@@ -723,7 +723,7 @@ impl CustomOp3 for LayerNormBwdX {
         g: &CpuStorage,
         lg: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let x32 = with_cpu_res(self.res.as_ref(), |r| Ok(norm_rows(x, lx, r)?.into_owned()))?;
+        let x32 = with_cpu_res(self.res.as_ref(), |r| norm_rows(x, lx, r))?;
         let (w32, g32) = (f32s("w", w, lw)?, f32s("g", g, lg)?);
         let c = w32.len().max(1);
         let mut dx = vec![0f32; x32.len()];
@@ -766,7 +766,7 @@ impl CustomOp2 for LayerNormBwdWb {
     }
 
     fn cpu_fwd(&self, x: &CpuStorage, lx: &Layout, g: &CpuStorage, lg: &Layout) -> Result<(CpuStorage, Shape)> {
-        let x32 = with_cpu_res(self.res.as_ref(), |r| Ok(norm_rows(x, lx, r)?.into_owned()))?;
+        let x32 = with_cpu_res(self.res.as_ref(), |r| norm_rows(x, lx, r))?;
         let g32 = f32s("g", g, lg)?;
         let c = *lx.dims().last().unwrap_or(&1);
         // Blocks of rows summed in parallel, then the blocks in order: the

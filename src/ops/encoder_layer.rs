@@ -134,12 +134,13 @@ fn bert_blocks(c: usize, i: usize) -> Blocks {
 /// b_qkv)), w_o, b_o), x)` with `u = linear_gelu(h1, w_up, b_up)`: one
 /// post-norm BERT layer over the packed rows `x [T, C]` (F16, BF16 or F32)
 /// of the sequences of `offsets` (see [`SeqOffsets`]), `heads` attention heads
-/// of `C / heads` columns, GELU with the exact erf, layer norms in F32 with
-/// `eps`. Weights in any float dtype (linear weights are cast to `x`'s,
-/// biases and norms computed in F32), each differentiable.
+/// of `C / heads` columns (32, 64 or 128; others are an error), GELU with
+/// the exact erf, layer norms in F32 with `eps`. Weights in any float dtype
+/// (linear weights are cast to `x`'s, biases and norms computed in F32),
+/// each differentiable.
 ///
-/// Where gradients are tracked and the fused attention runs (head dims 32,
-/// 64, 128; not F32 on CUDA), the layer is one graph node: its weights are
+/// Where gradients are tracked and the fused attention runs (not F32 on
+/// CUDA, nor before compute capability 8.0), the layer is one graph node: its weights are
 /// packed into one F32 vector (a copy per call) whose gradient the node
 /// returns whole. Otherwise it is the same ops composed, with the same
 /// values.
@@ -192,12 +193,16 @@ pub fn bert_layer(
     let parts = weights.parts();
     for ((t, name), shape) in parts.iter().zip(names).zip(shapes) {
         if t.dims() != shape || !t.dtype().is_float() {
-            bail!("weights: {name} expected a float {shape:?}, got {:?} {:?}", t.dtype(), t.dims())
+            bail!(
+                "weights: {name} expected a float {shape:?} (C from x, I from intermediate's weight), got {:?} {:?}",
+                t.dtype(),
+                t.dims()
+            )
         }
-        crate::layout::check_device("weights", t, x.device())?;
+        crate::layout::check_device(&format!("weights: {name}"), t, x.device())?;
     }
     let tracked = x.track_op() || parts.iter().any(|t| t.track_op());
-    if !tracked {
+    if !tracked || !crate::ops::flash_attn::fused_runs(x, c / heads.max(1))? {
         return composed(x, offsets, weights, heads, eps);
     }
     let wpack = Blocks::pack(&parts)?;
@@ -361,8 +366,9 @@ impl CustomOp2 for BertLayerOp {
         let (gd, g_norm2) = norm.backward(&s.d, Some(&s.h1), &s.norm2.0, &dy)?;
         let gu = mm(&gd, &s.wdown)?;
         let (g_wdown, g_bdown) = (mm(&gd.t()?, &s.u)?, sum_rows(&gd)?);
-        // GELU's pre-activation recomputed (F32 where the product is).
-        let gz = gelu_bwd(&cast(&s.h1)?.matmul(&cast(&s.wup)?.t()?)?, &s.bup, &gu)?;
+        // GELU's pre-activation recomputed by the product the forward ran
+        // (in F32 where that is).
+        let gz = gelu_bwd(&linear(&cast(&s.h1)?, &cast(&s.wup)?, None)?, &s.bup, &gu)?;
         let (g_wup, g_bup) = (mm(&gz.t()?, &s.h1)?, sum_rows(&gz)?);
         let gh1 = (gd + mm(&gz, &s.wup)?)?;
         let (go, g_norm1) = norm.backward(&s.o, Some(&x), &s.norm1_w, &gh1)?;
@@ -431,7 +437,8 @@ impl<'a> ModernBertLayerWeights<'a> {
 /// One pre-norm ModernBERT layer over the packed rows `x [T, C]` (F16, BF16
 /// or F32) of the sequences of `offsets`: `x1 = x + attention(rotary(norm(x)
 /// · Wqkvᵀ)) · Woᵀ`, then `x1 + GeGLU(norm(x1) · Wiᵀ) · Wo_mlpᵀ` (GELU with
-/// the exact erf), `heads` heads of `C / heads` columns (32, 64 or 128), an
+/// the exact erf), `heads` heads of `C / heads` columns (32, 64 or 128;
+/// others are an error), an
 /// optional sliding `window` (keys within `window` rows of a query), the
 /// rotary tables `cos`, `sin` `[T, head_dim / 2]` F32 of each row's
 /// position ([`crate::nn::rotary_qk`]), layer norms in F32 with `eps`.
@@ -469,14 +476,18 @@ pub fn modernbert_layer(
     named.extend([("wi", w.wi, vec![2 * i, c]), ("wo_mlp", w.wo_mlp, vec![c, i])]);
     for (name, t, shape) in &named {
         if t.dims() != shape.as_slice() || !t.dtype().is_float() {
-            bail!("weights: {name} expected a float {shape:?}, got {:?} {:?}", t.dtype(), t.dims())
+            bail!(
+                "weights: {name} expected a float {shape:?} (C from x, I from wo_mlp), got {:?} {:?}",
+                t.dtype(),
+                t.dims()
+            )
         }
-        crate::layout::check_device("weights", t, x.device())?;
+        crate::layout::check_device(&format!("weights: {name}"), t, x.device())?;
     }
     let (parts, pack) = w.parts(c, i);
     let tracked = x.track_op() || parts.iter().any(|t| t.track_op());
-    let rotary = (cos.clone(), sin.clone());
-    if !tracked {
+    let rotary = (cos.contiguous()?, sin.contiguous()?);
+    if !tracked || !crate::ops::flash_attn::fused_runs(x, c / heads.max(1))? {
         return modern_composed(x, offsets, w, heads, window, &rotary, eps);
     }
     let wpack = Blocks::pack(&parts)?;

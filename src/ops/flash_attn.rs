@@ -151,6 +151,24 @@ pub fn attention_varlen_qkv_offsets(
     }
 }
 
+/// Whether the fused kernels (or the CPU loops) run for rows like `q` with
+/// head dim `dh` (one of [`ATTENTION_HEAD_DIMS`]): not F32 on CUDA, nor on a
+/// GPU before compute capability 8.0, where the attention is composed.
+pub(crate) fn fused_runs(q: &Tensor, dh: usize) -> Result<bool> {
+    if !ATTENTION_HEAD_DIMS.contains(&dh) || (q.device().is_cuda() && q.dtype() == DType::F32) {
+        return Ok(false);
+    }
+    #[cfg(feature = "cuda")]
+    if let candle_core::Device::Cuda(_) = q.device() {
+        let (s, _) = q.storage_and_layout();
+        return match &*s {
+            candle_core::Storage::Cuda(c) => crate::cuda::flash_attn::flash_supported(c, dh),
+            _ => Ok(false),
+        };
+    }
+    Ok(true)
+}
+
 /// [`attention_varlen_qkv`] computed outside the graph, keeping what its
 /// backward needs, for an op that fuses it into a larger node.
 pub(crate) struct QkvAttention(FlashAttnQkv);
@@ -232,19 +250,8 @@ fn plan(
     }
     let max_len = cu.windows(2).map(|w| (w[1] - w[0]) as usize).max().unwrap_or(0);
     let geom = Geom { batch: cu.len() - 1, heads, dh, total: t, max_len, window, scale: scale as f32 };
-    if q.device().is_cuda() && q.dtype() == DType::F32 {
+    if !fused_runs(q, dh)? {
         return Ok(None);
-    }
-    #[cfg(feature = "cuda")]
-    if let candle_core::Device::Cuda(_) = q.device() {
-        let (s, _) = q.storage_and_layout();
-        let ok = match &*s {
-            candle_core::Storage::Cuda(c) => crate::cuda::flash_attn::flash_supported(c, dh)?,
-            _ => false,
-        };
-        if !ok {
-            return Ok(None);
-        }
     }
     Ok(Some(FlashAttn { geom, cu: offsets.tensor().clone(), cu_host: cu.to_vec(), lse: Mutex::new(None) }))
 }

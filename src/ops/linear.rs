@@ -29,18 +29,20 @@ const MIN_TILED_THREADS: usize = 5;
 /// stored) and `b [N]`, in `x`'s dtype → `[.., N]`. Differentiable in all
 /// three; on the CPU a tiled parallel product in F32 (16-bit inputs widened
 /// and the result rounded once; see the module docs), elsewhere candle's
-/// matmul. With a bias outside the tiled CPU path, product and bias are one
-/// graph node (the bias added in place to the product's buffer): the
-/// backward pays no zero-filled gradient and add for the product, and the
-/// product is not kept besides the output.
+/// matmul. Outside the tiled CPU path, product and bias are one graph node
+/// (on CUDA the bias added in place to the product's buffer): the backward
+/// pays no zero-filled gradient and add for the product, and the product is
+/// not kept besides the output.
 pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
     linear_act(x, w, b, false)
 }
 
 /// `GELU(x · wᵀ + b)` with the exact erf (BERT's intermediate layer),
 /// operands as [`linear`]: the bias added and GELU taken in F32 (F64 for
-/// F64), rounded once. One graph node whose backward recomputes the product
-/// (one GEMM) instead of keeping the pre-activation `[.., N]` alive.
+/// F64), rounded once. Outside the tiled CPU path one graph node whose
+/// backward recomputes the product (one GEMM) instead of keeping the
+/// pre-activation `[.., N]` alive; on the tiled CPU path (F32, five or more
+/// threads) the product and `add_bias_gelu`, two nodes.
 pub fn linear_gelu(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
     linear_act(x, w, Some(b), true)
 }

@@ -112,6 +112,21 @@ fn close_grad(what: &str, a: &Tensor, b: &Tensor, all: &[Tensor], tol: f64, floo
 /// backward of the same output (its stash already taken, the forward
 /// recomputed) gives the same gradients.
 fn bert_layer_matches_composed(dev: &Device) -> Result<()> {
+    in_pools(|| bert_layer_cases(dev))
+}
+
+/// `f` in a rayon pool of one thread and of eight: `linear`'s CPU product
+/// is tiled from five threads (the layers' backward must recompute what
+/// their forward ran either way).
+fn in_pools(f: impl Fn() -> Result<()> + Sync) -> Result<()> {
+    for threads in [1, 8] {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().map_err(candle_core::Error::wrap)?;
+        pool.install(&f)?;
+    }
+    Ok(())
+}
+
+fn bert_layer_cases(dev: &Device) -> Result<()> {
     let (c, i, heads, eps) = (64, 96, 2, 1e-12);
     let lens = [1u32, 37, 5, 64];
     let cu: Vec<u32> =
@@ -285,6 +300,10 @@ fn modern_composed(
 /// none, every dtype; forward equal to the composed ops, gradients equal on
 /// the CPU (to rounding on CUDA), in F32 within 1e-4 of the F64 reference.
 fn modernbert_layer_matches_composed(dev: &Device) -> Result<()> {
+    in_pools(|| modernbert_layer_cases(dev))
+}
+
+fn modernbert_layer_cases(dev: &Device) -> Result<()> {
     let (c, i, heads, eps) = (64, 48, 2, 1e-5);
     let lens = [1u32, 37, 5, 64];
     let cu: Vec<u32> =
