@@ -122,6 +122,15 @@ fn mm(a: &Tensor, b: &Tensor, wide: bool, dt: DType) -> Result<Tensor> {
     widen(a, wide)?.matmul(&widen(b, wide)?)?.to_dtype(dt)
 }
 
+/// The width C of a layer's packed input `x [T, C]` (F16, BF16 or F32).
+fn check_input(x: &Tensor) -> Result<usize> {
+    let (_, c) = x.dims2().map_err(|_| candle_core::Error::Msg(format!("x: expected [T, C], got {:?}", x.dims())))?;
+    if !matches!(x.dtype(), DType::F16 | DType::BF16 | DType::F32) {
+        bail!("x: expected F16, BF16 or F32, got {:?}", x.dtype())
+    }
+    Ok(c)
+}
+
 /// The BERT layer's blocks for width `c` and intermediate width `i`: wqkv,
 /// bqkv, wo, bo, norm 1 (weight then bias), wup, bup, wdown, bdown, norm 2
 /// (the order of [`BertLayerWeights::parts`], Q, K and V side by side).
@@ -151,7 +160,7 @@ pub fn bert_layer(
     heads: usize,
     eps: f64,
 ) -> Result<Tensor> {
-    let (_, c) = x.dims2().map_err(|_| candle_core::Error::Msg(format!("x: expected [T, C], got {:?}", x.dims())))?;
+    let c = check_input(x)?;
     let i = weights.intermediate.0.dims().first().copied().unwrap_or(0);
     let pack = bert_blocks(c, i);
     let names = [
@@ -459,7 +468,7 @@ pub fn modernbert_layer(
     (cos, sin): (&Tensor, &Tensor),
     eps: f64,
 ) -> Result<Tensor> {
-    let (_, c) = x.dims2().map_err(|_| candle_core::Error::Msg(format!("x: expected [T, C], got {:?}", x.dims())))?;
+    let c = check_input(x)?;
     let i = weights.wo_mlp.dims().get(1).copied().unwrap_or(0);
     let w = weights;
     let mut named: Vec<(&str, &Tensor, Vec<usize>)> = Vec::new();

@@ -196,6 +196,10 @@ fn bert_layer_cases(dev: &Device) -> Result<()> {
     let mut vt: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
     let x = randn(&[t, c], DType::F32, dev)?;
     expect_err(ms::nn::bert_layer(&x.unsqueeze(0)?, &cu_dev, &weights(&vt), heads, eps), "x");
+    expect_err(ms::nn::bert_layer(&x.to_dtype(DType::F64)?, &cu_dev, &weights(&vt), heads, eps), "x");
+    expect_err(ms::nn::bert_layer(&x, &cu_dev, &weights(&vt), 3, eps), "heads");
+    let short = ms::nn::SeqOffsets::from_slice(&[0, 5], dev)?;
+    expect_err(ms::nn::bert_layer(&x, &short, &weights(&vt), heads, eps), "cu_seqlens");
     vt[12] = randn(&[c, c], DType::F32, dev)?;
     expect_err(ms::nn::bert_layer(&x, &cu_dev, &weights(&vt), heads, eps), "weights");
     Ok(())
@@ -370,6 +374,15 @@ fn modernbert_layer_cases(dev: &Device) -> Result<()> {
     w.wi = &bad;
     let x = randn(&[t, c], DType::F32, dev)?;
     expect_err(ms::nn::modernbert_layer(&x, &offsets, &w, heads, None, (&cos, &sin), eps), "weights");
+    let w = m.weights();
+    let run = |x: &Tensor, offsets: &ms::nn::SeqOffsets, heads: usize, window: Option<usize>| {
+        ms::nn::modernbert_layer(x, offsets, &w, heads, window, (&cos, &sin), eps)
+    };
+    expect_err(run(&x.to_dtype(DType::F64)?, &offsets, heads, None), "x");
+    expect_err(run(&x.unsqueeze(0)?, &offsets, heads, None), "x");
+    expect_err(run(&x, &offsets, heads, Some(0)), "window");
+    expect_err(run(&x, &ms::nn::SeqOffsets::from_slice(&[0, 5], dev)?, heads, None), "cu_seqlens");
+    expect_err(run(&x, &offsets, 4, None), "cos");
     Ok(())
 }
 
