@@ -336,6 +336,17 @@ fn softmax_row_in(row: &mut [f32], bias: &[f32], scale: f32) {
 /// `x`'s dtype (F16, BF16 or F32); `w` and `b` are `[C]` and cast to F32.
 /// Differentiable in `x`, `w` and `b`.
 pub fn layer_norm(x: &Tensor, w: &Tensor, b: Option<&Tensor>, eps: f64) -> Result<Tensor> {
+    let c = norm_args(x, w, b)?;
+    if x.elem_count() == 0 {
+        return Ok(x.clone());
+    }
+    let (w, b) = norm_f32(w, b, c)?;
+    x.contiguous()?.apply_op3(&w.contiguous()?, &b.contiguous()?, LayerNorm { eps: eps as f32 })
+}
+
+/// The width C of the rows of a layer norm's `x` (F16, BF16 or F32), after
+/// checking `w` and `b` (`[C]`, float, on x's device).
+fn norm_args(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<usize> {
     let c = match x.dims().last() {
         Some(&c) => c,
         None => bail!("x: layer_norm needs at least one axis, got a scalar"),
@@ -350,16 +361,17 @@ pub fn layer_norm(x: &Tensor, w: &Tensor, b: Option<&Tensor>, eps: f64) -> Resul
         }
         crate::layout::check_device(arg, t, x.device())?;
     }
-    if x.elem_count() == 0 {
-        return Ok(x.clone());
-    }
-    let (x, w) = (x.contiguous()?, w.to_dtype(DType::F32)?.contiguous()?);
-    // Without a bias, a zero one: its gradient goes nowhere.
+    Ok(c)
+}
+
+/// The weight in F32 and the bias in F32 (zeros without one: its gradient
+/// goes nowhere), as the norm ops take them.
+fn norm_f32(w: &Tensor, b: Option<&Tensor>, c: usize) -> Result<(Tensor, Tensor)> {
     let b = match b {
-        Some(b) => b.to_dtype(DType::F32)?.contiguous()?,
-        None => Tensor::zeros(c, DType::F32, x.device())?,
+        Some(b) => b.to_dtype(DType::F32)?,
+        None => Tensor::zeros(c, DType::F32, w.device())?,
     };
-    x.apply_op3(&w, &b, LayerNorm { eps: eps as f32 })
+    Ok((w.to_dtype(DType::F32)?, b))
 }
 
 /// `layer_norm(x + res, w, b, eps)`, the residual connection and the norm
@@ -373,29 +385,12 @@ pub fn residual_layer_norm(x: &Tensor, res: &Tensor, w: &Tensor, b: Option<&Tens
         bail!("res: expected {:?} {:?} like x, got {:?} {:?}", x.dtype(), x.dims(), res.dtype(), res.dims())
     }
     crate::layout::check_device("res", res, x.device())?;
-    let c = match x.dims().last() {
-        Some(&c) => c,
-        None => bail!("x: layer_norm needs at least one axis, got a scalar"),
-    };
-    if !matches!(x.dtype(), DType::F16 | DType::BF16 | DType::F32) {
-        bail!("x: expected F16, BF16 or F32, got {:?}", x.dtype())
-    }
-    for (arg, t) in [("w", Some(w)), ("b", b)] {
-        let Some(t) = t else { continue };
-        if t.dims() != [c] || !t.dtype().is_float() {
-            bail!("{arg}: expected a float [{c}], got {:?} {:?}", t.dtype(), t.dims())
-        }
-        crate::layout::check_device(arg, t, x.device())?;
-    }
+    let c = norm_args(x, w, b)?;
     if x.elem_count() == 0 {
         return x + res;
     }
     // The weight and the bias (or zeros) as one [2, C] F32 operand.
-    let w = w.to_dtype(DType::F32)?;
-    let b = match b {
-        Some(b) => b.to_dtype(DType::F32)?,
-        None => Tensor::zeros(c, DType::F32, x.device())?,
-    };
+    let (w, b) = norm_f32(w, b, c)?;
     let wb = Tensor::stack(&[&w, &b], 0)?;
     x.contiguous()?.apply_op3(&res.contiguous()?, &wb, ResidualLayerNorm { eps: eps as f32 })
 }

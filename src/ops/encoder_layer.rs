@@ -103,6 +103,25 @@ impl Blocks {
     }
 }
 
+/// `f` of a layer op's stash, which its forward reads (`op` names the op in
+/// errors).
+fn with_stash<S, R>(stash: &Mutex<Option<S>>, op: &str, f: impl FnOnce(&S) -> Result<R>) -> Result<R> {
+    match stash.lock().map_err(|_| candle_core::Error::Msg(format!("{op}: poisoned stash")))?.as_ref() {
+        Some(s) => f(s),
+        None => bail!("{op}: internal error, the forward ran without its stash"),
+    }
+}
+
+/// A layer op's stash, taken by its backward (freed with it), or computed
+/// again by `again` for a second backward.
+fn take_stash<S>(stash: &Mutex<Option<S>>, op: &str, again: impl FnOnce() -> Result<Option<S>>) -> Result<S> {
+    let taken = stash.lock().map_err(|_| candle_core::Error::Msg(format!("{op}: poisoned stash")))?.take();
+    match taken {
+        Some(s) => Ok(s),
+        None => again()?.ok_or_else(|| candle_core::Error::Msg(format!("{op}: internal error, no fused attention"))),
+    }
+}
+
 /// Whether a backward's products run in F32 and round once, as [`linear`]
 /// computes them for 16-bit types on the CPU (in the compute dtype
 /// elsewhere); [`mm`] is such a product.
@@ -304,15 +323,6 @@ struct BertLayerOp {
     stash: Mutex<Option<Stash>>,
 }
 
-impl BertLayerOp {
-    fn with_stash<R>(&self, f: impl FnOnce(&Stash) -> Result<R>) -> Result<R> {
-        match self.stash.lock().map_err(|_| candle_core::Error::Msg("bert_layer: poisoned stash".into()))?.as_ref() {
-            Some(s) => f(s),
-            None => bail!("bert_layer: internal error, the forward ran without its stash"),
-        }
-    }
-}
-
 impl CustomOp2 for BertLayerOp {
     fn name(&self) -> &'static str {
         "bert_layer"
@@ -322,7 +332,7 @@ impl CustomOp2 for BertLayerOp {
         let c = lx.dims()[1];
         let w = crate::cpu::storage::slice::<f32>("weights", wp, lwp)?;
         let n2 = &w[self.pack.offset(9)..][..2 * c];
-        self.with_stash(|s| {
+        with_stash(&self.stash, self.name(), |s| {
             let ((d, ld), (h1, lh1)) = (s.d.storage_and_layout(), s.h1.storage_and_layout());
             let (candle_core::Storage::Cpu(d), candle_core::Storage::Cpu(h1)) = (&*d, &*h1) else {
                 bail!("bert_layer: internal error, expected CPU tensors")
@@ -343,7 +353,7 @@ impl CustomOp2 for BertLayerOp {
         let c = lx.dims()[1];
         let at = lwp.start_offset() + self.pack.offset(9);
         let (lw, lb) = (Layout::contiguous_with_offset(c, at), Layout::contiguous_with_offset(c, at + c));
-        self.with_stash(|s| {
+        with_stash(&self.stash, self.name(), |s| {
             let ((d, ld), (h1, lh1)) = (s.d.storage_and_layout(), s.h1.storage_and_layout());
             let (candle_core::Storage::Cuda(d), candle_core::Storage::Cuda(h1)) = (&*d, &*h1) else {
                 bail!("bert_layer: internal error, expected CUDA tensors")
@@ -360,13 +370,10 @@ impl CustomOp2 for BertLayerOp {
     /// the residual paths' gradients added where they meet. The weights'
     /// gradients in F32, packed as the weights.
     fn bwd(&self, x: &Tensor, wpack: &Tensor, _y: &Tensor, dy: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let stash = self.stash.lock().map_err(|_| candle_core::Error::Msg("bert_layer: poisoned stash".into()))?.take();
         let x = x.detach();
-        let s = match stash {
-            Some(s) => s,
-            None => Stash::forward(&x, &wpack.detach(), &self.offsets, &self.pack, self.heads, self.eps)?
-                .ok_or_else(|| candle_core::Error::Msg("bert_layer: internal error, no fused attention".into()))?,
-        };
+        let s = take_stash(&self.stash, self.name(), || {
+            Stash::forward(&x, &wpack.detach(), &self.offsets, &self.pack, self.heads, self.eps)
+        })?;
         let norm = LayerNorm { eps: self.eps as f32 };
         let dy = dy.to_dtype(x.dtype())?.contiguous()?;
         let wide = product_rule(x.device(), x.dtype());
@@ -657,20 +664,6 @@ struct ModernLayerOp {
     stash: Mutex<Option<ModernStash>>,
 }
 
-impl ModernLayerOp {
-    fn with_stash<R>(&self, f: impl FnOnce(&ModernStash) -> Result<R>) -> Result<R> {
-        match self
-            .stash
-            .lock()
-            .map_err(|_| candle_core::Error::Msg("modernbert_layer: poisoned stash".into()))?
-            .as_ref()
-        {
-            Some(s) => f(s),
-            None => bail!("modernbert_layer: internal error, the forward ran without its stash"),
-        }
-    }
-}
-
 impl CustomOp2 for ModernLayerOp {
     fn name(&self) -> &'static str {
         "modernbert_layer"
@@ -678,7 +671,7 @@ impl CustomOp2 for ModernLayerOp {
 
     fn cpu_fwd(&self, _x: &CpuStorage, lx: &Layout, _w: &CpuStorage, _lw: &Layout) -> Result<(CpuStorage, Shape)> {
         use candle_core::backend::BackendStorage;
-        self.with_stash(|s| {
+        with_stash(&self.stash, self.name(), |s| {
             let ((x1, l1), (d, ld)) = (s.x1.storage_and_layout(), s.d.storage_and_layout());
             let (candle_core::Storage::Cpu(x1), candle_core::Storage::Cpu(d)) = (&*x1, &*d) else {
                 bail!("modernbert_layer: internal error, expected CPU tensors")
@@ -696,7 +689,7 @@ impl CustomOp2 for ModernLayerOp {
         _lw: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         use candle_core::backend::BackendStorage;
-        self.with_stash(|s| {
+        with_stash(&self.stash, self.name(), |s| {
             let ((x1, l1), (d, ld)) = (s.x1.storage_and_layout(), s.d.storage_and_layout());
             let (candle_core::Storage::Cuda(x1), candle_core::Storage::Cuda(d)) = (&*x1, &*d) else {
                 bail!("modernbert_layer: internal error, expected CUDA tensors")
@@ -711,16 +704,10 @@ impl CustomOp2 for ModernLayerOp {
     /// gradients added where they meet. The weights' gradients in F32,
     /// packed as the weights.
     fn bwd(&self, x: &Tensor, wpack: &Tensor, _y: &Tensor, dy: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let taken =
-            self.stash.lock().map_err(|_| candle_core::Error::Msg("modernbert_layer: poisoned stash".into()))?.take();
         let x = x.detach();
-        let s = match taken {
-            Some(s) => s,
-            None => ModernStash::forward(&x, &wpack.detach(), &self.offsets, &self.pack, &self.geom, &self.rotary)?
-                .ok_or_else(|| {
-                    candle_core::Error::Msg("modernbert_layer: internal error, no fused attention".into())
-                })?,
-        };
+        let s = take_stash(&self.stash, self.name(), || {
+            ModernStash::forward(&x, &wpack.detach(), &self.offsets, &self.pack, &self.geom, &self.rotary)
+        })?;
         let g = self.geom;
         let norm = LayerNorm { eps: g.eps as f32 };
         let dt = x.dtype();

@@ -113,11 +113,11 @@ struct LinearBias {
     gelu: bool,
 }
 
-impl LinearBias {
-    fn dims(lx: &Layout, lw: &Layout) -> Result<(usize, usize, usize)> {
-        let (m, k) = lx.shape().dims2()?;
-        Ok((m, lw.shape().dims2()?.0, k))
-    }
+/// `x [M, K] · w [N, K]ᵀ` by candle's product on either backend, and (M, N).
+fn product<S: BackendStorage>(x: &S, lx: &Layout, w: &S, lw: &Layout) -> Result<(S, usize, usize)> {
+    let (m, k) = lx.shape().dims2()?;
+    let n = lw.shape().dims2()?.0;
+    Ok((x.matmul(w, (1, m, n, k), lx, &lw.transpose(0, 1)?)?, m, n))
 }
 
 impl CustomOp3 for LinearBias {
@@ -138,8 +138,7 @@ impl CustomOp3 for LinearBias {
         b: &CpuStorage,
         lb: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (m, n, k) = Self::dims(lx, lw)?;
-        let y = x.matmul(w, (1, m, n, k), lx, &lw.transpose(0, 1)?)?;
+        let (y, m, n) = product(x, lx, w, lw)?;
         let out = crate::ops::rows::add_bias_cpu(&y, &Layout::contiguous((m, n)), b, lb, self.gelu)?;
         Ok((out, Shape::from((m, n))))
     }
@@ -154,8 +153,7 @@ impl CustomOp3 for LinearBias {
         b: &candle_core::CudaStorage,
         lb: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let (m, n, k) = Self::dims(lx, lw)?;
-        let y = x.matmul(w, (1, m, n, k), lx, &lw.transpose(0, 1)?)?;
+        let (y, m, n) = product(x, lx, w, lw)?;
         crate::cuda::add_bias_in_place(&y, m, n, (b, lb), self.gelu)?;
         Ok((y, Shape::from((m, n))))
     }
@@ -231,8 +229,8 @@ impl CustomOp2 for MatmulT {
         w: &candle_core::CudaStorage,
         lw: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let (m, n, k) = LinearBias::dims(lx, lw)?;
-        Ok((x.matmul(w, (1, m, n, k), lx, &lw.transpose(0, 1)?)?, Shape::from((m, n))))
+        let (y, m, n) = product(x, lx, w, lw)?;
+        Ok((y, Shape::from((m, n))))
     }
 
     /// `dx = g · w`, `dw = gᵀ · x`.
