@@ -2,7 +2,9 @@
 // attention within each sequence (cu_seqlens), optionally limited to a
 // sliding window |i - j| <= window. f16 / bf16 in, f32 accumulation on
 // mma.sync m16n8k16 tensor cores (sm_80+; the sm_75 module has empty bodies
-// and the host never launches them there).
+// and the host never launches them there). On sm_90a the forward at head
+// dims 64 and 128 and the backward's dQ and dK dV at 64 run the wgmma
+// versions of flash_attn_hopper.cuh instead (same outputs, same semantics).
 //
 // Forward: a block owns BM = 64 query rows of one (sequence, head), a warp
 // one m16 tile of them; key / value tiles of BN rows stream through two
@@ -260,6 +262,8 @@ template <typename T, int D, int MT> __device__ __forceinline__ void flash_fwd(c
 #endif
 }
 
+#include "flash_attn_hopper.cuh"
+
 // delta[h, t] = sum_d dO[t, h D + d] O[t, h D + d] in f32: a warp per (row, head).
 template <typename T, int D> __device__ __forceinline__ void flash_delta(const FlashParams& p) {
     const int lane = threadIdx.x % 32;
@@ -445,6 +449,27 @@ FLASH_KERNELS(__half, f16, 128)
 FLASH_KERNELS(__nv_bfloat16, bf16, 32)
 FLASH_KERNELS(__nv_bfloat16, bf16, 64)
 FLASH_KERNELS(__nv_bfloat16, bf16, 128)
+#ifdef MAXSIM_HOPPER
+// The sm_90a module's wgmma kernels (flash_attn_hopper.cuh): flash_fwd_wg_<dtype>_d<D>,
+// flash_bwd_dq_wg_<dtype>_d64, flash_bwd_dkdv_wg_<dtype>_d64.
+#define FLASH_WG(T, NAME)                                                                               \
+    extern "C" __global__ void __launch_bounds__(fa_wg::THREADS, fa_wg::FwdTile<64>::MIN_BLOCKS)       \
+        flash_fwd_wg_##NAME##_d64(const FlashParams p) {                                                \
+        fa_wg::fwd<T, 64>(p);                                                                            \
+    }                                                                                                    \
+    extern "C" __global__ void __launch_bounds__(fa_wg::THREADS, fa_wg::FwdTile<128>::MIN_BLOCKS)      \
+        flash_fwd_wg_##NAME##_d128(const FlashParams p) {                                               \
+        fa_wg::fwd<T, 128>(p);                                                                           \
+    }                                                                                                    \
+    extern "C" __global__ void __launch_bounds__(fa_wg::THREADS, 1) flash_bwd_dq_wg_##NAME##_d64(const FlashParams p) { \
+        fa_wg::bwd_dq<T>(p);                                                                             \
+    }                                                                                                    \
+    extern "C" __global__ void __launch_bounds__(fa_wg::THREADS, 1) flash_bwd_dkdv_wg_##NAME##_d64(const FlashParams p) { \
+        fa_wg::bwd_dkdv<T>(p);                                                                           \
+    }
+FLASH_WG(__half, f16)
+FLASH_WG(__nv_bfloat16, bf16)
+#endif
 // dQ with 32 rows per warp up to D = 64 (at 128 its accumulators spill).
 FLASH_KERNEL(bwd_dq, __half, f16, 32, 2)
 FLASH_KERNEL(bwd_dq, __half, f16, 64, 2)

@@ -189,6 +189,12 @@ __device__ __forceinline__ uint64_t wgmma_desc_sw128_lo(uint32_t lo) {
 __device__ __forceinline__ uint64_t wgmma_desc_sw128(uint32_t smem_addr) {
     return wgmma_desc_sw128_lo(wgmma_desc_lo(smem_addr));
 }
+// An N-major B operand of 64 columns in the same swizzled [rows, 64] panel
+// layout (rows = the K index, 128 bytes each): 8-row groups 1024 bytes apart
+// (stride byte offset), as CUTLASS's canonical MN-major SW128 layout
+// ((T,8,m),(8,k)):((1,T,LBO),(8T,SBO)) with m = 1 (the leading byte offset,
+// between 64-column panels, unused: wider operands are one wgmma per panel).
+__device__ __forceinline__ uint64_t wgmma_desc_sw128_mn(uint32_t smem_addr) { return wgmma_desc_sw128(smem_addr); }
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int N> __device__ __forceinline__ void wgmma_wait() {
@@ -216,6 +222,15 @@ template <int N> __device__ __forceinline__ void fence_regs(int32_t* r) {
     for (int i = 0; i < N; ++i) asm volatile("" : "+r"(r[i])::"memory");
 }
 
+// Accumulators whose first wgmma overwrites them (scale-d = 0), defined for
+// the compiler without an instruction: zeroing them would be a non-wgmma
+// write inside a pipeline stage of wgmmas still in flight (a P V of the
+// previous tile), which makes ptxas serialize every wgmma (C7515).
+template <int N> __device__ __forceinline__ void wgmma_undef(float* r) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "=f"(r[i]));
+}
+
 // Operand lists: N/2 f32 accumulators, 4 A registers, the B descriptor, scale-d.
 // R: the accumulators' constraint, "+f" (f32) or "+r" (s32).
 #define MAXSIM_WG_D8(R, o) R(d[o]), R(d[o + 1]), R(d[o + 2]), R(d[o + 3]), \
@@ -230,6 +245,8 @@ template <int N> __device__ __forceinline__ void fence_regs(int32_t* r) {
 #define MAXSIM_WG_PRED_N64 "setp.ne.b32 p, %37, 0;\n"
 #define MAXSIM_WG_REGS_N128 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
 #define MAXSIM_WG_TAIL_N128 "{%64, %65, %66, %67}, %68, p, 1, 1, 0;\n"
+// The same with B N-major (imm-trans-b = 1): B rows are the K index, N contiguous.
+#define MAXSIM_WG_TTAIL_N64 "{%32, %33, %34, %35}, %36, p, 1, 1, 1;\n"
 // Integer wgmma takes no scale or transpose immediates.
 #define MAXSIM_WG_ITAIL_N64 "{%32, %33, %34, %35}, %36, p;\n"
 #define MAXSIM_WG_ITAIL_N128 "{%64, %65, %66, %67}, %68, p;\n"
@@ -241,8 +258,12 @@ template <int N> __device__ __forceinline__ void fence_regs(int32_t* r) {
 // D[64 x N] (+)= A[64 x K] (registers) * B[K x N] (shared memory, K-major):
 // K = 16 for f16 / bf16 (f32 accumulators), 32 for s8 (s32) and e4m3 (f32).
 template <typename T, int N> struct Wgmma;
-#define MAXSIM_WGMMA_AS(T, ACC, R, SHAPE, TAIL, N)                                                       \
-    template <> struct Wgmma<T, N> {                                                                     \
+// The same for f16 / bf16 with B N-major, N = 64: a [K, 64] row-major panel
+// (attention's values), 128-byte swizzled like the K-major tiles
+// (wgmma_desc_sw128_mn).
+template <typename T, int N> struct WgmmaNB;
+#define MAXSIM_WGMMA_AS(NAME, T, ACC, R, SHAPE, TAIL, N)                                                 \
+    template <> struct NAME<T, N> {                                                                      \
         static __device__ __forceinline__ void run(ACC* d, const uint32_t* a, uint64_t desc, int acc) { \
             asm volatile("{\n.reg .pred p;\n" MAXSIM_WG_PRED_N##N "wgmma.mma_async.sync.aligned.m64n" #N  \
                          SHAPE " " MAXSIM_WG_REGS_N##N ", " TAIL##N "}\n"                                 \
@@ -251,7 +272,7 @@ template <typename T, int N> struct Wgmma;
         }                                                                                                \
     };
 #define MAXSIM_WGMMA(T, TS, N) \
-    MAXSIM_WGMMA_AS(T, float, MAXSIM_WG_F, "k16.f32." TS "." TS, MAXSIM_WG_TAIL_N, N)
+    MAXSIM_WGMMA_AS(Wgmma, T, float, MAXSIM_WG_F, "k16.f32." TS "." TS, MAXSIM_WG_TAIL_N, N)
 // D[64 x N] (+)= A[64 x 16] * B[16 x N], both from 128-byte-swizzled K-major
 // shared-memory tiles (the fused projection head stages both through cp.async).
 template <typename T, int N> struct WgmmaSS;
@@ -278,9 +299,11 @@ MAXSIM_WGMMA(__half, "f16", 64)
 MAXSIM_WGMMA(__half, "f16", 128)
 MAXSIM_WGMMA(__nv_bfloat16, "bf16", 64)
 MAXSIM_WGMMA(__nv_bfloat16, "bf16", 128)
-MAXSIM_WGMMA_AS(int8_t, int32_t, MAXSIM_WG_S, "k32.s32.s8.s8", MAXSIM_WG_ITAIL_N, 64)
-MAXSIM_WGMMA_AS(int8_t, int32_t, MAXSIM_WG_S, "k32.s32.s8.s8", MAXSIM_WG_ITAIL_N, 128)
-MAXSIM_WGMMA_AS(__nv_fp8_e4m3, float, MAXSIM_WG_F, "k32.f32.e4m3.e4m3", MAXSIM_WG_F8TAIL_N, 64)
-MAXSIM_WGMMA_AS(__nv_fp8_e4m3, float, MAXSIM_WG_F, "k32.f32.e4m3.e4m3", MAXSIM_WG_F8TAIL_N, 128)
+MAXSIM_WGMMA_AS(WgmmaNB, __half, float, MAXSIM_WG_F, "k16.f32.f16.f16", MAXSIM_WG_TTAIL_N, 64)
+MAXSIM_WGMMA_AS(WgmmaNB, __nv_bfloat16, float, MAXSIM_WG_F, "k16.f32.bf16.bf16", MAXSIM_WG_TTAIL_N, 64)
+MAXSIM_WGMMA_AS(Wgmma, int8_t, int32_t, MAXSIM_WG_S, "k32.s32.s8.s8", MAXSIM_WG_ITAIL_N, 64)
+MAXSIM_WGMMA_AS(Wgmma, int8_t, int32_t, MAXSIM_WG_S, "k32.s32.s8.s8", MAXSIM_WG_ITAIL_N, 128)
+MAXSIM_WGMMA_AS(Wgmma, __nv_fp8_e4m3, float, MAXSIM_WG_F, "k32.f32.e4m3.e4m3", MAXSIM_WG_F8TAIL_N, 64)
+MAXSIM_WGMMA_AS(Wgmma, __nv_fp8_e4m3, float, MAXSIM_WG_F, "k32.f32.e4m3.e4m3", MAXSIM_WG_F8TAIL_N, 128)
 #endif // __CUDA_ARCH_FEAT_SM90_ALL
 

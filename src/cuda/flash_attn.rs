@@ -7,7 +7,7 @@ use super::memory::{alloc_out, storage_ptr};
 use super::params::dtype_tag;
 use candle_core::backend::{BackendDevice, BackendStorage};
 use candle_core::cuda_backend::cudarc::driver::LaunchConfig;
-use candle_core::{bail, CudaStorage, DType, Layout, Result};
+use candle_core::{bail, CudaDevice, CudaStorage, DType, Layout, Result};
 
 /// Mirror of `FlashParams` in kernels/flash_attn.cu.
 #[repr(C)]
@@ -114,6 +114,41 @@ impl FlashGeom {
         }
     }
 
+    /// Whether kernel `stem` has a Hopper (sm_90a wgmma) version for this
+    /// problem on this device: the forward at head dims 64 and 128, the
+    /// backward's dQ and dK dV at 64 (kernels/flash_attn_hopper.cuh).
+    fn hopper(&self, stem: &str, dev: &CudaDevice) -> Result<bool> {
+        let dims: &[usize] = if stem == "flash_fwd" { &[64, 128] } else { &[64] };
+        Ok(device_info(dev)?.cc == 90 && dims.contains(&self.dh))
+    }
+
+    /// The Hopper version of kernel `stem`: blocks of two warpgroups over
+    /// 128 rows, 64 rows of the other side per step, shared memory as
+    /// FwdTile / BwdTile size it (the block's fixed tiles, then rings of
+    /// 64-row slots: K and V in the forward, 4 slots at dh 64 and 3 at 128;
+    /// in the backward 4 slots of two tiles and 512 bytes of statistics,
+    /// each slot rounded to 1 KB; 1 KB to align the swizzled tiles).
+    fn hopper_launch_of(&self, stem: &str, dt: DType) -> (String, LaunchConfig) {
+        let dh = self.dh;
+        let smem = if stem == "flash_fwd" {
+            let slots = if dh == 64 { 4 } else { 3 };
+            1024 + 2 * (128 * dh + 2 * slots * 64 * dh)
+        } else {
+            1024 + 2 * 2 * 128 * dh + 4 * (2 * 2 * 64 * dh + 2 * 64 * 4).div_ceil(1024) * 1024
+        };
+        let cfg = LaunchConfig {
+            grid_dim: (self.max_len.div_ceil(128).max(1) as u32, self.heads as u32, self.batch as u32),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: smem as u32,
+        };
+        (format!("{stem}_wg_{}_d{dh}", dtype_tag(dt)), cfg)
+    }
+
+    /// The kernel that runs `stem` on this device, and its launch.
+    fn kernel_of(&self, stem: &str, dt: DType, dev: &CudaDevice) -> Result<(String, LaunchConfig)> {
+        Ok(if self.hopper(stem, dev)? { self.hopper_launch_of(stem, dt) } else { self.launch_of(stem, dt) })
+    }
+
     /// Kernel `stem` for this problem: its name, launch grid (blocks of 64
     /// MT rows of each (sequence, head)) and shared memory, as FaTile in
     /// kernels/flash_attn.cu sizes it.
@@ -169,7 +204,7 @@ pub(crate) fn flash_fwd(
         lse: storage_ptr(&lse, &Layout::contiguous(1))?,
         ..g.params(cu)?
     };
-    let (name, cfg) = g.launch_of("flash_fwd", dt);
+    let (name, cfg) = g.kernel_of("flash_fwd", dt, dev)?;
     let func = kernel(dev, Module::FlashAttn, &name, cfg.shared_mem_bytes)?;
     launch(dev, &func, cfg, &p)?;
     Ok((out, lse))
@@ -218,7 +253,7 @@ pub(crate) fn flash_bwd(
     let func = kernel(dev, Module::FlashAttn, &format!("flash_delta_{}_d{}", dtype_tag(dt), g.dh), 0)?;
     launch(dev, &func, grid_stride(dev, g.total * g.heads, 8, 256, 16)?, &p)?;
     for stem in ["flash_bwd_dq", "flash_bwd_dkdv"] {
-        let (name, cfg) = g.launch_of(stem, dt);
+        let (name, cfg) = g.kernel_of(stem, dt, dev)?;
         let func = kernel(dev, Module::FlashAttn, &name, cfg.shared_mem_bytes)?;
         launch(dev, &func, cfg, &p)?;
     }
