@@ -90,9 +90,11 @@ impl FlashGeom {
             batch: int("cu_seqlens", self.batch)?,
             heads: int("heads", self.heads)?,
             total: int("q", self.total)?,
+            // A window as wide as the longest sequence limits nothing; passing
+            // it on would overflow the kernels' 32-bit row ranges near 2^31.
             window: match self.window {
-                Some(w) => int("window", w)?,
-                None => -1,
+                Some(w) if w < self.max_len => int("window", w)?,
+                _ => -1,
             },
             scale_log2: self.scale * std::f32::consts::LOG2_E,
             scale: self.scale,
