@@ -9,6 +9,7 @@
 //! | `CANDLE_MAXSIM_RESIDUAL=tile` | keep residual scoring on the tile kernels (never the warp kernel) |
 //! | `CANDLE_MAXSIM_CPU=gemm` | CPU forward on the portable GEMM path even where the AVX-512 lane kernels run (CI tests both) |
 //! | `CANDLE_MAXSIM_CPU=bf16dot\|bf16widen` | BF16 CPU forward on VDPBF16PS (where the CPU has it), or widened to F32, whatever the CPU's vendor (CI tests both) |
+//! | `CANDLE_MAXSIM_CPU=noamx` | BF16 linear layers on the CPU widened to F32 even where AMX tiles would run them |
 
 use std::sync::OnceLock;
 
@@ -28,6 +29,8 @@ pub struct Knobs {
     pub cpu_gemm: bool,
     /// BF16 CPU forward pinned to VDPBF16PS (true) or to widening (false).
     pub cpu_bf16_dot: Option<bool>,
+    /// BF16 linear layers on the CPU never on AMX tiles.
+    pub cpu_no_amx: bool,
 }
 
 impl Knobs {
@@ -48,6 +51,7 @@ impl Knobs {
                 Some("bf16widen") => Some(false),
                 _ => None,
             },
+            cpu_no_amx: var("CANDLE_MAXSIM_CPU").as_deref() == Some("noamx"),
         }
     }
 }

@@ -10,6 +10,8 @@ use crate::layout::{Pairing, Problem, Seqs};
 use rayon::prelude::*;
 
 #[cfg(target_arch = "x86_64")]
+pub(crate) mod amx;
+#[cfg(target_arch = "x86_64")]
 mod avx512;
 pub(crate) mod math;
 pub(crate) mod storage;

@@ -73,6 +73,18 @@ fn linear_act(x: &Tensor, w: &Tensor, b: Option<&Tensor>, gelu: bool) -> Result<
     // the backward a zero-filled gradient and an add over the activations.
     let x2 = if x.rank() == 2 { x.clone() } else { x.reshape((m, k))? };
     if x.device().is_cpu() && matches!(x.dtype(), DType::F16 | DType::BF16) {
+        #[cfg(target_arch = "x86_64")]
+        if x.dtype() == DType::BF16 && m * n * k > 0 && crate::cpu::amx::available() {
+            // BF16 products on AMX tiles, accumulated in F32; bias, GELU and
+            // the rounding as below.
+            let y = x2.contiguous()?.apply_op2(&w.contiguous()?, MatmulAmx)?;
+            let y = match b {
+                Some(b) if gelu => crate::ops::rows::add_bias_gelu(&y, b)?,
+                Some(b) => crate::ops::rows::add_bias(&y, b)?,
+                None => y,
+            };
+            return y.to_dtype(x.dtype())?.reshape(shape);
+        }
         // candle's CPU matmul has no fast 16-bit path (BF16 ran at a quarter
         // of F32's speed in the encoder): compute in F32, round once.
         let y = linear_act(&x.to_dtype(DType::F32)?, &w.to_dtype(DType::F32)?, b, gelu)?;
@@ -237,5 +249,31 @@ impl CustomOp2 for MatmulT {
     fn bwd(&self, x: &Tensor, w: &Tensor, _y: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let (x, w) = (x.detach(), w.detach());
         Ok((Some(g.matmul(&w)?), Some(g.t()?.matmul(&x)?)))
+    }
+}
+
+/// `x [M, K] · w [N, K]ᵀ` of BF16 rows on the CPU's AMX tiles, in F32
+/// (src/cpu/amx.rs); the backward in F32, each gradient rounded to BF16.
+#[cfg(target_arch = "x86_64")]
+struct MatmulAmx;
+
+#[cfg(target_arch = "x86_64")]
+impl CustomOp2 for MatmulAmx {
+    fn name(&self) -> &'static str {
+        "linear_amx"
+    }
+
+    fn cpu_fwd(&self, x: &CpuStorage, lx: &Layout, w: &CpuStorage, lw: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (xs, ws) = (slice::<half::bf16>("x", x, lx)?, slice::<half::bf16>("w", w, lw)?);
+        let (m, k) = lx.shape().dims2()?;
+        let n = lw.dims()[0];
+        Ok((CpuStorage::F32(crate::cpu::amx::matmul_nt(xs, m, k, ws, n)), Shape::from((m, n))))
+    }
+
+    /// `dx = g · w`, `dw = gᵀ · x` in F32.
+    fn bwd(&self, x: &Tensor, w: &Tensor, _y: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let (xf, wf) = (x.detach().to_dtype(DType::F32)?, w.detach().to_dtype(DType::F32)?);
+        let g = g.to_dtype(DType::F32)?;
+        Ok((Some(g.matmul(&wf)?.to_dtype(x.dtype())?), Some(g.t()?.matmul(&xf)?.to_dtype(w.dtype())?)))
     }
 }

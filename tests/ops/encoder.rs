@@ -267,6 +267,10 @@ fn linear_cases(dev: &Device) -> Result<()> {
             (&[3][..], 5, 7, true, true),
             (&[2, 300][..], 24, 33, true, true),
             (&[1030][..], 17, 5, true, true),
+            // Several 32-wide K steps with a remainder, columns past a
+            // 32-column block (the AMX tiles' shapes on CPUs that have them).
+            (&[70][..], 100, 40, true, false),
+            (&[2, 40][..], 384, 96, true, true),
         ];
         for &(lead, k, n, bias, gelu) in &cases {
             let what = format!("linear {lead:?}x{k} -> {n} bias {bias} gelu {gelu} {dt:?} on {dev:?}");

@@ -1,0 +1,202 @@
+//! BF16 products on Intel AMX tiles (Sapphire Rapids and newer): `x [M, K] ·
+//! w [N, K]ᵀ` with F32 accumulation, for the linear layers of a BF16
+//! encoder on the CPU, where widening to F32 ran the products on FMA units
+//! at a 32nd of the tiles' rate.
+//!
+//! The operands: A tiles of 16 rows × 32 BF16 straight from a copy of 32
+//! rows of x (K padded to a multiple of 32 with zeros); B tiles of 16 pairs
+//! of K × 16 columns from w packed once per call in the tiles' pair-
+//! interleaved ("VNNI") layout; four 16 × 16 F32 accumulator tiles per step
+//! (32 rows × 32 columns), every A and B tile used twice. Each rayon task
+//! configures the tiles of its thread, computes a block of rows × a range
+//! of column pairs and releases them.
+//!
+//! The instructions are written by mnemonic in `asm!` (Rust has no stable
+//! AMX intrinsics); the kernel asks Linux for the tile state once per
+//! process (`arch_prctl(ARCH_REQ_XCOMP_PERM)`), and without it, or on a CPU
+//! without AMX-BF16, [`available`] is false and callers keep their F32 path.
+
+use super::OutPtr;
+use half::bf16;
+use rayon::prelude::*;
+use std::arch::asm;
+
+/// Rows of a task: two A tiles of 16.
+const BM: usize = 32;
+/// BF16 elements of K per tile row (64 bytes).
+const TK: usize = 32;
+/// Elements of one packed B tile: 16 K pairs × 16 columns × 2.
+const B_TILE: usize = 16 * 32;
+
+/// Whether this process may use AMX-BF16 tiles here (checked once), unless
+/// `CANDLE_MAXSIM_CPU=noamx` turns them off.
+pub(crate) fn available() -> bool {
+    static OK: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *OK.get_or_init(|| !crate::knobs::knobs().cpu_no_amx && cpu_has_amx_bf16() && request_tile_state())
+}
+
+/// CPUID leaf 7: AMX-BF16 (EDX bit 22) and AMX-TILE (EDX bit 24).
+fn cpu_has_amx_bf16() -> bool {
+    use std::arch::x86_64::__cpuid_count;
+    __cpuid_count(0, 0).eax >= 7 && {
+        let edx = __cpuid_count(7, 0).edx;
+        edx & (1 << 22) != 0 && edx & (1 << 24) != 0
+    }
+}
+
+/// Linux's permission for the tile data state (XTILEDATA, feature 18), for
+/// every thread of the process; false where the kernel refuses it.
+fn request_tile_state() -> bool {
+    if !cfg!(target_os = "linux") {
+        return false;
+    }
+    const SYS_ARCH_PRCTL: i64 = 158;
+    const ARCH_REQ_XCOMP_PERM: i64 = 0x1023;
+    const XFEATURE_XTILEDATA: i64 = 18;
+    let ret: i64;
+    // SAFETY: a plain system call; it changes no memory of this process.
+    unsafe {
+        asm!("syscall", inlateout("rax") SYS_ARCH_PRCTL => ret, in("rdi") ARCH_REQ_XCOMP_PERM,
+             in("rsi") XFEATURE_XTILEDATA, lateout("rcx") _, lateout("r11") _, options(nostack));
+    }
+    ret == 0
+}
+
+/// The tile configuration (palette 1): all eight tiles 16 rows of 64 bytes.
+#[repr(C, align(64))]
+struct TileConfig {
+    palette: u8,
+    start_row: u8,
+    _reserved: [u8; 14],
+    colsb: [u16; 16],
+    rows: [u8; 16],
+}
+
+const CONFIG: TileConfig = {
+    let mut c = TileConfig { palette: 1, start_row: 0, _reserved: [0; 14], colsb: [0; 16], rows: [0; 16] };
+    let mut t = 0;
+    while t < 8 {
+        c.colsb[t] = 64;
+        c.rows[t] = 16;
+        t += 1;
+    }
+    c
+};
+
+/// w [N, K] in B tiles: column block j (16 columns, padded with zero columns
+/// to an even count of blocks) and K block q (32 elements, zero past K) at
+/// element `(j · kb + q) · B_TILE`; inside, K pair p of column c at `p · 32 + 2c`.
+fn pack_w(w: &[bf16], n: usize, k: usize, kb: usize) -> (Vec<u16>, usize) {
+    let nb = n.div_ceil(16).next_multiple_of(2);
+    let mut packed = vec![0u16; nb * kb * B_TILE];
+    packed.par_chunks_mut(kb * B_TILE).enumerate().for_each(|(j, block)| {
+        for c in 0..16 {
+            let col = j * 16 + c;
+            if col >= n {
+                break;
+            }
+            let row = &w[col * k..(col + 1) * k];
+            for (kk, v) in row.iter().enumerate() {
+                let (q, r) = (kk / TK, kk % TK);
+                block[q * B_TILE + (r / 2) * 32 + 2 * c + r % 2] = v.to_bits();
+            }
+        }
+    });
+    (packed, nb)
+}
+
+/// `x [m, k] · w [n, k]ᵀ` as F32 `[m, n]`, row-major; both operands
+/// contiguous BF16. Callers check [`available`] first.
+pub(crate) fn matmul_nt(x: &[bf16], m: usize, k: usize, w: &[bf16], n: usize) -> Vec<f32> {
+    let mut out = vec![0f32; m * n];
+    if m == 0 || n == 0 {
+        return out;
+    }
+    let kb = k.div_ceil(TK).max(1);
+    let (packed, nb) = pack_w(w, n, k, kb);
+    let pairs = nb / 2;
+    // Tasks: row blocks × ranges of column pairs, about 4 per thread when
+    // the rows alone are too few (a short batch).
+    let row_blocks = m.div_ceil(BM);
+    let want = 4 * rayon::current_num_threads();
+    let chunks = want.div_ceil(row_blocks).clamp(1, pairs);
+    let per = pairs.div_ceil(chunks);
+    let dst = OutPtr(out.as_mut_ptr());
+    (0..row_blocks * chunks).into_par_iter().for_each(|task| {
+        let (r0, p0) = ((task / chunks) * BM, (task % chunks) * per);
+        let p1 = (p0 + per).min(pairs);
+        if p0 >= p1 {
+            return;
+        }
+        // This block's rows, K padded: the A tiles read 64-byte rows.
+        let mut xa = vec![0u16; BM * kb * TK];
+        for r in 0..BM.min(m - r0) {
+            let src = &x[(r0 + r) * k..(r0 + r + 1) * k];
+            for (d, s) in xa[r * kb * TK..][..k].iter_mut().zip(src) {
+                *d = s.to_bits();
+            }
+        }
+        let mut acc = [0f32; BM * 32];
+        let o = dst;
+        // SAFETY: the tile state was granted (`available`); every tile load
+        // reads 16 rows of 64 bytes inside xa (rows kb·64 bytes apart) or
+        // inside one packed B tile; the stores write the 32 × 32 acc.
+        unsafe {
+            asm!("ldtilecfg [{0}]", in(reg) &CONFIG, options(nostack, readonly));
+            for pair in p0..p1 {
+                block_product(&xa, kb, &packed[2 * pair * kb * B_TILE..], kb * B_TILE, &mut acc);
+                let c0 = pair * 32;
+                for r in 0..BM.min(m - r0) {
+                    for c in 0..32.min(n.saturating_sub(c0)) {
+                        *o.at((r0 + r) * n + c0 + c) = acc[r * 32 + c];
+                    }
+                }
+            }
+            asm!("tilerelease", options(nostack, nomem));
+        }
+    });
+    out
+}
+
+/// acc[32 × 32] = xa[32 rows, kb·32] · (two column blocks of packed w)ᵀ:
+/// tmm0..3 the four 16 × 16 accumulators, tmm4 / tmm5 the A tiles of rows
+/// 0-15 / 16-31, tmm6 / tmm7 the B tiles of the two column blocks
+/// (`next` elements apart).
+///
+/// # Safety
+/// The tiles are configured (CONFIG) on this thread; xa holds 32 rows of
+/// kb·32 elements and b two blocks of kb tiles, `next` elements apart.
+#[inline(always)]
+unsafe fn block_product(xa: &[u16], kb: usize, b: &[u16], next: usize, acc: &mut [f32; BM * 32]) {
+    let a_stride = kb * TK * 2; // bytes between rows of xa
+    asm!("tilezero tmm0", "tilezero tmm1", "tilezero tmm2", "tilezero tmm3", options(nostack, nomem));
+    for q in 0..kb {
+        let a0 = xa.as_ptr().add(q * TK);
+        let a1 = a0.add(16 * kb * TK);
+        let b0 = b.as_ptr().add(q * B_TILE);
+        let b1 = b0.add(next);
+        asm!(
+            "tileloadd tmm4, [{a0} + {sa}*1]",
+            "tileloadd tmm5, [{a1} + {sa}*1]",
+            "tileloadd tmm6, [{b0} + {sb}*1]",
+            "tileloadd tmm7, [{b1} + {sb}*1]",
+            "tdpbf16ps tmm0, tmm4, tmm6",
+            "tdpbf16ps tmm1, tmm4, tmm7",
+            "tdpbf16ps tmm2, tmm5, tmm6",
+            "tdpbf16ps tmm3, tmm5, tmm7",
+            a0 = in(reg) a0, a1 = in(reg) a1, b0 = in(reg) b0, b1 = in(reg) b1,
+            sa = in(reg) a_stride, sb = in(reg) 64usize,
+            options(nostack, readonly),
+        );
+    }
+    let c = acc.as_mut_ptr();
+    asm!(
+        "tilestored [{c0} + {s}*1], tmm0",
+        "tilestored [{c1} + {s}*1], tmm1",
+        "tilestored [{c2} + {s}*1], tmm2",
+        "tilestored [{c3} + {s}*1], tmm3",
+        c0 = in(reg) c, c1 = in(reg) c.add(16), c2 = in(reg) c.add(16 * 32), c3 = in(reg) c.add(16 * 32 + 16),
+        s = in(reg) 128usize,
+        options(nostack),
+    );
+}
