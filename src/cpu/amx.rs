@@ -16,7 +16,6 @@
 //! process (`arch_prctl(ARCH_REQ_XCOMP_PERM)`), and without it, or on a CPU
 //! without AMX-BF16, [`available`] is false and callers keep their F32 path.
 
-use super::OutPtr;
 use half::bf16;
 use rayon::prelude::*;
 use std::arch::asm;
@@ -108,7 +107,44 @@ fn pack_w(w: &[bf16], n: usize, k: usize, kb: usize) -> (Vec<u16>, usize) {
 /// `x [m, k] · w [n, k]ᵀ` as F32 `[m, n]`, row-major; both operands
 /// contiguous BF16. Callers check [`available`] first.
 pub(crate) fn matmul_nt(x: &[bf16], m: usize, k: usize, w: &[bf16], n: usize) -> Vec<f32> {
-    let mut out = vec![0f32; m * n];
+    run(x, m, k, w, n, |acc: &[f32], out: &mut [f32], _| out.copy_from_slice(acc))
+}
+
+/// `act(x [m, k] · w [n, k]ᵀ + b)` rounded to BF16, each output written
+/// once (a linear layer's inference: no F32 product in memory): the same
+/// values as [`matmul_nt`] followed by the bias, GELU and rounding of
+/// `nn::add_bias` / `add_bias_gelu` and `to_dtype`.
+pub(crate) fn linear(x: &[bf16], m: usize, k: usize, w: &[bf16], n: usize, b: Option<&[f32]>, gelu: bool) -> Vec<bf16> {
+    use crate::ops::rows::gelu_f32;
+    run(x, m, k, w, n, |acc: &[f32], out: &mut [bf16], c0| {
+        crate::cpu::math::simd(
+            #[inline(always)]
+            || match (b, gelu) {
+                (Some(b), true) => {
+                    out.iter_mut().zip(acc).zip(&b[c0..]).for_each(|((o, &a), &b)| *o = bf16::from_f32(gelu_f32(a + b)))
+                }
+                (Some(b), false) => {
+                    out.iter_mut().zip(acc).zip(&b[c0..]).for_each(|((o, &a), &b)| *o = bf16::from_f32(a + b))
+                }
+                (None, true) => out.iter_mut().zip(acc).for_each(|(o, &a)| *o = bf16::from_f32(gelu_f32(a))),
+                (None, false) => out.iter_mut().zip(acc).for_each(|(o, &a)| *o = bf16::from_f32(a)),
+            },
+        )
+    })
+}
+
+/// The product in 32 × 32 blocks, each row piece of a block handed to
+/// `write(acc, out, c0)`: its F32 values, the output elements they become
+/// (row-major `[m, n]`) and the first column.
+fn run<T: Copy + Default + Send + Sync>(
+    x: &[bf16],
+    m: usize,
+    k: usize,
+    w: &[bf16],
+    n: usize,
+    write: impl Fn(&[f32], &mut [T], usize) + Sync,
+) -> Vec<T> {
+    let mut out = vec![T::default(); m * n];
     if m == 0 || n == 0 {
         return out;
     }
@@ -121,7 +157,7 @@ pub(crate) fn matmul_nt(x: &[bf16], m: usize, k: usize, w: &[bf16], n: usize) ->
     let want = 4 * rayon::current_num_threads();
     let chunks = want.div_ceil(row_blocks).clamp(1, pairs);
     let per = pairs.div_ceil(chunks);
-    let dst = OutPtr(out.as_mut_ptr());
+    let dst = Out(out.as_mut_ptr());
     (0..row_blocks * chunks).into_par_iter().for_each(|task| {
         let (r0, p0) = ((task / chunks) * BM, (task % chunks) * per);
         let p1 = (p0 + per).min(pairs);
@@ -137,19 +173,20 @@ pub(crate) fn matmul_nt(x: &[bf16], m: usize, k: usize, w: &[bf16], n: usize) ->
             }
         }
         let mut acc = [0f32; BM * 32];
-        let o = dst;
+        let o = &dst;
         // SAFETY: the tile state was granted (`available`); every tile load
         // reads 16 rows of 64 bytes inside xa (rows kb·64 bytes apart) or
-        // inside one packed B tile; the stores write the 32 × 32 acc.
+        // inside one packed B tile; the stores write the 32 × 32 acc. Tasks
+        // write disjoint (rows, columns) blocks of `out`.
         unsafe {
             asm!("ldtilecfg [{0}]", in(reg) &CONFIG, options(nostack, readonly));
             for pair in p0..p1 {
                 block_product(&xa, kb, &packed[2 * pair * kb * B_TILE..], kb * B_TILE, &mut acc);
                 let c0 = pair * 32;
+                let cols = 32.min(n.saturating_sub(c0));
                 for r in 0..BM.min(m - r0) {
-                    for c in 0..32.min(n.saturating_sub(c0)) {
-                        *o.at((r0 + r) * n + c0 + c) = acc[r * 32 + c];
-                    }
+                    let row = std::slice::from_raw_parts_mut(o.0.add((r0 + r) * n + c0), cols);
+                    write(&acc[r * 32..r * 32 + cols], row, c0);
                 }
             }
             asm!("tilerelease", options(nostack, nomem));
@@ -157,6 +194,12 @@ pub(crate) fn matmul_nt(x: &[bf16], m: usize, k: usize, w: &[bf16], n: usize) ->
     });
     out
 }
+
+/// The output buffer, shared by the tasks (each writes its own blocks).
+struct Out<T>(*mut T);
+// SAFETY: the tasks write disjoint blocks of one live buffer.
+unsafe impl<T> Send for Out<T> {}
+unsafe impl<T> Sync for Out<T> {}
 
 /// acc[32 × 32] = xa[32 rows, kb·32] · (two column blocks of packed w)ᵀ:
 /// tmm0..3 the four 16 × 16 accumulators, tmm4 / tmm5 the A tiles of rows

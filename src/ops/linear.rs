@@ -76,8 +76,18 @@ fn linear_act(x: &Tensor, w: &Tensor, b: Option<&Tensor>, gelu: bool) -> Result<
         #[cfg(target_arch = "x86_64")]
         if x.dtype() == DType::BF16 && m * n * k > 0 && crate::cpu::amx::available() {
             // BF16 products on AMX tiles, accumulated in F32; bias, GELU and
-            // the rounding as below.
-            let y = x2.contiguous()?.apply_op2(&w.contiguous()?, MatmulAmx)?;
+            // the rounding as below. Without gradients, all of it as each
+            // output is written (the same values).
+            let (xc, wc) = (x2.contiguous()?, w.contiguous()?);
+            if !(x.track_op() || w.track_op() || b.is_some_and(|b| b.track_op())) {
+                let op = AmxLinear { gelu };
+                let y = match b {
+                    Some(b) => xc.apply_op3_no_bwd(&wc, &b.to_dtype(DType::F32)?.contiguous()?, &op)?,
+                    None => xc.apply_op2_no_bwd(&wc, &op)?,
+                };
+                return y.reshape(shape);
+            }
+            let y = xc.apply_op2(&wc, MatmulAmx)?;
             let y = match b {
                 Some(b) if gelu => crate::ops::rows::add_bias_gelu(&y, b)?,
                 Some(b) => crate::ops::rows::add_bias(&y, b)?,
@@ -275,5 +285,60 @@ impl CustomOp2 for MatmulAmx {
         let (xf, wf) = (x.detach().to_dtype(DType::F32)?, w.detach().to_dtype(DType::F32)?);
         let g = g.to_dtype(DType::F32)?;
         Ok((Some(g.matmul(&wf)?.to_dtype(x.dtype())?), Some(g.t()?.matmul(&xf)?.to_dtype(w.dtype())?)))
+    }
+}
+
+/// A BF16 linear layer's inference on the CPU's AMX tiles: `act(x · wᵀ + b)`
+/// rounded to BF16 as each output is written (the values of [`MatmulAmx`]
+/// then the bias, GELU and rounding); two operands without a bias.
+#[cfg(target_arch = "x86_64")]
+struct AmxLinear {
+    gelu: bool,
+}
+
+#[cfg(target_arch = "x86_64")]
+impl AmxLinear {
+    fn run(
+        &self,
+        x: &CpuStorage,
+        lx: &Layout,
+        w: &CpuStorage,
+        lw: &Layout,
+        b: Option<&[f32]>,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (xs, ws) = (slice::<half::bf16>("x", x, lx)?, slice::<half::bf16>("w", w, lw)?);
+        let (m, k) = lx.shape().dims2()?;
+        let n = lw.dims()[0];
+        Ok((CpuStorage::BF16(crate::cpu::amx::linear(xs, m, k, ws, n, b, self.gelu)), Shape::from((m, n))))
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+impl CustomOp2 for AmxLinear {
+    fn name(&self) -> &'static str {
+        "linear_amx_bf16"
+    }
+
+    fn cpu_fwd(&self, x: &CpuStorage, lx: &Layout, w: &CpuStorage, lw: &Layout) -> Result<(CpuStorage, Shape)> {
+        self.run(x, lx, w, lw, None)
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+impl CustomOp3 for AmxLinear {
+    fn name(&self) -> &'static str {
+        "linear_amx_bf16"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        lx: &Layout,
+        w: &CpuStorage,
+        lw: &Layout,
+        b: &CpuStorage,
+        lb: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        self.run(x, lx, w, lw, Some(slice::<f32>("b", b, lb)?))
     }
 }

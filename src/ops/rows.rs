@@ -172,7 +172,7 @@ pub(crate) fn gelu_bwd(x: &Tensor, b: &Tensor, g: &Tensor) -> Result<Tensor> {
 
 /// GELU(z) = z·Φ(z) in F32.
 #[inline(always)]
-fn gelu_f32(z: f32) -> f32 {
+pub(crate) fn gelu_f32(z: f32) -> f32 {
     0.5 * z * (1.0 + erf_f32(z * std::f32::consts::FRAC_1_SQRT_2))
 }
 

@@ -292,6 +292,18 @@ fn linear_cases(dev: &Device) -> Result<()> {
             };
             assert_eq!(y.dims(), want.dims(), "{what}");
             assert_close(&what, &y, &want, tol)?;
+            // Without gradients (inference; on the CPU in BF16 with AMX its
+            // own fused path): the same values, bit for bit.
+            let (xd, wd, bd) = (g(&x)?, g(&w)?, b.map(g).transpose()?);
+            let yi = match &bd {
+                Some(bd) if gelu => ms::nn::linear_gelu(&xd, &wd, bd)?,
+                bd => ms::nn::linear(&xd, &wd, bd.as_ref())?,
+            };
+            assert_eq!(
+                yi.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?,
+                y.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?,
+                "{what}: inference against training"
+            );
             let wt = randn(want.dims(), DType::F64, &cpu)?;
             let gr = y.to_dtype(DType::F64)?.mul(&g(&wt)?)?.sum_all()?.backward()?;
             let f64v = |t: &Tensor| Var::from_tensor(&t.to_dtype(DType::F64).expect("f64")).expect("a var");
