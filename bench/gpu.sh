@@ -2,7 +2,7 @@
 # One GPU benchmark table: this crate's bench binary and the peers back to back
 # on the same GPU, then the markdown table (bench/table.py).
 #
-#   bench/gpu.sh forward|families|int8|train|plaid|head
+#   bench/gpu.sh forward|families|int8|train|plaid|head|attention
 #
 # What it needs on the GPU machine:
 #   - the bench binary: `cargo build --release --features cuda --example bench`
@@ -28,15 +28,15 @@
 # Ours is timed before and after the peers; table.py shows the slower run.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
-usage="usage: bench/gpu.sh forward|families|int8|train|plaid|head"
+usage="usage: bench/gpu.sh forward|families|int8|train|plaid|head|attention"
 workload=${1:?$usage}
-case $workload in forward | families | int8 | train | plaid | head) ;; *) echo "$usage" >&2; exit 2 ;; esac
+case $workload in forward | families | int8 | train | plaid | head | attention) ;; *) echo "$usage" >&2; exit 2 ;; esac
 B=${BENCH_BIN:-$here/../target/release/examples/bench}
 [ -x "$B" ] || { echo "no bench binary at $B: build it (see the top of $0) or set BENCH_BIN" >&2; exit 1; }
 out=${RESULTS:-$(mktemp -d)}
 mkdir -p "$out"
 
-if [ "$workload" != head ] && [ "$workload" != int8 ] && [ "$workload" != families ]; then
+if [ "$workload" != head ] && [ "$workload" != int8 ] && [ "$workload" != families ] && [ "$workload" != attention ]; then
     if [ -n "${WHEELS:-}" ]; then
         SITE=${SITE:-/tmp/candle-maxsim-peers}
         python3 -m pip install -q --no-index --no-deps --target "$SITE" "$WHEELS"/*.whl
@@ -116,6 +116,19 @@ plaid)
     "$B" --plaid-approx --iters 30 --no-reference >> "$out/plaid_approx.jsonl"
     "$B" --residual --iters 30 --no-reference >> "$out/residual.jsonl"
     files=("$out"/plaid_approx.jsonl "$out"/residual.jsonl "$out"/peers_plaid.jsonl)
+    ;;
+attention)
+    # nn::attention_varlen against torch's scaled_dot_product_attention (the
+    # torch the GPU machine has), ours before and after; on sm_90 also the
+    # mma.sync kernels (CANDLE_MAXSIM_ARCH=sm80) for the wgmma columns.
+    "$B" --attention --iters 50 > "$out/attention.jsonl"
+    python3 "$here/attention_peers.py" --iters 50 >> "$out/attention.jsonl"
+    "$B" --attention --iters 50 --impl varlen --impl varlen_train >> "$out/attention.jsonl"
+    if [ "$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1)" = 9.0 ]; then
+        CANDLE_MAXSIM_ARCH=sm80 "$B" --attention --iters 50 --impl varlen --impl varlen_train |
+            sed 's/^{/{"build":"sm80",/' >> "$out/attention.jsonl"
+    fi
+    files=("$out"/attention.jsonl)
     ;;
 head)
     # No peer: the fused head against this crate's own linear + bias + l2_normalize + maxsim.

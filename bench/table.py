@@ -1,8 +1,8 @@
 """Markdown tables from benchmark JSON lines: this crate's (examples/bench.rs,
 benches/cpu.rs) and the peers' (bench/peers.py, bench/peers_plaid.py,
-bench/cpu_peers.py), all passed together.
+bench/attention_peers.py, bench/cpu_peers.py), all passed together.
 
-    python3 bench/table.py forward|families|int8|train|plaid|head|cpu FILE.jsonl...   (- reads stdin)
+    python3 bench/table.py forward|families|int8|train|plaid|head|attention|cpu FILE.jsonl...   (- reads stdin)
     python3 bench/table.py forward bench/results/h200-2026-11-30/*forward*.jsonl
 
 Lines that are not JSON objects are ignored; lines with an "error" field are
@@ -347,10 +347,50 @@ def families(rows):
     md(head, body)
 
 
+def attention(rows):
+    """`bench --attention` (ours: varlen, varlen_train, padded_train) and
+    bench/attention_peers.py (sdpa, sdpa_train) per case; the backward is
+    train − forward. Floors: 4·B·H·pairs·dh FLOPs forward, 2.5× that
+    backward (five products against two), or q, k, v, o (and their
+    gradients) once through HBM, whichever is longer. Rows tagged
+    "build": "sm80" (CANDLE_MAXSIM_ARCH=sm80: the mma.sync kernels on the
+    same GPU) add those columns."""
+    t = Times(rows, lambda r: (tuple(r["shape"]), r.get("window"), r.get("build", "")))
+    cases = list(dict.fromkeys(k[:2] for k in t.keys()))
+    sm80 = any(k[2] == "sm80" for k in t.keys())
+    head = ["B, L, H×dh, window", "fwd ms", "fwd / floor", "SDPA fwd", "bwd ms", "bwd / floor", "SDPA bwd",
+            "train ms", "SDPA train", "ours / SDPA train", "composed train", "peak MB train: ours / composed"]
+    if sm80:
+        head += ["mma.sync fwd / train", "wgmma vs mma.sync train"]
+    body = []
+    for sh, w in cases:
+        b, l, h, dh = sh
+        pairs = l * l if w is None else sum(min(i, w) + min(l - 1 - i, w) + 1 for i in range(l))
+        fwd_flop = 4 * b * h * pairs * dh
+        tokens = b * l * h * dh * 2
+        f_fl = max(fwd_flop / PEAK_FLOPS, 4 * tokens / PEAK_BYTES) * 1e3
+        b_fl = max(2.5 * fwd_flop / PEAK_FLOPS, 9 * tokens / PEAK_BYTES) * 1e3
+        k = (sh, w, "")
+        f, tr, sf, st = t.ms(k, "varlen"), t.ms(k, "varlen_train"), t.ms(k, "sdpa"), t.ms(k, "sdpa_train")
+        bw = tr - f if f and tr else None
+        sb = st - sf if sf and st else None
+        line = [f"{b}, {l}, {h}×{dh}" + (f", window {w}" if w is not None else ""), f_ms(f),
+                f"{f / f_fl:.2f}" if f else "–", f_ms(sf), f_ms(bw), f"{bw / b_fl:.2f}" if bw else "–", f_ms(sb),
+                f_ms(tr), f_ms(st), f_x(tr, st), f_ms(t.ms(k, "padded_train")),
+                f"{f_mb(t.row(k, 'varlen_train'))} / {f_mb(t.row(k, 'padded_train'))}"]
+        if sm80:
+            k8 = (sh, w, "sm80")
+            line += [f"{f_ms(t.ms(k8, 'varlen'))} / {f_ms(t.ms(k8, 'varlen_train'))}", f_x(tr, t.ms(k8, "varlen_train"))]
+        body.append(line)
+    md(head, body)
+
+
 def main():
-    if len(sys.argv) < 3 or sys.argv[1] not in ("forward", "families", "int8", "train", "plaid", "head", "cpu"):
+    tables = {"forward": forward, "families": families, "int8": int8, "train": train, "plaid": plaid, "head": head,
+              "attention": attention, "cpu": cpu}
+    if len(sys.argv) < 3 or sys.argv[1] not in tables:
         sys.exit(__doc__)
-    {"forward": forward, "families": families, "int8": int8, "train": train, "plaid": plaid, "head": head, "cpu": cpu}[sys.argv[1]](load(sys.argv[2:]))
+    tables[sys.argv[1]](load(sys.argv[2:]))
 
 
 if __name__ == "__main__":
