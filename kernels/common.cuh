@@ -61,6 +61,9 @@ struct MaxSimParams {
     // 8-bit rows (the maxsim_mma_i8 kernels): one F32 scale per token.
     const float* q_scales;        // [Tq]
     const float* d_scales;        // [Td]
+    // Packed argmax on wgmma tiles: from this doc-local column on, a tile is
+    // scanned only where some row's maximum rises (0: never).
+    int32_t lazy_cols;
 };
 
 // The saved argmax, int16 or int32 (MaxSimParams::argmax_i16).

@@ -120,9 +120,10 @@ template <typename C, typename T, bool ARGMAX> struct RowMax {
     // acc: the tile's similarities, overwritten where masked; col0:
     // doc-local index of this thread's first column; sm: its first column's
     // validity byte (read unless full); keep: ~PLOW in a register (not an
-    // immediate), so that a pack is a single LOP3.
+    // immediate), so that a pack is a single LOP3; lazy: the tile is far
+    // enough into its document for the lazy scan (warp-uniform).
     __device__ __forceinline__ void update(float (&acc)[C::MT][C::NT][4], int col0, bool full, const uint8_t* sm,
-                                           uint32_t keep) {
+                                           uint32_t keep, bool lazy = false) {
         // Before the masking, so that ptxas issues the vote (it depends on
         // the running maxima only) ahead of the wait for the tile's wgmma:
         // after the masking's branch, ColPali's argmax ran 10 % slower.
@@ -138,6 +139,29 @@ template <typename C, typename T, bool ARGMAX> struct RowMax {
                 for (int mt = 0; mt < C::MT; ++mt)
 #pragma unroll
                     for (int e = 0; e < 4; ++e) acc[mt][nt][e] = (e % 2 ? ok1 : ok0) ? acc[mt][nt][e] : MAXSIM_NEG_INF;
+            }
+        }
+        if constexpr (PACKED && C::HOPPER && C::NT >= 16) {
+            // Long documents (nearest_centroids: every centroid a column of
+            // one document): at a document's t-th tile a row's running
+            // maximum rises with probability ~1/t, some row of the warp's 64
+            // with ~64/t. Far enough in (`lazy`: MaxSimParams::lazy_cols),
+            // one IMNMX3 per two similarities first asks whether any does
+            // (as ints, exact: the running maxima are > 0, and a value that
+            // does not exceed one as an int does not as a float, nor its
+            // truncation); only then the packed scan. The same results.
+            if (lazy && all_above) {
+                bool rises = false;
+#pragma unroll
+                for (int mt = 0; mt < C::MT; ++mt)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const int run = __float_as_int(m[mt][h]);
+                        rises |= int_max3<2 * C::NT + 1>([&](int i) {
+                                     return i < 2 * C::NT ? __float_as_int(acc[mt][i / 2][h * 2 + i % 2]) : run;
+                                 }) != run;
+                    }
+                if (!__any_sync(0xffffffffu, rises)) return;
             }
         }
         if constexpr (PACKED) {

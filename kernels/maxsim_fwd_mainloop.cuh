@@ -192,7 +192,7 @@ __device__ __forceinline__ void maxsim_fwd_mma(const MaxSimParams& p) {
                 scale_similarities<C, T>(sim, acc, sscale + tcol);
                 epi.update(sim, col0, full, smask + tcol, keep);
             } else {
-                epi.update(acc, col0, full, smask + tcol, keep);
+                epi.update(acc, col0, full, smask + tcol, keep, p.lazy_cols > 0 && k * C::BD >= p.lazy_cols);
             }
 
             if (k == ntiles - 1) {

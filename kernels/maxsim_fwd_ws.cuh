@@ -213,7 +213,7 @@ __device__ __forceinline__ void maxsim_fwd_ws(const MaxSimParams& p, const TmaMa
                     }
                     epi.update(sim, col0, full_tile, smask + tcol, keep);
                 } else {
-                    epi.update(acc, col0, full_tile, smask + tcol, keep);
+                    epi.update(acc, col0, full_tile, smask + tcol, keep, p.lazy_cols > 0 && st.col0 >= p.lazy_cols);
                 }
                 mbar_arrive(empty_addr + s * 8); // this thread is done with the slot
                 if (!(st.flags & STEP_DOC_LAST)) return;

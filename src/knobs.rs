@@ -10,6 +10,8 @@
 //! | `CANDLE_MAXSIM_CPU=gemm` | CPU forward on the portable GEMM path even where the AVX-512 lane kernels run (CI tests both) |
 //! | `CANDLE_MAXSIM_CPU=bf16dot\|bf16widen` | BF16 CPU forward on VDPBF16PS (where the CPU has it), or widened to F32, whatever the CPU's vendor (CI tests both) |
 //! | `CANDLE_MAXSIM_CPU=noamx` | BF16 linear layers on the CPU widened to F32 even where AMX tiles would run them |
+//! | `CANDLE_MAXSIM_ATTENTION=wgmma` | on sm_90, the attention kernels on wgmma (sm_90a) instead of mma.sync: not yet the default, as they have not yet been measured on a GPU |
+//! | `CANDLE_MAXSIM_LAZY_ARGMAX=<column>` | the 16-bit argmax forward on wgmma tiles scans a tile only where some row's maximum rises, from this document column on (same results; `nearest_centroids` over many centroids); off by default until measured |
 
 use std::sync::OnceLock;
 
@@ -31,6 +33,10 @@ pub struct Knobs {
     pub cpu_bf16_dot: Option<bool>,
     /// BF16 linear layers on the CPU never on AMX tiles.
     pub cpu_no_amx: bool,
+    /// Attention on the wgmma kernels where the device has them.
+    pub attention_wgmma: bool,
+    /// First document column of the argmax forward's lazy scan (0: never).
+    pub lazy_argmax_cols: i32,
 }
 
 impl Knobs {
@@ -52,6 +58,8 @@ impl Knobs {
                 _ => None,
             },
             cpu_no_amx: var("CANDLE_MAXSIM_CPU").as_deref() == Some("noamx"),
+            attention_wgmma: var("CANDLE_MAXSIM_ATTENTION").as_deref() == Some("wgmma"),
+            lazy_argmax_cols: var("CANDLE_MAXSIM_LAZY_ARGMAX").and_then(|v| v.parse().ok()).unwrap_or(0).max(0),
         }
     }
 }

@@ -337,6 +337,7 @@ pub(super) fn fwd_launch(
             out: slice_ptr(&dev, &out),
             argmax: argmax_at.map_or(0, |a| a.0),
             argmax_i16: argmax_i16 as i32,
+            lazy_cols: crate::knobs::knobs().lazy_argmax_cols,
             ..layout_params(pb)?
         };
         match path_for(&info, dtype, pb.dim) {

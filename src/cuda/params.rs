@@ -43,6 +43,7 @@ pub(crate) struct Params {
     pub(crate) argmax_i16: i32,
     pub(crate) q_scales: u64,
     pub(crate) d_scales: u64,
+    pub(crate) lazy_cols: i32,
 }
 kernel_params!(Params);
 

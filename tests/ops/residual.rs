@@ -476,10 +476,15 @@ fn compress_matches_definition(dev: &Device) -> Result<()> {
 test_device!(compress_matches_definition, compress_matches_definition_cpu, compress_matches_definition_cuda);
 
 /// `nearest_centroids` against the full product: every dtype, a number of
-/// rows that is not a multiple of 128, several dims; an empty input.
+/// rows that is not a multiple of 128, several dims, on a GPU thousands of
+/// centroids; an empty input.
 fn nearest_centroids_match_reference(dev: &Device) -> Result<()> {
     let cpu = Device::Cpu;
-    for (t, c, dim) in [(300, 37, 32), (129, 256, 64), (5, 1, 16), (1000, 100, 128)] {
+    let mut shapes = vec![(300, 37, 32), (129, 256, 64), (5, 1, 16), (1000, 100, 128)];
+    if gpu_cases(dev) {
+        shapes.push((300, 20_000, 128)); // 157 tiles of 128 centroids: the Hopper epilogues' lazy scan
+    }
+    for (t, c, dim) in shapes {
         for dt in DTYPES {
             let x = randn(&[t, dim], dt, &cpu)?;
             let cents = randn(&[c, dim], dt, &cpu)?;
