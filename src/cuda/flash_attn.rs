@@ -121,7 +121,8 @@ impl FlashGeom {
     /// backward's dQ and dK dV at 64 (kernels/flash_attn_hopper.cuh).
     fn hopper(&self, stem: &str, dev: &CudaDevice) -> Result<bool> {
         let dims: &[usize] = if stem == "flash_fwd" { &[64, 128] } else { &[64] };
-        Ok(device_info(dev)?.cc == 90 && dims.contains(&self.dh))
+        // Opt-in (CANDLE_MAXSIM_ATTENTION=wgmma) until measured on a GPU.
+        Ok(crate::knobs::knobs().attention_wgmma && device_info(dev)?.cc == 90 && dims.contains(&self.dh))
     }
 
     /// The Hopper version of kernel `stem`: blocks of two warpgroups over
