@@ -73,12 +73,15 @@ forward)
 families)
     # No peer: scores and argmax forward (bf16, dim 128 unless given) on the
     # standard shapes and the families the static rule treats apart (short
-    # documents, small dims, mid-size grids), twice, with BEFORE_BIN's first.
+    # documents, small dims, mid-size grids; the last is nearest_centroids'
+    # assignment of 8 192 tokens to 262 144 centroids), twice, with
+    # BEFORE_BIN's first.
     shapes=(--shape 128,128,128,1024,128 --shape 256,256,32,256,128 --shape 1,1000,32,300,128
         --shape 1,1000,128,1024,128 --shape 16,32,32,8192,128 --shape 32,10000,32,256,128
         --shape 32,10000,32,64,128 --shape 64,5000,16,128,128 --shape 128,2000,32,256,128
         --shape 256,256,32,256,96 --shape 256,256,32,256,48 --shape 64,2000,32,300,96
-        --shape 64,64,32,300,128 --shape 32,32,32,300,128 --shape 256,256,32,64,128)
+        --shape 64,64,32,300,128 --shape 32,32,32,300,128 --shape 256,256,32,64,128
+        --shape 64,1,128,262144,128)
     for _ in 1 2; do
         if [ -n "${BEFORE_BIN:-}" ]; then
             "$BEFORE_BIN" --iters 30 --no-reference --argmax "${shapes[@]}" | sed 's/^{/{"build":"before",/'
@@ -120,13 +123,13 @@ plaid)
 attention)
     # nn::attention_varlen against torch's scaled_dot_product_attention (the
     # torch the GPU machine has), ours before and after; on sm_90 also the
-    # mma.sync kernels (CANDLE_MAXSIM_ARCH=sm80) for the wgmma columns.
+    # wgmma kernels (CANDLE_MAXSIM_ATTENTION=wgmma) beside the default.
     "$B" --attention --iters 50 > "$out/attention.jsonl"
     python3 "$here/attention_peers.py" --iters 50 >> "$out/attention.jsonl"
     "$B" --attention --iters 50 --impl varlen --impl varlen_train >> "$out/attention.jsonl"
     if [ "$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1)" = 9.0 ]; then
-        CANDLE_MAXSIM_ARCH=sm80 "$B" --attention --iters 50 --impl varlen --impl varlen_train |
-            sed 's/^{/{"build":"sm80",/' >> "$out/attention.jsonl"
+        CANDLE_MAXSIM_ATTENTION=wgmma "$B" --attention --iters 50 --impl varlen --impl varlen_train |
+            sed 's/^{/{"build":"wgmma",/' >> "$out/attention.jsonl"
     fi
     files=("$out"/attention.jsonl)
     ;;

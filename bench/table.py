@@ -353,15 +353,15 @@ def attention(rows):
     train − forward. Floors: 4·B·H·pairs·dh FLOPs forward, 2.5× that
     backward (five products against two), or q, k, v, o (and their
     gradients) once through HBM, whichever is longer. Rows tagged
-    "build": "sm80" (CANDLE_MAXSIM_ARCH=sm80: the mma.sync kernels on the
-    same GPU) add those columns."""
+    "build": NAME (another kernel choice on the same GPU, e.g. "wgmma")
+    add NAME's forward / train and its train speed-up over the default."""
     t = Times(rows, lambda r: (tuple(r["shape"]), r.get("window"), r.get("build", "")))
     cases = list(dict.fromkeys(k[:2] for k in t.keys()))
-    sm80 = any(k[2] == "sm80" for k in t.keys())
+    others = list(dict.fromkeys(k[2] for k in t.keys() if k[2]))
     head = ["B, L, H×dh, window", "fwd ms", "fwd / floor", "SDPA fwd", "bwd ms", "bwd / floor", "SDPA bwd",
             "train ms", "SDPA train", "ours / SDPA train", "composed train", "peak MB train: ours / composed"]
-    if sm80:
-        head += ["mma.sync fwd / train", "wgmma vs mma.sync train"]
+    for o in others:
+        head += [f"{o} fwd / train", f"{o} vs default train"]
     body = []
     for sh, w in cases:
         b, l, h, dh = sh
@@ -378,9 +378,9 @@ def attention(rows):
                 f"{f / f_fl:.2f}" if f else "–", f_ms(sf), f_ms(bw), f"{bw / b_fl:.2f}" if bw else "–", f_ms(sb),
                 f_ms(tr), f_ms(st), f_x(tr, st), f_ms(t.ms(k, "padded_train")),
                 f"{f_mb(t.row(k, 'varlen_train'))} / {f_mb(t.row(k, 'padded_train'))}"]
-        if sm80:
-            k8 = (sh, w, "sm80")
-            line += [f"{f_ms(t.ms(k8, 'varlen'))} / {f_ms(t.ms(k8, 'varlen_train'))}", f_x(tr, t.ms(k8, "varlen_train"))]
+        for o in others:
+            ko = (sh, w, o)
+            line += [f"{f_ms(t.ms(ko, 'varlen'))} / {f_ms(t.ms(ko, 'varlen_train'))}", f_x(t.ms(ko, "varlen_train"), tr)]
         body.append(line)
     md(head, body)
 
