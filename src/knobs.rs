@@ -8,8 +8,8 @@
 //! | `CANDLE_MAXSIM_LOG=1` | print each tile-selection decision to stderr |
 //! | `CANDLE_MAXSIM_RESIDUAL=tile` | keep residual scoring on the tile kernels (never the warp kernel) |
 //! | `CANDLE_MAXSIM_CPU=gemm` | CPU forward on the portable GEMM path even where the AVX-512 lane kernels run (CI tests both) |
-//! | `CANDLE_MAXSIM_CPU=bf16dot\|bf16widen` | BF16 CPU forward on VDPBF16PS (where the CPU has it), or widened to F32, whatever the CPU's vendor (CI tests both) |
-//! | `CANDLE_MAXSIM_CPU=noamx` | BF16 linear layers on the CPU widened to F32 even where AMX tiles would run them |
+//! | `CANDLE_MAXSIM_CPU=bf16dot\|bf16widen` | BF16 CPU forward and linear layers on VDPBF16PS (where the CPU has it; never AMX tiles), or widened to F32, whatever the CPU's vendor (CI tests both) |
+//! | `CANDLE_MAXSIM_CPU=noamx` | BF16 linear layers on the CPU never on AMX tiles (VDPBF16PS where the CPU has it, else widened to F32) |
 //! | `CANDLE_MAXSIM_ATTENTION=wgmma` | on sm_90, the attention kernels on wgmma (sm_90a) instead of mma.sync: not yet the default, as they have not yet been measured on a GPU |
 //! | `CANDLE_MAXSIM_LAZY_ARGMAX=<column>` | the 16-bit argmax forward on wgmma tiles scans a tile only where some row's maximum rises, from this document column on (same results; `nearest_centroids` over many centroids); off by default until measured |
 

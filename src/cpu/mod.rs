@@ -10,9 +10,9 @@ use crate::layout::{Pairing, Problem, Seqs};
 use rayon::prelude::*;
 
 #[cfg(target_arch = "x86_64")]
-pub(crate) mod amx;
-#[cfg(target_arch = "x86_64")]
 mod avx512;
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod linear;
 pub(crate) mod math;
 pub(crate) mod storage;
 

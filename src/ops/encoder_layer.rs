@@ -14,7 +14,7 @@
 
 use crate::ops::encoder::{residual_layer_norm, LayerNorm};
 use crate::ops::flash_attn::{QkvAttention, SeqOffsets};
-use crate::ops::linear::{linear, linear_gelu};
+use crate::ops::linear::{linear, linear_gelu, pre_activation};
 use crate::ops::rows::{gelu_bwd, sum_rows};
 use candle_core::{bail, CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
 use std::sync::Mutex;
@@ -377,14 +377,13 @@ impl CustomOp2 for BertLayerOp {
         let norm = LayerNorm { eps: self.eps as f32 };
         let dy = dy.to_dtype(x.dtype())?.contiguous()?;
         let wide = product_rule(x.device(), x.dtype());
-        let cast = |t: &Tensor| widen(t, wide);
         let mm = |a: &Tensor, b: &Tensor| mm(a, b, wide, x.dtype());
         let (gd, g_norm2) = norm.backward(&s.d, Some(&s.h1), &s.norm2.0, &dy)?;
         let gu = mm(&gd, &s.wdown)?;
         let (g_wdown, g_bdown) = (mm(&gd.t()?, &s.u)?, sum_rows(&gd)?);
         // GELU's pre-activation recomputed by the product the forward ran
-        // (in F32 where that is).
-        let gz = gelu_bwd(&linear(&cast(&s.h1)?, &cast(&s.wup)?, None)?, &s.bup, &gu)?;
+        // (in F32 where that is, on the same engine).
+        let gz = gelu_bwd(&pre_activation(&s.h1, &s.wup)?, &s.bup, &gu)?;
         let (g_wup, g_bup) = (mm(&gz.t()?, &s.h1)?, sum_rows(&gz)?);
         let gh1 = (gd + mm(&gz, &s.wup)?)?;
         let (go, g_norm1) = norm.backward(&s.o, Some(&x), &s.norm1_w, &gh1)?;

@@ -47,6 +47,24 @@ pub fn linear_gelu(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
     linear_act(x, w, Some(b), true)
 }
 
+/// The product `x [T, K] · w [N, K]ᵀ` that [`linear`] and [`linear_gelu`]
+/// add their bias to (and take GELU of), in the dtype they do it in: F32
+/// for 16-bit `x` on the CPU (the BF16 engine's, or the widened operands'),
+/// else `x`'s. A fused backward that recomputes a pre-activation calls
+/// this, so that it sees the forward's bits. No gradient.
+pub(crate) fn pre_activation(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    if x.device().is_cpu() && matches!(x.dtype(), DType::F16 | DType::BF16) {
+        #[cfg(target_arch = "x86_64")]
+        if let Some(engine) = crate::cpu::linear::engine().filter(|_| x.dtype() == DType::BF16 && x.elem_count() > 0) {
+            if w.elem_count() > 0 {
+                return x.contiguous()?.apply_op2_no_bwd(&w.contiguous()?, &MatmulBf16 { engine });
+            }
+        }
+        return linear(&x.to_dtype(DType::F32)?, &w.to_dtype(DType::F32)?, None);
+    }
+    linear(x, w, None)
+}
+
 fn linear_act(x: &Tensor, w: &Tensor, b: Option<&Tensor>, gelu: bool) -> Result<Tensor> {
     let k = match x.dims().last() {
         Some(&k) => k,
@@ -74,20 +92,20 @@ fn linear_act(x: &Tensor, w: &Tensor, b: Option<&Tensor>, gelu: bool) -> Result<
     let x2 = if x.rank() == 2 { x.clone() } else { x.reshape((m, k))? };
     if x.device().is_cpu() && matches!(x.dtype(), DType::F16 | DType::BF16) {
         #[cfg(target_arch = "x86_64")]
-        if x.dtype() == DType::BF16 && m * n * k > 0 && crate::cpu::amx::available() {
-            // BF16 products on AMX tiles, accumulated in F32; bias, GELU and
-            // the rounding as below. Without gradients, all of it as each
-            // output is written (the same values).
+        if let Some(engine) = crate::cpu::linear::engine().filter(|_| x.dtype() == DType::BF16 && m * n * k > 0) {
+            // BF16 products on AMX tiles or VDPBF16PS, accumulated in F32;
+            // bias, GELU and the rounding as below. Without gradients, all of
+            // it as each output is written (the same values).
             let (xc, wc) = (x2.contiguous()?, w.contiguous()?);
             if !(x.track_op() || w.track_op() || b.is_some_and(|b| b.track_op())) {
-                let op = AmxLinear { gelu };
+                let op = Bf16Linear { engine, gelu };
                 let y = match b {
                     Some(b) => xc.apply_op3_no_bwd(&wc, &b.to_dtype(DType::F32)?.contiguous()?, &op)?,
                     None => xc.apply_op2_no_bwd(&wc, &op)?,
                 };
                 return y.reshape(shape);
             }
-            let y = xc.apply_op2(&wc, MatmulAmx)?;
+            let y = xc.apply_op2(&wc, MatmulBf16 { engine })?;
             let y = match b {
                 Some(b) if gelu => crate::ops::rows::add_bias_gelu(&y, b)?,
                 Some(b) => crate::ops::rows::add_bias(&y, b)?,
@@ -262,22 +280,24 @@ impl CustomOp2 for MatmulT {
     }
 }
 
-/// `x [M, K] · w [N, K]ᵀ` of BF16 rows on the CPU's AMX tiles, in F32
-/// (src/cpu/amx.rs); the backward in F32, each gradient rounded to BF16.
+/// `x [M, K] · w [N, K]ᵀ` of BF16 rows on the CPU's BF16 engine, in F32
+/// (src/cpu/linear.rs); the backward in F32, each gradient rounded to BF16.
 #[cfg(target_arch = "x86_64")]
-struct MatmulAmx;
+struct MatmulBf16 {
+    engine: crate::cpu::linear::Engine,
+}
 
 #[cfg(target_arch = "x86_64")]
-impl CustomOp2 for MatmulAmx {
+impl CustomOp2 for MatmulBf16 {
     fn name(&self) -> &'static str {
-        "linear_amx"
+        "linear_bf16"
     }
 
     fn cpu_fwd(&self, x: &CpuStorage, lx: &Layout, w: &CpuStorage, lw: &Layout) -> Result<(CpuStorage, Shape)> {
         let (xs, ws) = (slice::<half::bf16>("x", x, lx)?, slice::<half::bf16>("w", w, lw)?);
         let (m, k) = lx.shape().dims2()?;
         let n = lw.dims()[0];
-        Ok((CpuStorage::F32(crate::cpu::amx::matmul_nt(xs, m, k, ws, n)), Shape::from((m, n))))
+        Ok((CpuStorage::F32(crate::cpu::linear::matmul_nt(self.engine, xs, m, k, ws, n)), Shape::from((m, n))))
     }
 
     /// `dx = g · w`, `dw = gᵀ · x` in F32.
@@ -288,16 +308,17 @@ impl CustomOp2 for MatmulAmx {
     }
 }
 
-/// A BF16 linear layer's inference on the CPU's AMX tiles: `act(x · wᵀ + b)`
-/// rounded to BF16 as each output is written (the values of [`MatmulAmx`]
+/// A BF16 linear layer's inference on the CPU's BF16 engine: `act(x · wᵀ + b)`
+/// rounded to BF16 as each output is written (the values of [`MatmulBf16`]
 /// then the bias, GELU and rounding); two operands without a bias.
 #[cfg(target_arch = "x86_64")]
-struct AmxLinear {
+struct Bf16Linear {
+    engine: crate::cpu::linear::Engine,
     gelu: bool,
 }
 
 #[cfg(target_arch = "x86_64")]
-impl AmxLinear {
+impl Bf16Linear {
     fn run(
         &self,
         x: &CpuStorage,
@@ -309,14 +330,17 @@ impl AmxLinear {
         let (xs, ws) = (slice::<half::bf16>("x", x, lx)?, slice::<half::bf16>("w", w, lw)?);
         let (m, k) = lx.shape().dims2()?;
         let n = lw.dims()[0];
-        Ok((CpuStorage::BF16(crate::cpu::amx::linear(xs, m, k, ws, n, b, self.gelu)), Shape::from((m, n))))
+        Ok((
+            CpuStorage::BF16(crate::cpu::linear::linear(self.engine, xs, m, k, ws, n, b, self.gelu)),
+            Shape::from((m, n)),
+        ))
     }
 }
 
 #[cfg(target_arch = "x86_64")]
-impl CustomOp2 for AmxLinear {
+impl CustomOp2 for Bf16Linear {
     fn name(&self) -> &'static str {
-        "linear_amx_bf16"
+        "linear_bf16_inference"
     }
 
     fn cpu_fwd(&self, x: &CpuStorage, lx: &Layout, w: &CpuStorage, lw: &Layout) -> Result<(CpuStorage, Shape)> {
@@ -325,9 +349,9 @@ impl CustomOp2 for AmxLinear {
 }
 
 #[cfg(target_arch = "x86_64")]
-impl CustomOp3 for AmxLinear {
+impl CustomOp3 for Bf16Linear {
     fn name(&self) -> &'static str {
-        "linear_amx_bf16"
+        "linear_bf16_inference"
     }
 
     fn cpu_fwd(

@@ -268,7 +268,7 @@ fn linear_cases(dev: &Device) -> Result<()> {
             (&[2, 300][..], 24, 33, true, true),
             (&[1030][..], 17, 5, true, true),
             // Several 32-wide K steps with a remainder, columns past a
-            // 32-column block (the AMX tiles' shapes on CPUs that have them).
+            // 32-column block (the BF16 engines' blocks on CPUs that have them).
             (&[70][..], 100, 40, true, false),
             (&[2, 40][..], 384, 96, true, true),
         ];
@@ -292,8 +292,8 @@ fn linear_cases(dev: &Device) -> Result<()> {
             };
             assert_eq!(y.dims(), want.dims(), "{what}");
             assert_close(&what, &y, &want, tol)?;
-            // Without gradients (inference; on the CPU in BF16 with AMX its
-            // own fused path): the same values, bit for bit.
+            // Without gradients (inference; on the CPU in BF16 with AMX or
+            // AVX512-BF16 its own fused path): the same values, bit for bit.
             let (xd, wd, bd) = (g(&x)?, g(&w)?, b.map(g).transpose()?);
             let yi = match &bd {
                 Some(bd) if gelu => ms::nn::linear_gelu(&xd, &wd, bd)?,

@@ -1,24 +1,32 @@
-//! BF16 products on Intel AMX tiles (Sapphire Rapids and newer): `x [M, K] ·
-//! w [N, K]ᵀ` with F32 accumulation, for the linear layers of a BF16
-//! encoder on the CPU, where widening to F32 ran the products on FMA units
-//! at a 32nd of the tiles' rate.
+//! BF16 linear layers on the CPU: `x [M, K] · w [N, K]ᵀ` with F32
+//! accumulation, on one of two engines, where widening to F32 ran the
+//! products on FMA units at a fraction of the BF16 rate:
+//! - Intel AMX tiles (Sapphire Rapids and newer): A tiles of 16 rows × 32
+//!   BF16, B tiles of 16 K pairs × 16 columns, four 16 × 16 F32
+//!   accumulator tiles per 32 × 32 block, every A and B tile used twice;
+//! - AVX512-BF16 (AMD Zen 4 and newer, Intel Cooper Lake, or Intel CPUs
+//!   without the tile permission): VDPBF16PS adds two K elements' products
+//!   per F32 lane, 8 rows × 32 columns of accumulators at a time, each
+//!   packed B vector used by 8 rows.
 //!
-//! The operands: A tiles of 16 rows × 32 BF16 straight from a copy of 32
-//! rows of x (K padded to a multiple of 32 with zeros); B tiles of 16 pairs
-//! of K × 16 columns from w packed once per call in the tiles' pair-
-//! interleaved ("VNNI") layout; four 16 × 16 F32 accumulator tiles per step
-//! (32 rows × 32 columns), every A and B tile used twice. Each rayon task
-//! configures the tiles of its thread, computes a block of rows × a range
-//! of column pairs and releases them.
+//! Both read the same operands: 32 rows of x copied with K padded to a
+//! multiple of 32 with zeros, and w packed once per call in pair-interleaved
+//! ("VNNI") blocks, which are both AMX's B tiles and VDPBF16PS's B vectors.
+//! Each rayon task computes a block of 32 rows × a range of 32-column pairs.
+//! An engine's results do not depend on the blocking or the thread count
+//! (each output sums its K pairs in order), so a layer's inference and its
+//! tracked forward give the same values; the two engines round their inner
+//! sums differently and may differ in the last bit.
 //!
-//! The instructions are written by mnemonic in `asm!` (Rust has no stable
-//! AMX intrinsics); the kernel asks Linux for the tile state once per
-//! process (`arch_prctl(ARCH_REQ_XCOMP_PERM)`), and without it, or on a CPU
-//! without AMX-BF16, [`available`] is false and callers keep their F32 path.
+//! The AMX instructions are written by mnemonic in `asm!` (Rust has no
+//! stable AMX intrinsics); the kernel asks Linux for the tile state once per
+//! process (`arch_prctl(ARCH_REQ_XCOMP_PERM)`). Without either engine
+//! ([`engine`] is `None`) callers keep their F32 path.
 
 use half::bf16;
 use rayon::prelude::*;
 use std::arch::asm;
+use std::arch::x86_64::*;
 
 /// Rows of a task: two A tiles of 16.
 const BM: usize = 32;
@@ -26,12 +34,37 @@ const BM: usize = 32;
 const TK: usize = 32;
 /// Elements of one packed B tile: 16 K pairs × 16 columns × 2.
 const B_TILE: usize = 16 * 32;
+/// Rows of the AVX512-BF16 engine's accumulators at a time: 8 × 2 vectors
+/// of 16 columns, 16 independent VDPBF16PS chains (latency 6 on Zen 4).
+const DOT_ROWS: usize = 8;
 
-/// Whether this process may use AMX-BF16 tiles here (checked once), unless
-/// `CANDLE_MAXSIM_CPU=noamx` turns them off.
-pub(crate) fn available() -> bool {
-    static OK: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *OK.get_or_init(|| !crate::knobs::knobs().cpu_no_amx && cpu_has_amx_bf16() && request_tile_state())
+/// The engine of BF16 products on this CPU.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Engine {
+    /// AMX tiles.
+    Amx,
+    /// VDPBF16PS on AVX-512 vectors.
+    Dot,
+}
+
+/// The engine BF16 linear layers run on here (checked once): AMX where the
+/// CPU has it and Linux grants the tile state, else AVX512-BF16, else
+/// none. `CANDLE_MAXSIM_CPU=noamx` or `bf16dot` skip the tiles,
+/// `bf16widen` both engines.
+pub(crate) fn engine() -> Option<Engine> {
+    static ENGINE: std::sync::OnceLock<Option<Engine>> = std::sync::OnceLock::new();
+    *ENGINE.get_or_init(|| {
+        let k = crate::knobs::knobs();
+        if k.cpu_bf16_dot == Some(false) {
+            None
+        } else if !k.cpu_no_amx && k.cpu_bf16_dot.is_none() && cpu_has_amx_bf16() && request_tile_state() {
+            Some(Engine::Amx)
+        } else if std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("avx512bf16") {
+            Some(Engine::Dot)
+        } else {
+            None
+        }
+    })
 }
 
 /// CPUID leaf 7: AMX-BF16 (EDX bit 22) and AMX-TILE (EDX bit 24).
@@ -105,18 +138,28 @@ fn pack_w(w: &[bf16], n: usize, k: usize, kb: usize) -> (Vec<u16>, usize) {
 }
 
 /// `x [m, k] · w [n, k]ᵀ` as F32 `[m, n]`, row-major; both operands
-/// contiguous BF16. Callers check [`available`] first.
-pub(crate) fn matmul_nt(x: &[bf16], m: usize, k: usize, w: &[bf16], n: usize) -> Vec<f32> {
-    run(x, m, k, w, n, |acc: &[f32], out: &mut [f32], _| out.copy_from_slice(acc))
+/// contiguous BF16; `e` from [`engine`].
+pub(crate) fn matmul_nt(e: Engine, x: &[bf16], m: usize, k: usize, w: &[bf16], n: usize) -> Vec<f32> {
+    run(e, x, m, k, w, n, |acc: &[f32], out: &mut [f32], _| out.copy_from_slice(acc))
 }
 
 /// `act(x [m, k] · w [n, k]ᵀ + b)` rounded to BF16, each output written
 /// once (a linear layer's inference: no F32 product in memory): the same
 /// values as [`matmul_nt`] followed by the bias, GELU and rounding of
 /// `nn::add_bias` / `add_bias_gelu` and `to_dtype`.
-pub(crate) fn linear(x: &[bf16], m: usize, k: usize, w: &[bf16], n: usize, b: Option<&[f32]>, gelu: bool) -> Vec<bf16> {
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn linear(
+    e: Engine,
+    x: &[bf16],
+    m: usize,
+    k: usize,
+    w: &[bf16],
+    n: usize,
+    b: Option<&[f32]>,
+    gelu: bool,
+) -> Vec<bf16> {
     use crate::ops::rows::gelu_f32;
-    run(x, m, k, w, n, |acc: &[f32], out: &mut [bf16], c0| {
+    run(e, x, m, k, w, n, |acc: &[f32], out: &mut [bf16], c0| {
         crate::cpu::math::simd(
             #[inline(always)]
             || match (b, gelu) {
@@ -137,6 +180,7 @@ pub(crate) fn linear(x: &[bf16], m: usize, k: usize, w: &[bf16], n: usize, b: Op
 /// `write(acc, out, c0)`: its F32 values, the output elements they become
 /// (row-major `[m, n]`) and the first column.
 fn run<T: Copy + Default + Send + Sync>(
+    e: Engine,
     x: &[bf16],
     m: usize,
     k: usize,
@@ -174,14 +218,20 @@ fn run<T: Copy + Default + Send + Sync>(
         }
         let mut acc = [0f32; BM * 32];
         let o = &dst;
-        // SAFETY: the tile state was granted (`available`); every tile load
-        // reads 16 rows of 64 bytes inside xa (rows kb·64 bytes apart) or
-        // inside one packed B tile; the stores write the 32 × 32 acc. Tasks
-        // write disjoint (rows, columns) blocks of `out`.
+        // SAFETY: the engine is this CPU's (`engine`): for AMX the tile
+        // state was granted. Every load reads inside xa (BM rows of kb·32)
+        // or inside the pair's two packed column blocks; the stores write
+        // the 32 × 32 acc. Tasks write disjoint (rows, columns) blocks of `out`.
         unsafe {
-            asm!("ldtilecfg [{0}]", in(reg) &CONFIG, options(nostack, readonly));
+            if e == Engine::Amx {
+                asm!("ldtilecfg [{0}]", in(reg) &CONFIG, options(nostack, readonly));
+            }
             for pair in p0..p1 {
-                block_product(&xa, kb, &packed[2 * pair * kb * B_TILE..], kb * B_TILE, &mut acc);
+                let b = &packed[2 * pair * kb * B_TILE..];
+                match e {
+                    Engine::Amx => block_product(&xa, kb, b, kb * B_TILE, &mut acc),
+                    Engine::Dot => block_product_dot(&xa, kb, b, kb * B_TILE, &mut acc),
+                }
                 let c0 = pair * 32;
                 let cols = 32.min(n.saturating_sub(c0));
                 for r in 0..BM.min(m - r0) {
@@ -189,7 +239,9 @@ fn run<T: Copy + Default + Send + Sync>(
                     write(&acc[r * 32..r * 32 + cols], row, c0);
                 }
             }
-            asm!("tilerelease", options(nostack, nomem));
+            if e == Engine::Amx {
+                asm!("tilerelease", options(nostack, nomem));
+            }
         }
     });
     out
@@ -242,4 +294,37 @@ unsafe fn block_product(xa: &[u16], kb: usize, b: &[u16], next: usize, acc: &mut
         s = in(reg) 128usize,
         options(nostack),
     );
+}
+
+/// [`block_product`] on AVX512-BF16: for each group of 8 rows, 16 vectors of
+/// 16 F32 columns, each K pair p adding `x[r, 2p..2p+2] · w[c, 2p..2p+2]`
+/// (VDPBF16PS: the row's pair broadcast, the packed columns' pairs as they
+/// are in the B tiles: pair p of column c at `p·32 + 2c`).
+///
+/// # Safety
+/// The CPU has AVX-512F and AVX512-BF16; xa holds 32 rows of kb·32
+/// elements and b two blocks of kb B tiles, `next` elements apart.
+#[target_feature(enable = "avx512f,avx512bf16")]
+unsafe fn block_product_dot(xa: &[u16], kb: usize, b: &[u16], next: usize, acc: &mut [f32; BM * 32]) {
+    debug_assert!(xa.len() >= BM * kb * TK && b.len() >= next + kb * B_TILE);
+    let (xa, b) = (xa.as_ptr(), b.as_ptr());
+    for g in 0..BM / DOT_ROWS {
+        let mut c = [[_mm512_setzero_ps(); 2]; DOT_ROWS];
+        let rows: [*const u32; DOT_ROWS] = std::array::from_fn(|r| xa.add((g * DOT_ROWS + r) * kb * TK) as *const u32);
+        for p in 0..kb * TK / 2 {
+            let at = (p / 16) * B_TILE + (p % 16) * 32;
+            let b0: __m512bh = std::mem::transmute(_mm512_loadu_si512(b.add(at) as *const _));
+            let b1: __m512bh = std::mem::transmute(_mm512_loadu_si512(b.add(next + at) as *const _));
+            for r in 0..DOT_ROWS {
+                let a: __m512bh = std::mem::transmute(_mm512_set1_epi32(rows[r].add(p).read_unaligned() as i32));
+                c[r][0] = _mm512_dpbf16_ps(c[r][0], a, b0);
+                c[r][1] = _mm512_dpbf16_ps(c[r][1], a, b1);
+            }
+        }
+        for (r, c) in c.iter().enumerate() {
+            let out = acc.as_mut_ptr().add((g * DOT_ROWS + r) * 32);
+            _mm512_storeu_ps(out, c[0]);
+            _mm512_storeu_ps(out.add(16), c[1]);
+        }
+    }
 }
