@@ -4,7 +4,7 @@
 //! forward keeps. CUDA: kernels/flash_attn.cu (F16 / BF16, sm_80+); CPU: one
 //! F32 task per (sequence, head) on all cores, the same function.
 
-use crate::cpu::math::{exp_f32, max_f32, simd};
+use crate::cpu::math::{exp_f32, max_f32, simd, sum_f32};
 use crate::cpu::storage::f32s;
 use crate::cpu::{gemm_into, Mat, OutPtr};
 use candle_core::backend::BackendStorage;
@@ -302,19 +302,28 @@ fn round_to(dt: DType, v: Vec<f32>) -> CpuStorage {
     }
 }
 
+/// The keys query `i` of a sequence of `len` sees: `lo..hi` (|i − j| ≤ window).
+#[inline(always)]
+fn visible(i: usize, len: usize, window: Option<usize>) -> (usize, usize) {
+    match window {
+        Some(w) => (i.saturating_sub(w).min(len), i.saturating_add(w).saturating_add(1).min(len)),
+        None => (0, len),
+    }
+}
+
 /// `scale · row` with the keys outside the window at −∞, then the softmax
-/// in place; returns the row's natural log-sum-exp.
+/// in place; returns the row's natural log-sum-exp. Loops without a
+/// carried dependence or a branch per key, so that they vectorize (a
+/// running sum beside the exponentials kept them scalar).
 #[inline(always)]
 fn softmax_row(row: &mut [f32], i: usize, window: Option<usize>, scale: f32) -> f32 {
-    for (j, x) in row.iter_mut().enumerate() {
-        *x = if window.is_some_and(|w| i.abs_diff(j) > w) { f32::NEG_INFINITY } else { *x * scale };
-    }
+    let (lo, hi) = visible(i, row.len(), window);
+    row[..lo].fill(f32::NEG_INFINITY);
+    row[hi..].fill(f32::NEG_INFINITY);
+    row[lo..hi].iter_mut().for_each(|x| *x *= scale);
     let m = max_f32(row);
-    let mut sum = 0f32;
-    for x in row.iter_mut() {
-        *x = exp_f32(*x - m);
-        sum += *x;
-    }
+    row.iter_mut().for_each(|x| *x = exp_f32(*x - m));
+    let sum = sum_f32(row);
     let inv = 1.0 / sum;
     row.iter_mut().for_each(|x| *x *= inv);
     m + sum.ln()
@@ -528,14 +537,17 @@ impl CustomOp1 for FlashAttnBwd {
                     let r = at + i * hd;
                     *d = (0..g.dh).map(|c| dout[r + c] * o[r + c]).sum();
                 }
-                for i in 0..l {
-                    let m = lse[h * g.total + s + i];
-                    for j in 0..l {
-                        let x = i * l + j;
-                        let vis = g.window.is_none_or(|w| i.abs_diff(j) <= w);
-                        let pr = if vis { exp_f32(g.scale * p[x] - m) } else { 0.0 };
-                        p[x] = pr;
-                        dp[x] = pr * (dp[x] - delta[i]);
+                for (i, (pr, dpr)) in p.chunks_exact_mut(l).zip(dp.chunks_exact_mut(l)).enumerate() {
+                    // P recomputed and dS = P (dP − delta); keys outside the window 0.
+                    let (m, di) = (lse[h * g.total + s + i], delta[i]);
+                    let (lo, hi) = visible(i, l, g.window);
+                    for t in [&mut *pr, &mut *dpr] {
+                        t[..lo].fill(0.0);
+                        t[hi..].fill(0.0);
+                    }
+                    for (x, d) in pr[lo..hi].iter_mut().zip(&mut dpr[lo..hi]) {
+                        *x = exp_f32(g.scale * *x - m);
+                        *d = *x * (*d - di);
                     }
                 }
                 unsafe {
