@@ -47,7 +47,7 @@ pub fn linear_gelu(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
     linear_act(x, w, Some(b), true)
 }
 
-/// The product `x [T, K] · w [N, K]ᵀ` that [`linear`] and [`linear_gelu`]
+/// The product `x [T, K] · w [N, K]ᵀ` (x of rank 2) that [`linear`] and [`linear_gelu`]
 /// add their bias to (and take GELU of), in the dtype they do it in: F32
 /// for 16-bit `x` on the CPU (the BF16 engine's, or the widened operands'),
 /// else `x`'s. A fused backward that recomputes a pre-activation calls

@@ -310,8 +310,9 @@ fn argmax_ties_pick_lowest_index(dev: &Device) -> Result<()> {
     let mut shapes = vec![(3, 4, 40, 300, 128), (2, 3, 20, 70, 64)];
     if gpu_cases(dev) {
         shapes.push((8, 4, 128, 520, 96));
-        // Past 64 tiles of 128 (the Hopper epilogues' lazy scan): the best
-        // rows first appear at token ld / 2 = 10 000.
+        // Past 64 tiles of 128 (where the Hopper epilogues' lazy scan runs
+        // under CANDLE_MAXSIM_LAZY_ARGMAX): the best rows first appear at
+        // token ld / 2 = 10 000.
         shapes.push((2, 2, 64, 20_000, 128));
     }
     for dt in DTYPES {
@@ -397,7 +398,8 @@ fn mixed_sign_maxima_match_reference(dev: &Device) -> Result<()> {
     let mut shapes = vec![(3, 4, 24, 300, 64)];
     if gpu_cases(dev) {
         shapes.push((2, 3, 40, 700, 128));
-        // Maxima turning positive past 64 tiles of 128 (the lazy scan's start).
+        // Maxima turning positive past 64 tiles of 128 (the lazy scan's
+        // territory under CANDLE_MAXSIM_LAZY_ARGMAX).
         shapes.push((2, 2, 40, 18_000, 128));
     }
     for dt in DTYPES {

@@ -482,7 +482,7 @@ fn nearest_centroids_match_reference(dev: &Device) -> Result<()> {
     let cpu = Device::Cpu;
     let mut shapes = vec![(300, 37, 32), (129, 256, 64), (5, 1, 16), (1000, 100, 128)];
     if gpu_cases(dev) {
-        shapes.push((300, 20_000, 128)); // 157 tiles of 128 centroids: the Hopper epilogues' lazy scan
+        shapes.push((300, 20_000, 128)); // 157 tiles of 128 centroids (the lazy scan's, with its knob)
     }
     for (t, c, dim) in shapes {
         for dt in DTYPES {

@@ -63,7 +63,7 @@ fn add_bias_matches_broadcast_add(dev: &Device) -> Result<()> {
                 assert_close(&format!("{what} dx"), &grad(&g, &xv)?, &grad(&gn, &xn)?, dx_tol)?;
                 if gelu {
                     // db sums r terms of both signs: its error is judged
-                    // against Σ|up · GELU'(x + b)| of each column.
+                    // against the columns' largest Σ|up · GELU'(x + b)|.
                     let z = Var::from_tensor(&xn.as_tensor().broadcast_add(bn.as_tensor())?)?;
                     let slope = z.as_tensor().gelu_erf()?.sum_all()?.backward()?;
                     let terms = up.mul(slope.get(z.as_tensor()).expect("grad"))?.abs()?.sum(0)?;

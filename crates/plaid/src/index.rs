@@ -62,9 +62,9 @@ pub struct PlaidIndex {
     /// After an add, the tensors `codes`, `residuals` and `cu` are the
     /// first rows of, with spare rows for the next adds (see [`append_rows`]).
     pub(crate) stores: Option<(Tensor, Tensor, Tensor)>,
-    /// Device tensors the last search shape used, reused by the next search
-    /// of that shape (shared by clones: they are never written).
-    pub(crate) search_consts: Arc<std::sync::Mutex<Option<crate::search::SearchConsts>>>,
+    /// Device tensors of the last few search shapes, reused by the next
+    /// search of one of them (shared by clones: they are never written).
+    pub(crate) search_consts: Arc<std::sync::Mutex<Vec<crate::search::SearchConsts>>>,
 }
 
 /// One of the two per-token arrays (`codes` or `residuals`), chunk by chunk.

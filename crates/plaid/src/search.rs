@@ -45,6 +45,9 @@ pub enum Subset<'a> {
 /// lower id first); fewer than `top_k` when there are fewer candidates.
 pub type SearchResults = Vec<Vec<(u32, f32)>>;
 
+/// Batch shapes whose constant tensors a search keeps (the most recent).
+const SEARCH_CONSTS_KEPT: usize = 8;
+
 /// Device memory one batch may take for its query-centroid tables (two
 /// `[C, Lq]` tables per query).
 const BATCH_BYTES: usize = 1 << 30;
@@ -254,14 +257,18 @@ impl PlaidIndex {
     }
 
     /// The constant tensors of a batch of `nq` queries with `k1` candidates
-    /// each, made once per shape: each launch saved is ~10 µs of a
+    /// each, made once per shape (the last few shapes kept): each launch saved is ~10 µs of a
     /// single-query search's ~0.6 ms, most of which is the host launching.
     fn search_consts(&self, nq: usize, k1: usize) -> Result<SearchConsts> {
-        let mut c = self.search_consts.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(s) = c.as_ref().filter(|s| (s.nq, s.k1) == (nq, k1)) {
-            return Ok(s.clone());
-        }
         let dev = self.device();
+        let mut c = self.search_consts.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(i) = c.iter().position(|s| (s.nq, s.k1) == (nq, k1) && s.pair_q.device().same_device(dev)) {
+            // Most recent last: a service's batch sizes vary, the few shapes
+            // it repeats stay.
+            let s = c.remove(i);
+            c.push(s.clone());
+            return Ok(s);
+        }
         let s = SearchConsts {
             nq,
             k1,
@@ -269,7 +276,13 @@ impl PlaidIndex {
             none: Tensor::full(NO_DOCUMENT, (nq, k1), dev)?,
             neg_inf: Tensor::new(f32::NEG_INFINITY, dev)?,
         };
-        *c = Some(s.clone());
+        // Large batches amortize them; small ones are kept (≤ 512 KB each).
+        if nq * k1 <= 1 << 16 {
+            if c.len() == SEARCH_CONSTS_KEPT {
+                c.remove(0);
+            }
+            c.push(s.clone());
+        }
         Ok(s)
     }
 
