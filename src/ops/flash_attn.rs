@@ -341,6 +341,60 @@ fn tasks(cu: &[u32], heads: usize) -> Vec<(usize, usize, usize)> {
     v
 }
 
+impl FlashAttn {
+    /// The CPU forward over F32 rows: token t's q, k and v at
+    /// `t · stride` of their slices (H·dh for separate tensors, 3·H·dh for
+    /// the column blocks of one QKV tensor, read in place); returns the
+    /// output `[T, H·dh]` and keeps the log-sum-exp.
+    fn forward_rows(&self, q: &[f32], k: &[f32], v: &[f32], stride: usize) -> Result<Vec<f32>> {
+        let g = self.geom;
+        let hd = g.heads * g.dh;
+        let mut out = vec![0f32; g.total * hd];
+        let mut lse = vec![0f32; g.heads * g.total];
+        let (dst, lse_dst) = (OutPtr(out.as_mut_ptr()), OutPtr(lse.as_mut_ptr()));
+        tasks(&self.cu_host, g.heads).into_par_iter().for_each_init(Vec::new, |p, (s, l, h)| {
+            p.resize(l * l, 0f32);
+            let at = s * stride + h * g.dh;
+            // SAFETY: strided views of this sequence's rows of head h within q, k, v.
+            unsafe {
+                gemm_into(
+                    l,
+                    l,
+                    g.dh,
+                    p.as_mut_ptr(),
+                    l,
+                    Mat::rows(q[at..].as_ptr(), stride),
+                    Mat::t(k[at..].as_ptr(), stride),
+                )
+            };
+            simd(
+                #[inline(always)]
+                || {
+                    for (i, row) in p.chunks_mut(l).enumerate() {
+                        let v = softmax_row(row, i, g.window, g.scale);
+                        // SAFETY: (h, s + i) belongs to this task alone.
+                        unsafe { *lse_dst.at(h * g.total + s + i) = v };
+                    }
+                },
+            );
+            // SAFETY: this task alone writes head h's columns of the sequence's rows.
+            unsafe {
+                gemm_into(
+                    l,
+                    g.dh,
+                    l,
+                    dst.at(s * hd + h * g.dh),
+                    hd,
+                    Mat::rows(p.as_ptr(), l),
+                    Mat::rows(v[at..].as_ptr(), stride),
+                )
+            };
+        });
+        *self.lse.lock().unwrap() = Some(Tensor::from_vec(lse, (g.heads, g.total), &candle_core::Device::Cpu)?);
+        Ok(out)
+    }
+}
+
 impl CustomOp3 for FlashAttn {
     fn name(&self) -> &'static str {
         "attention-varlen"
@@ -358,30 +412,7 @@ impl CustomOp3 for FlashAttn {
         let (g, dt) = (self.geom, q.dtype());
         let (q, k, v) = (f32s("q", q, lq)?, f32s("k", k, lk)?, f32s("v", v, lv)?);
         let hd = g.heads * g.dh;
-        let mut out = vec![0f32; g.total * hd];
-        let mut lse = vec![0f32; g.heads * g.total];
-        let (dst, lse_dst) = (OutPtr(out.as_mut_ptr()), OutPtr(lse.as_mut_ptr()));
-        tasks(&self.cu_host, g.heads).into_par_iter().for_each_init(Vec::new, |p, (s, l, h)| {
-            p.resize(l * l, 0f32);
-            let at = s * hd + h * g.dh;
-            // SAFETY: strided views of this sequence's rows of head h within q, k, v.
-            unsafe {
-                gemm_into(l, l, g.dh, p.as_mut_ptr(), l, Mat::rows(q[at..].as_ptr(), hd), Mat::t(k[at..].as_ptr(), hd))
-            };
-            simd(
-                #[inline(always)]
-                || {
-                    for (i, row) in p.chunks_mut(l).enumerate() {
-                        let v = softmax_row(row, i, g.window, g.scale);
-                        // SAFETY: (h, s + i) belongs to this task alone.
-                        unsafe { *lse_dst.at(h * g.total + s + i) = v };
-                    }
-                },
-            );
-            // SAFETY: this task alone writes head h's columns of the sequence's rows.
-            unsafe { gemm_into(l, g.dh, l, dst.at(at), hd, Mat::rows(p.as_ptr(), l), Mat::rows(v[at..].as_ptr(), hd)) };
-        });
-        *self.lse.lock().unwrap() = Some(Tensor::from_vec(lse, (g.heads, g.total), &candle_core::Device::Cpu)?);
+        let out = self.forward_rows(&q, &k, &v, hd)?;
         Ok((round_to(dt, out), Shape::from((g.total, hd))))
     }
 
@@ -459,17 +490,14 @@ impl CustomOp1 for FlashAttnQkv {
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        // The CPU loops take contiguous blocks: each copied out in F32.
+        // The three column blocks read in place (rows 3·H·dh apart), the
+        // output rounded once.
         let x = f32s("qkv", s, l)?;
         let (t, w) = l.shape().dims2()?;
         let hd = w / 3;
-        let block = |b: usize| -> CpuStorage {
-            CpuStorage::F32(x.chunks(w.max(1)).flat_map(|r| r[b * hd..(b + 1) * hd].iter().copied()).collect())
-        };
-        let lb = Layout::contiguous((t, hd));
-        let out = self.0.cpu_fwd(&block(0), &lb, &block(1), &lb, &block(2), &lb)?;
-        let y = f32s("out", &out.0, &Layout::contiguous(out.1.clone()))?.into_owned();
-        Ok((round_to(s.dtype(), y), out.1))
+        let from = |c: usize| x.get(c..).unwrap_or_default(); // no rows: empty
+        let out = self.0.forward_rows(&x, from(hd), from(2 * hd), w)?;
+        Ok((round_to(s.dtype(), out), Shape::from((t, hd))))
     }
 
     #[cfg(feature = "cuda")]
