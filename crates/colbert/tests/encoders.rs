@@ -70,6 +70,37 @@ fn check_packed(what: &str, enc: &Encoder, ids: &Tensor, mask: &Tensor, dt: DTyp
     Ok(())
 }
 
+/// A padded batch of sequences of `lens` tokens and a random weighting of
+/// its attended rows, and both packed: the padding mask `[B, L]`, the
+/// weights `up [B, L, H]` (0 at padding), the packed ids, weights and offsets.
+struct Weighted {
+    mask: Tensor,
+    up: Tensor,
+    packed_ids: Tensor,
+    packed_up: Tensor,
+    cu: Tensor,
+}
+
+impl Weighted {
+    fn new(enc: &Encoder, ids: &Tensor, lens: &[u32]) -> Result<Self> {
+        let (b, l) = ids.dims2()?;
+        let dev = ids.device();
+        let keep: Vec<u8> = lens.iter().flat_map(|&n| (0..l).map(move |i| u8::from(i < n as usize))).collect();
+        let mask = Tensor::from_vec(keep, (b, l), dev)?;
+        let h = enc.token_embeddings().dim(1)?;
+        let up = Tensor::randn(0f32, 1., (b, l, h), dev)?.broadcast_mul(&mask.to_dtype(DType::F32)?.unsqueeze(2)?)?;
+        let mut cu = vec![0u32];
+        let (mut rows, mut ups) = (Vec::new(), Vec::new());
+        for (i, &n) in lens.iter().enumerate() {
+            cu.push(cu[i] + n);
+            rows.push(ids.get(i)?.narrow(0, 0, n as usize)?);
+            ups.push(up.get(i)?.narrow(0, 0, n as usize)?);
+        }
+        let (packed_ids, packed_up) = (Tensor::cat(&rows, 0)?, Tensor::cat(&ups, 0)?);
+        Ok(Self { mask, up, packed_ids, packed_up, cu: Tensor::new(cu.as_slice(), dev)? })
+    }
+}
+
 /// The gradients of every weight of `vars` through `forward_packed` (in
 /// `dt`) equal those through the padded `forward` (F32) of a random
 /// weighting of the attended rows.
@@ -82,22 +113,10 @@ fn check_packed_grads(
     dt: DType,
     tol: f64,
 ) -> Result<()> {
-    let (b, l) = ids.dims2()?;
-    let dev = ids.device();
-    let keep: Vec<u8> = lens.iter().flat_map(|&n| (0..l).map(move |i| u8::from(i < n as usize))).collect();
-    let mask = Tensor::from_vec(keep, (b, l), dev)?;
-    let h = enc.token_embeddings().dim(1)?;
-    let up = Tensor::randn(0f32, 1., (b, l, h), dev)?.broadcast_mul(&mask.to_dtype(DType::F32)?.unsqueeze(2)?)?;
-    let padded = (enc.forward(ids, &mask, DType::F32)? * &up)?.sum_all()?.backward()?;
-    let mut cu = vec![0u32];
-    let (mut rows, mut ups) = (Vec::new(), Vec::new());
-    for (i, &n) in lens.iter().enumerate() {
-        cu.push(cu[i] + n);
-        rows.push(ids.get(i)?.narrow(0, 0, n as usize)?);
-        ups.push(up.get(i)?.narrow(0, 0, n as usize)?);
-    }
-    let out = enc.forward_packed(&Tensor::cat(&rows, 0)?, &Tensor::new(cu.as_slice(), dev)?, dt)?;
-    let packed = (out.to_dtype(DType::F32)? * Tensor::cat(&ups, 0)?)?.sum_all()?.backward()?;
+    let p = Weighted::new(enc, ids, lens)?;
+    let padded = (enc.forward(ids, &p.mask, DType::F32)? * &p.up)?.sum_all()?.backward()?;
+    let out = enc.forward_packed(&p.packed_ids, &p.cu, dt)?;
+    let packed = (out.to_dtype(DType::F32)? * &p.packed_up)?.sum_all()?.backward()?;
     // Relative to the larger of the gradient's own largest entry and 1 % of
     // the largest of all: sums that cancel (a query bias's) keep F32 noise.
     let data = vars.data().lock().unwrap();
@@ -186,19 +205,7 @@ fn packed_training_matches_padded(dev: &Device) -> Result<()> {
         let l = 40;
         let b = lens.len();
         let ids = Tensor::rand(0f32, 100., (b, l), dev)?.to_dtype(DType::U32)?;
-        let keep: Vec<u8> = lens.iter().flat_map(|&n| (0..l).map(move |i| u8::from(i < n as usize))).collect();
-        let mask = Tensor::from_vec(keep, (b, l), dev)?;
-        let h = packed_enc.token_embeddings().dim(1)?;
-        let up = Tensor::randn(0f32, 1., (b, l, h), dev)?.broadcast_mul(&mask.to_dtype(DType::F32)?.unsqueeze(2)?)?;
-        let mut cu = vec![0u32];
-        let (mut rows, mut ups) = (Vec::new(), Vec::new());
-        for (i, &n) in lens.iter().enumerate() {
-            cu.push(cu[i] + n);
-            rows.push(ids.get(i)?.narrow(0, 0, n as usize)?);
-            ups.push(up.get(i)?.narrow(0, 0, n as usize)?);
-        }
-        let (packed_ids, packed_up) = (Tensor::cat(&rows, 0)?, Tensor::cat(&ups, 0)?);
-        let cu = Tensor::new(cu.as_slice(), dev)?;
+        let Weighted { mask, up, packed_ids, packed_up, cu } = Weighted::new(&packed_enc, &ids, &lens)?;
         let named = |vars: &candle_nn::VarMap| -> Vec<(String, candle_core::Var)> {
             let mut v: Vec<_> = vars.data().lock().unwrap().iter().map(|(k, v)| (k.clone(), v.clone())).collect();
             v.sort_by(|a, b| a.0.cmp(&b.0));
