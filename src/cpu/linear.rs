@@ -137,29 +137,28 @@ fn pack_w(w: &[bf16], n: usize, k: usize, kb: usize) -> (Vec<u16>, usize) {
     (packed, nb)
 }
 
-/// `x [m, k] · w [n, k]ᵀ` as F32 `[m, n]`, row-major; both operands
-/// contiguous BF16; `e` from [`engine`].
-pub(crate) fn matmul_nt(e: Engine, x: &[bf16], m: usize, k: usize, w: &[bf16], n: usize) -> Vec<f32> {
-    run(e, x, m, k, w, n, |acc: &[f32], out: &mut [f32], _| out.copy_from_slice(acc))
+/// The operands of a product: `x [m, k]` and `w [n, k]`, row-major BF16.
+#[derive(Clone, Copy)]
+pub(crate) struct Operands<'a> {
+    pub(crate) x: &'a [bf16],
+    pub(crate) m: usize,
+    pub(crate) k: usize,
+    pub(crate) w: &'a [bf16],
+    pub(crate) n: usize,
 }
 
-/// `act(x [m, k] · w [n, k]ᵀ + b)` rounded to BF16, each output written
-/// once (a linear layer's inference: no F32 product in memory): the same
-/// values as [`matmul_nt`] followed by the bias, GELU and rounding of
+/// `x · wᵀ` as F32 `[m, n]`, row-major; `e` from [`engine`].
+pub(crate) fn matmul_nt(e: Engine, ops: Operands) -> Vec<f32> {
+    run(e, ops, |acc: &[f32], out: &mut [f32], _| out.copy_from_slice(acc))
+}
+
+/// `act(x · wᵀ + b)` rounded to BF16, each output written once (a linear
+/// layer's inference: no F32 product in memory): the same values as
+/// [`matmul_nt`] followed by the bias, GELU and rounding of
 /// `nn::add_bias` / `add_bias_gelu` and `to_dtype`.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn linear(
-    e: Engine,
-    x: &[bf16],
-    m: usize,
-    k: usize,
-    w: &[bf16],
-    n: usize,
-    b: Option<&[f32]>,
-    gelu: bool,
-) -> Vec<bf16> {
+pub(crate) fn linear(e: Engine, ops: Operands, b: Option<&[f32]>, gelu: bool) -> Vec<bf16> {
     use crate::ops::rows::gelu_f32;
-    run(e, x, m, k, w, n, |acc: &[f32], out: &mut [bf16], c0| {
+    run(e, ops, |acc: &[f32], out: &mut [bf16], c0| {
         crate::cpu::math::simd(
             #[inline(always)]
             || match (b, gelu) {
@@ -181,11 +180,7 @@ pub(crate) fn linear(
 /// (row-major `[m, n]`) and the first column.
 fn run<T: Copy + Default + Send + Sync>(
     e: Engine,
-    x: &[bf16],
-    m: usize,
-    k: usize,
-    w: &[bf16],
-    n: usize,
+    Operands { x, m, k, w, n }: Operands,
     write: impl Fn(&[f32], &mut [T], usize) + Sync,
 ) -> Vec<T> {
     let mut out = vec![T::default(); m * n];

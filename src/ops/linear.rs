@@ -294,10 +294,8 @@ impl CustomOp2 for MatmulBf16 {
     }
 
     fn cpu_fwd(&self, x: &CpuStorage, lx: &Layout, w: &CpuStorage, lw: &Layout) -> Result<(CpuStorage, Shape)> {
-        let (xs, ws) = (slice::<half::bf16>("x", x, lx)?, slice::<half::bf16>("w", w, lw)?);
-        let (m, k) = lx.shape().dims2()?;
-        let n = lw.dims()[0];
-        Ok((CpuStorage::F32(crate::cpu::linear::matmul_nt(self.engine, xs, m, k, ws, n)), Shape::from((m, n))))
+        let ops = bf16_operands(x, lx, w, lw)?;
+        Ok((CpuStorage::F32(crate::cpu::linear::matmul_nt(self.engine, ops)), Shape::from((ops.m, ops.n))))
     }
 
     /// `dx = g · w`, `dw = gᵀ · x` in F32.
@@ -306,6 +304,19 @@ impl CustomOp2 for MatmulBf16 {
         let g = g.to_dtype(DType::F32)?;
         Ok((Some(g.matmul(&wf)?.to_dtype(x.dtype())?), Some(g.t()?.matmul(&xf)?.to_dtype(w.dtype())?)))
     }
+}
+
+/// The contiguous BF16 `x [m, k]` and `w [n, k]` of the BF16 engine's ops.
+#[cfg(target_arch = "x86_64")]
+fn bf16_operands<'a>(
+    x: &'a CpuStorage,
+    lx: &Layout,
+    w: &'a CpuStorage,
+    lw: &Layout,
+) -> Result<crate::cpu::linear::Operands<'a>> {
+    let (m, k) = lx.shape().dims2()?;
+    let (x, w) = (slice::<half::bf16>("x", x, lx)?, slice::<half::bf16>("w", w, lw)?);
+    Ok(crate::cpu::linear::Operands { x, m, k, w, n: lw.dims()[0] })
 }
 
 /// A BF16 linear layer's inference on the CPU's BF16 engine: `act(x · wᵀ + b)`
@@ -327,13 +338,8 @@ impl Bf16Linear {
         lw: &Layout,
         b: Option<&[f32]>,
     ) -> Result<(CpuStorage, Shape)> {
-        let (xs, ws) = (slice::<half::bf16>("x", x, lx)?, slice::<half::bf16>("w", w, lw)?);
-        let (m, k) = lx.shape().dims2()?;
-        let n = lw.dims()[0];
-        Ok((
-            CpuStorage::BF16(crate::cpu::linear::linear(self.engine, xs, m, k, ws, n, b, self.gelu)),
-            Shape::from((m, n)),
-        ))
+        let ops = bf16_operands(x, lx, w, lw)?;
+        Ok((CpuStorage::BF16(crate::cpu::linear::linear(self.engine, ops, b, self.gelu)), Shape::from((ops.m, ops.n))))
     }
 }
 
