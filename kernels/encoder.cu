@@ -163,28 +163,43 @@ template <typename T> __device__ void layer_norm_bwd_x(const LayerNormParams& p)
     }
 }
 
-// dwb[0:c] += sum over rows of dy * xhat, dwb[c:2c] += sum of dy (dwb zeroed
-// by the host): each block sums its rows in shared memory (2c floats), then
-// one global atomic per column.
+// Rows a block of layer_norm_bwd_wb takes at a time.
+#define NORM_WB_CHUNK 32
+
+// Part b of out [gridDim.x, 2c]: over the rows of block b's chunks (b,
+// b + gridDim.x, ...), the sums of dy * xhat (the weight's gradient) in
+// [0, c) and of dy (the bias's) in [c, 2c). The warps put a chunk's row
+// statistics in shared memory, then each column's sums have one owner thread
+// adding the rows in order, and the host adds the parts in order
+// (sum_parts): the same bits on every run, where atomics would not be.
 template <typename T> __device__ void layer_norm_bwd_wb(const LayerNormParams& p) {
-    extern __shared__ float acc[];
-    const int c = p.c;
-    float* dwb = static_cast<float*>(p.out);
+    extern __shared__ float acc[]; // [2c] sums, then mean and rstd [2][NORM_WB_CHUNK]
+    const int c = p.c, lane = threadIdx.x % 32, warp = threadIdx.x / 32, nwarps = blockDim.x / 32;
+    float* stat = acc + 2 * c;
+    const T* dy = static_cast<const T*>(p.dy);
     for (int j = threadIdx.x; j < 2 * c; j += blockDim.x) acc[j] = 0.f;
-    __syncthreads();
-    WARP_ROWS(r, p.rows) {
-        const NormRow<T> xr(p.x, p.res, r, c);
-        const T* gr = static_cast<const T*>(p.dy) + r * c;
-        float mean, rstd;
-        row_stats(xr, c, lane, p.eps, mean, rstd);
-        for (int j = lane; j < c; j += 32) {
-            const float g = Elem<T>::to_float(gr[j]);
-            atomicAdd(acc + j, g * (xr[j] - mean) * rstd);
-            atomicAdd(acc + c + j, g);
+    for (long long r0 = (long long)blockIdx.x * NORM_WB_CHUNK; r0 < p.rows; r0 += (long long)gridDim.x * NORM_WB_CHUNK) {
+        const int n = (int)min((long long)NORM_WB_CHUNK, p.rows - r0);
+        __syncthreads(); // the previous chunk's statistics are read
+        for (int i = warp; i < n; i += nwarps) {
+            float mean, rstd;
+            row_stats(NormRow<T>(p.x, p.res, r0 + i, c), c, lane, p.eps, mean, rstd);
+            if (lane == 0) stat[i] = mean, stat[NORM_WB_CHUNK + i] = rstd;
+        }
+        __syncthreads();
+        for (int j = threadIdx.x; j < c; j += blockDim.x) {
+            float sw = acc[j], sb = acc[c + j];
+            for (int i = 0; i < n; ++i) {
+                const float g = Elem<T>::to_float(dy[(r0 + i) * c + j]);
+                sw += g * (NormRow<T>(p.x, p.res, r0 + i, c)[j] - stat[i]) * stat[NORM_WB_CHUNK + i];
+                sb += g;
+            }
+            acc[j] = sw, acc[c + j] = sb;
         }
     }
     __syncthreads();
-    for (int j = threadIdx.x; j < 2 * c; j += blockDim.x) atomicAdd(dwb + j, acc[j]);
+    float* part = static_cast<float*>(p.out) + (long long)blockIdx.x * 2 * c;
+    for (int j = threadIdx.x; j < 2 * c; j += blockDim.x) part[j] = acc[j];
 }
 
 // Rotary embeddings of the q and k blocks of a fused QKV row (rotate-half

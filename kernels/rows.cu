@@ -157,20 +157,21 @@ SCATTER_ADD_ROWS(f16, __half)
 SCATTER_ADD_ROWS(bf16, __nv_bfloat16)
 SCATTER_ADD_ROWS(f32, float)
 
-// out[c] += sum over rows of g[r, c] in f32 (out zeroed by the host): the
-// gradient of a bias added to every row. Block (x, y) sums columns x*256 ..
-// +255 over rows y, y + gridDim.y, ... (coalesced across the block's
-// threads), then one atomic per column. candle's sum over a leading axis
-// reads one strided element per thread (milliseconds on [40 000, 1536]).
+// Sums over rows of g[r, c] in f32: the gradient of a bias added to every
+// row. Block (x, y) sums columns x*256 .. +255 over rows y, y + gridDim.y, ...
+// (coalesced across the block's threads) into part y of out [gridDim.y,
+// cols]; sum_parts adds the parts in order. No atomics: the same inputs give
+// the same bits on every run. candle's sum over a leading axis reads one
+// strided element per thread (milliseconds on [40 000, 1536]).
 template <typename T>
 __device__ void sum_rows(const T* g, float* out, long long rows, int cols) {
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= cols) return;
     float acc = 0.f;
     for (long long r = blockIdx.y; r < rows; r += gridDim.y) acc += Elem<T>::to_float(g[r * cols + c]);
-    atomicAdd(out + c, acc);
+    out[(long long)blockIdx.y * cols + c] = acc;
 }
-// x: g, out: f32 column sums.
+// x: g, out: f32 column sums, one row of them per grid row.
 #define SUM_ROWS(NAME, T)                                                                              \
     extern "C" __global__ void sum_rows_##NAME(const RowsParams p) {                                   \
         sum_rows(static_cast<const T*>(p.x), static_cast<float*>(p.out), p.rows, p.cols);              \
@@ -178,3 +179,14 @@ __device__ void sum_rows(const T* g, float* out, long long rows, int cols) {
 SUM_ROWS(f16, __half)
 SUM_ROWS(bf16, __nv_bfloat16)
 SUM_ROWS(f32, float)
+
+// out[c] = sum over p in order of x[p, c], f32 [rows, cols]: partial sums
+// (one per block of a reduction) added in a fixed order. A thread per column.
+extern "C" __global__ void sum_parts(const RowsParams p) {
+    const long long c = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= p.cols) return;
+    const float* x = static_cast<const float*>(p.x);
+    float acc = 0.f;
+    for (long long r = 0; r < p.rows; ++r) acc += x[r * p.cols + c];
+    static_cast<float*>(p.out)[c] = acc;
+}

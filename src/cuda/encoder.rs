@@ -1,11 +1,12 @@
 //! Launches of kernels/encoder.cu: the attention softmax, the layer norm and
 //! rotary embeddings, forward and backward.
 
-use super::launch::{grid_stride, kernel, kernel_params, launch, Module};
+use super::device::device_info;
+use super::launch::{blocks, grid_stride, kernel, kernel_params, launch, Module};
 use super::memory::{alloc_out, storage_ptr};
 use super::params::dtype_tag;
 use candle_core::backend::BackendStorage;
-use candle_core::{bail, CudaDevice, CudaStorage, Layout, Result};
+use candle_core::{bail, CudaDevice, CudaStorage, DType, Layout, Result};
 
 /// Mirror of `SoftmaxParams` in kernels/encoder.cu.
 #[repr(C)]
@@ -219,19 +220,27 @@ pub(crate) fn layer_norm_bwd_wb(
     eps: f32,
 ) -> Result<CudaStorage> {
     let dev = &x.0.device;
-    let out = CudaStorage::wrap_cuda_slice(dev.alloc_zeros::<f32>((2 * c).max(1))?, dev.clone());
-    let (mut p, rows) = norm_params(x, res, c, &out, eps)?;
-    if rows == 0 {
-        return Ok(out);
+    if x.1.shape().elem_count() == 0 {
+        return Ok(CudaStorage::wrap_cuda_slice(dev.alloc_zeros::<f32>((2 * c).max(1))?, dev.clone()));
     }
-    let smem = 2 * c * 4;
+    // Two blocks per SM, each at least one chunk of rows, each writing its
+    // [2, C] part of the sums; sum_parts adds the parts in order.
+    const CHUNK: usize = 32; // NORM_WB_CHUNK in kernels/encoder.cu
+    let smem = (2 * c + 2 * CHUNK) * 4;
     if smem > 48 * 1024 {
-        bail!("x: layer norm rows of {c} exceed the 6144 columns of the weight-gradient kernel")
+        bail!("x: layer norm rows of {c} exceed the 6112 columns of the weight-gradient kernel")
     }
+    let rows = x.1.shape().elem_count() / c.max(1);
+    let n = rows.div_ceil(CHUNK).clamp(1, 2 * device_info(dev)?.sm_count.max(1) as usize);
+    let parts = alloc_out(dev, DType::F32, n * 2 * c)?;
+    let (mut p, _) = norm_params(x, res, c, &parts, eps)?;
     p.dy = storage_ptr(dy.0, dy.1)?;
-    // Two blocks per SM: each block adds 2c atomics at its end.
-    run(dev, "layer_norm_bwd_wb", x.0, rows, (2, smem as u32), &p)?;
-    Ok(out)
+    let func = kernel(dev, Module::Encoder, &format!("layer_norm_bwd_wb_{}", dtype_tag(x.0.dtype())), smem as u32)?;
+    launch(dev, &func, blocks(n as u32, 256, smem as u32), &p)?;
+    if n == 1 {
+        return Ok(parts);
+    }
+    super::rows::sum_parts(&parts, n, 2 * c)
 }
 
 /// The q and k blocks of `x [T, 3·H·dh]` (contiguous) rotated by the F32

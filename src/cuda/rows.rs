@@ -6,7 +6,7 @@ use super::launch::{blocks, grid_stride, kernel, kernel_params, launch, Module};
 use super::memory::{alloc_out, storage_ptr, HostFlag};
 use super::params::dtype_tag;
 use candle_core::backend::BackendStorage;
-use candle_core::{bail, CudaDevice, CudaStorage, Layout, Result};
+use candle_core::{bail, CudaDevice, CudaStorage, DType, Layout, Result};
 
 /// Mirror of `RowsParams` in kernels/rows.cu.
 #[repr(C)]
@@ -201,24 +201,45 @@ pub(crate) fn sum_rows(g: (&CudaStorage, &Layout)) -> Result<CudaStorage> {
     if c > i32::MAX as usize {
         bail!("x: {c} columns exceed the row-sum kernel's 32-bit column index")
     }
-    let out = CudaStorage::wrap_cuda_slice(dev.alloc_zeros::<f32>(c.max(1))?, dev.clone());
     if r * c == 0 {
-        return Ok(out);
+        return Ok(CudaStorage::wrap_cuda_slice(dev.alloc_zeros::<f32>(c.max(1))?, dev.clone()));
     }
+    // Blocks of 256 columns along x; along y enough blocks to fill the
+    // device (4 per SM), each at least 64 rows, each writing its part.
+    let bx = c.div_ceil(256);
+    let by = (4 * device_info(dev)?.sm_count.max(1) as usize).div_ceil(bx).clamp(1, r.div_ceil(64).max(1));
+    let parts = alloc_out(dev, DType::F32, by * c)?;
     let p = RowsParams {
         x: storage_ptr(g.0, g.1)?,
-        out: storage_ptr(&out, &Layout::contiguous(1))?,
+        out: storage_ptr(&parts, &Layout::contiguous(1))?,
         rows: r as i64,
         cols: c as i32,
         ..Default::default()
     };
-    // Blocks of 256 columns along x; along y enough blocks to fill the
-    // device (4 per SM), each at least 64 rows.
-    let bx = c.div_ceil(256);
-    let by = (4 * device_info(dev)?.sm_count.max(1) as usize).div_ceil(bx).clamp(1, r.div_ceil(64).max(1)) as u32;
     let mut cfg = blocks(bx as u32, 256, 0);
-    cfg.grid_dim.1 = by;
+    cfg.grid_dim.1 = by as u32;
     let func = kernel(dev, Module::Rows, &format!("sum_rows_{}", dtype_tag(g.0.dtype())), 0)?;
     launch(dev, &func, cfg, &p)?;
+    if by == 1 {
+        return Ok(parts);
+    }
+    sum_parts(&parts, by, c)
+}
+
+/// `[C]` F32: the sums over the `n` rows of `parts` `[n, C]` (F32,
+/// contiguous), added in row order, so that a reduction split over blocks
+/// gives the same bits on every run.
+pub(crate) fn sum_parts(parts: &CudaStorage, n: usize, c: usize) -> Result<CudaStorage> {
+    let dev = &parts.device;
+    let out = alloc_out(dev, DType::F32, c.max(1))?;
+    let p = RowsParams {
+        x: storage_ptr(parts, &Layout::contiguous(n * c))?,
+        out: storage_ptr(&out, &Layout::contiguous(1))?,
+        rows: n as i64,
+        cols: c as i32,
+        ..Default::default()
+    };
+    let func = kernel(dev, Module::Rows, "sum_parts", 0)?;
+    launch(dev, &func, blocks(c.div_ceil(256).max(1) as u32, 256, 0), &p)?;
     Ok(out)
 }
