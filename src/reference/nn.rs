@@ -71,7 +71,7 @@ pub fn attention_varlen(
     scale: f64,
     window: Option<usize>,
 ) -> Result<Tensor> {
-    let (t, hd) = q.dims2()?;
+    let hd = q.dims2()?.1;
     let dh = hd / heads;
     let mut parts = Vec::new();
     for w in cu_seqlens.to_vec1::<u32>()?.windows(2) {
@@ -92,7 +92,9 @@ pub fn attention_varlen(
         parts.push(p.matmul(&vh)?.transpose(0, 1)?.reshape((l, hd))?);
     }
     if parts.is_empty() {
-        return Tensor::zeros((t, hd), q.dtype(), q.device());
+        // No rows (offsets cover every row): an empty output that is still a
+        // node of q's, k's and v's graphs, so that their gradients exist.
+        return (q.affine(0.0, 0.0)? + k.affine(0.0, 0.0)?)? + v.affine(0.0, 0.0)?;
     }
     Tensor::cat(&parts, 0)?.to_dtype(q.dtype())
 }

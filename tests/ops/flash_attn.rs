@@ -170,7 +170,9 @@ fn attention_varlen_takes_fused_qkv(dev: &Device) -> Result<()> {
         let qkv = Var::from_tensor(&Tensor::zeros((0, 3 * 128), dt, dev)?)?;
         let out = ms::nn::attention_varlen_qkv(qkv.as_tensor(), &Tensor::new(&[0u32], dev)?, 2, 0.125, None)?;
         assert_eq!(out.dims(), &[0, 128]);
-        let g = out.to_dtype(DType::F32)?.sum_all()?.backward()?;
+        // Summed in its own dtype: candle's CUDA cast launches an empty grid
+        // on no elements (an invalid launch), whatever the op before it.
+        let g = out.sum_all()?.backward()?;
         assert_eq!(g.get(qkv.as_tensor()).expect("a gradient").dims(), &[0, 3 * 128]);
     }
     let ok = Tensor::new(&[0u32, 6], dev)?;
