@@ -123,13 +123,13 @@ plaid)
 attention)
     # nn::attention_varlen against torch's scaled_dot_product_attention (the
     # torch the GPU machine has), ours before and after; on sm_90 also the
-    # wgmma kernels (CANDLE_MAXSIM_ATTENTION=wgmma) beside the default.
+    # sm_80 kernels (CANDLE_MAXSIM_ATTENTION=mma) beside the default (wgmma).
     "$B" --attention --iters 50 > "$out/attention.jsonl"
     python3 "$here/attention_peers.py" --iters 50 >> "$out/attention.jsonl"
     "$B" --attention --iters 50 --impl varlen --impl varlen_train >> "$out/attention.jsonl"
     if [ "$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1)" = 9.0 ]; then
-        CANDLE_MAXSIM_ATTENTION=wgmma "$B" --attention --iters 50 --impl varlen --impl varlen_train |
-            sed 's/^{/{"build":"wgmma",/' >> "$out/attention.jsonl"
+        CANDLE_MAXSIM_ATTENTION=mma "$B" --attention --iters 50 --impl varlen --impl varlen_train |
+            sed 's/^{/{"build":"mma",/' >> "$out/attention.jsonl"
     fi
     files=("$out"/attention.jsonl)
     ;;

@@ -353,7 +353,7 @@ def attention(rows):
     train − forward. Floors: 4·B·H·pairs·dh FLOPs forward, 2.5× that
     backward (five products against two), or q, k, v, o (and their
     gradients) once through HBM, whichever is longer. Rows tagged
-    "build": NAME (another kernel choice on the same GPU, e.g. "wgmma")
+    "build": NAME (another kernel choice on the same GPU, e.g. "mma")
     add NAME's forward / train and its train speed-up over the default."""
     t = Times(rows, lambda r: (tuple(r["shape"]), r.get("window"), r.get("build", "")))
     cases = list(dict.fromkeys(k[:2] for k in t.keys()))

@@ -131,10 +131,10 @@ struct Args {
     /// the training forward's kernels), as `fused_argmax`.
     #[arg(long)]
     argmax: bool,
-    /// Time only the implementation of this name (the `impl` field of the
-    /// output), e.g. to profile it alone.
+    /// Time only the implementations of these names (the `impl` field of
+    /// the output; repeatable), e.g. to profile one alone.
     #[arg(long = "impl", value_name = "NAME")]
-    only: Option<String>,
+    only: Vec<String>,
 }
 
 /// `--dtype`.
@@ -199,9 +199,9 @@ impl Args {
             &["fused", "fused_argmax", "reference"]
         }
     }
-    /// The implementations to time: all, or the one `--impl` names.
+    /// The implementations to time: all, or those `--impl` names.
     fn select<'a>(&self, impls: Vec<(&'a str, Box<Op<'a>>)>) -> Vec<(&'a str, Box<Op<'a>>)> {
-        impls.into_iter().filter(|(n, _)| self.only.as_ref().is_none_or(|o| o == n)).collect()
+        impls.into_iter().filter(|(n, _)| self.only.is_empty() || self.only.iter().any(|o| o == n)).collect()
     }
 }
 
@@ -475,7 +475,7 @@ fn hidden_bench(dev: &Device, args: &Args) -> Result<()> {
 
 fn main() -> Result<()> {
     let args = Args::parse();
-    if let Some(only) = args.only.as_deref().filter(|o| !args.impl_names().contains(o)) {
+    if let Some(only) = args.only.iter().find(|o| !args.impl_names().contains(&o.as_str())) {
         let msg = format!("no implementation '{only}' here (this mode times: {})", args.impl_names().join(", "));
         Args::command().error(clap::error::ErrorKind::InvalidValue, msg).exit();
     }
