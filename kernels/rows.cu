@@ -131,8 +131,8 @@ GEGLU(f32, float)
 
 // out[idx[r], c] += src[r, c] in f32 (out zeroed by the host): the per-row
 // sums of a scatter, e.g. the new centroids of a k-means step. A warp per
-// row; rows whose index is >= n_out are skipped and set *bad. The f32
-// atomics make the sums' rounding depend on the order rows land in.
+// row; rows whose index is >= n_out are skipped and set *bad (if not null).
+// The f32 atomics make the sums' rounding depend on the order rows land in.
 template <typename T>
 __device__ void scatter_add_rows(const T* src, const uint32_t* idx, float* out, long long rows, int cols,
                                  uint32_t n_out, unsigned int* bad) {
@@ -141,13 +141,13 @@ __device__ void scatter_add_rows(const T* src, const uint32_t* idx, float* out, 
     for (long long r = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / 32; r < rows; r += nw) {
         const uint32_t d = idx[r];
         if (d >= n_out) {
-            if (lane == 0) *bad = 1u;
+            if (lane == 0 && bad) *bad = 1u;
             continue;
         }
         for (int c = lane; c < cols; c += 32) atomicAdd(out + (size_t)d * cols + c, (float)Elem<T>::to_float(src[r * cols + c]));
     }
 }
-// x: src, aux: idx, out: f32 sums, n: output rows, bad.
+// x: src, aux: idx, out: f32 sums, n: output rows, bad (may be null).
 #define SCATTER_ADD_ROWS(NAME, T)                                                                      \
     extern "C" __global__ void scatter_add_rows_##NAME(const RowsParams p) {                           \
         scatter_add_rows(static_cast<const T*>(p.x), static_cast<const uint32_t*>(p.aux),              \

@@ -162,10 +162,13 @@ pub(crate) fn geglu(x: (&CudaStorage, &Layout), g: Option<(&CudaStorage, &Layout
 
 /// `[n_out, C]` F32 sums of the rows of `src` `[R, C]` (contiguous
 /// F16/BF16/F32) by destination `idx` `[R]` U32: one f32 atomic per element.
+/// A row whose index is ≥ `n_out` is an `Err` if `checked` (which waits for
+/// the stream to read the kernel's flag), else skipped (no wait).
 pub(crate) fn scatter_add_rows(
     src: (&CudaStorage, &Layout),
     idx: (&CudaStorage, &Layout),
     n_out: usize,
+    checked: bool,
 ) -> Result<CudaStorage> {
     let dev = &src.0.device;
     let (r, c) = src.1.shape().dims2()?;
@@ -176,20 +179,22 @@ pub(crate) fn scatter_add_rows(
     if r * c == 0 {
         return Ok(out);
     }
-    let bad = HostFlag::new(dev)?;
+    let bad = if checked { Some(HostFlag::new(dev)?) } else { None };
     let p = RowsParams {
         x: storage_ptr(src.0, src.1)?,
         aux: storage_ptr(idx.0, idx.1)?,
         out: storage_ptr(&out, &Layout::contiguous(1))?,
-        bad: bad.dev_ptr(),
+        bad: bad.as_ref().map_or(0, HostFlag::dev_ptr),
         rows: r as i64,
         cols: c as i32,
         n: n_out as u32,
         ..Default::default()
     };
     run_rows(dev, &format!("scatter_add_rows_{}", dtype_tag(src.0.dtype())), &p)?;
-    if bad.is_set(dev)? {
-        bail!("idx: an index is out of range for {n_out} output rows")
+    if let Some(bad) = bad {
+        if bad.is_set(dev)? {
+            bail!("idx: an index is out of range for {n_out} output rows")
+        }
     }
     Ok(out)
 }

@@ -20,8 +20,9 @@ pub(crate) fn gather_rows(src: &Tensor, idx: &Tensor) -> Result<Tensor> {
 /// `ids` (U32, any shape), as `[ids…, C]`: a row gather whose backward is a
 /// row scatter-add (candle's `index_select` backward is an `index_add`
 /// that loops over every id in each of C threads, milliseconds for a
-/// training batch's 40 000 tokens). Out-of-range ids give zero rows forward
-/// and an `Err` backward.
+/// training batch's 40 000 tokens). An out-of-range id gives a zero row,
+/// which depends on no row of the table: its gradient goes nowhere (and the
+/// backward never waits for the device to check the ids).
 pub fn embedding(table: &Tensor, ids: &Tensor) -> Result<Tensor> {
     crate::layout::check_rank("table", table, &[2], "rank 2 [R, C]")?;
     if !matches!(table.dtype(), DType::F16 | DType::BF16 | DType::F32) {
@@ -248,7 +249,7 @@ pub fn scatter_add_rows(src: &Tensor, idx: &Tensor, n_out: usize) -> Result<Tens
         bail!("idx: expected U32 [{}], got {:?} {:?}", src.dim(0)?, idx.dtype(), idx.dims())
     }
     crate::layout::check_device("idx", idx, src.device())?;
-    src.contiguous()?.apply_op2_no_bwd(&idx.contiguous()?, &ScatterAddRows { n_out })
+    src.contiguous()?.apply_op2_no_bwd(&idx.contiguous()?, &ScatterAddRows { n_out, checked: true })
 }
 
 struct GatherRows;
@@ -256,8 +257,11 @@ struct AddBias {
     gelu: bool,
 }
 struct GeluBwd;
+/// `out[idx[r]] += src[r]`; a row with `idx[r] ≥ n_out` is an `Err` if
+/// `checked`, else skipped.
 struct ScatterAddRows {
     n_out: usize,
+    checked: bool,
 }
 
 impl CustomOp2 for ScatterAddRows {
@@ -272,7 +276,10 @@ impl CustomOp2 for ScatterAddRows {
         let mut out = vec![0f32; self.n_out * c];
         for (r, &d) in idx.iter().enumerate() {
             if d as usize >= self.n_out {
-                bail!("idx: idx[{r}] = {d} is out of range for {} output rows", self.n_out)
+                if self.checked {
+                    bail!("idx: idx[{r}] = {d} is out of range for {} output rows", self.n_out)
+                }
+                continue;
             }
             for (o, &x) in out[d as usize * c..(d as usize + 1) * c].iter_mut().zip(&src[r * c..(r + 1) * c]) {
                 *o += x;
@@ -290,7 +297,7 @@ impl CustomOp2 for ScatterAddRows {
         li: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let c = ls.shape().dims2()?.1;
-        Ok((crate::cuda::scatter_add_rows((s, ls), (i, li), self.n_out)?, Shape::from((self.n_out, c))))
+        Ok((crate::cuda::scatter_add_rows((s, ls), (i, li), self.n_out, self.checked)?, Shape::from((self.n_out, c))))
     }
 }
 
@@ -430,7 +437,8 @@ impl CustomOp2 for GatherRows {
 
     /// The table's gradient: each output row's gradient added to its source row.
     fn bwd(&self, src: &Tensor, idx: &Tensor, _out: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let dsrc = scatter_add_rows(&g.contiguous()?, idx, src.dim(0)?)?.to_dtype(src.dtype())?;
+        let op = ScatterAddRows { n_out: src.dim(0)?, checked: false };
+        let dsrc = g.contiguous()?.apply_op2_no_bwd(&idx.contiguous()?, &op)?.to_dtype(src.dtype())?;
         Ok((Some(dsrc), None))
     }
 }

@@ -212,12 +212,19 @@ fn layer_norm_matches_reference(dev: &Device) -> Result<()> {
 
 test_device!(layer_norm_matches_reference, layer_norm_matches_reference_cpu, layer_norm_matches_reference_cuda);
 
-/// The embedding gather and its scatter-add backward (repeated ids sum).
+/// The embedding gather and its scatter-add backward (repeated ids sum);
+/// out-of-range ids (every 9th, in the second pass) give zero rows whose
+/// gradient goes nowhere, as masked rows of an in-range lookup would.
 fn embedding_matches_index_select(dev: &Device) -> Result<()> {
     let cpu = Device::Cpu;
-    for dt in [DType::F32, DType::F16, DType::BF16] {
+    for (dt, outside) in [(DType::F32, false), (DType::F16, false), (DType::BF16, false), (DType::F32, true)] {
         let table = randn(&[50, 24], dt, &cpu)?;
-        let ids: Vec<u32> = (0..3 * 70).map(|i| (i * 7 + i / 5) as u32 % 50).collect();
+        let out_of_range = |i: usize| outside && i % 9 == 4;
+        let ids: Vec<u32> = (0..3 * 70)
+            .map(|i| if out_of_range(i) { 50 + (i % 13) as u32 } else { (i * 7 + i / 5) as u32 % 50 })
+            .collect();
+        let inside: Vec<u32> = ids.iter().map(|&i| if i >= 50 { 0 } else { i }).collect();
+        let keep: Vec<f32> = (0..3 * 70).map(|i| if out_of_range(i) { 0.0 } else { 1.0 }).collect();
         let ids = Tensor::from_vec(ids, (3, 70), &cpu)?;
         let up = randn(&[3, 70, 24], DType::F32, &cpu)?;
         let tv = Var::from_tensor(&table.to_device(dev)?)?;
@@ -225,13 +232,15 @@ fn embedding_matches_index_select(dev: &Device) -> Result<()> {
         assert_eq!(e.dims(), [3, 70, 24]);
         let g = e.to_dtype(DType::F32)?.mul(&up.to_device(dev)?)?.sum_all()?.backward()?;
         let tn = Var::from_tensor(&table.to_dtype(DType::F32)?)?;
-        let en = reference::nn::embedding(tn.as_tensor(), &ids)?;
+        let en = reference::nn::embedding(tn.as_tensor(), &Tensor::from_vec(inside, (3, 70), &cpu)?)?
+            .broadcast_mul(&Tensor::from_vec(keep, (3, 70, 1), &cpu)?)?;
         let gn = en.mul(&up)?.sum_all()?.backward()?;
-        assert_close(&format!("embedding {dt:?} on {dev:?}"), &e.to_dtype(DType::F32)?, &en, 1e-7)?;
+        let what = format!("embedding {dt:?}{} on {dev:?}", if outside { " with ids out of range" } else { "" });
+        assert_close(&what, &e.to_dtype(DType::F32)?, &en, 1e-7)?;
         let tol = if dt == DType::F32 { 1e-5 } else { 1e-2 };
         let gt = g.get(tv.as_tensor()).expect("grad").to_device(&cpu)?;
         assert_eq!(gt.dtype(), dt);
-        assert_close(&format!("embedding grad {dt:?} on {dev:?}"), &gt, gn.get(tn.as_tensor()).expect("grad"), tol)?;
+        assert_close(&format!("{what}: grad"), &gt, gn.get(tn.as_tensor()).expect("grad"), tol)?;
     }
     Ok(())
 }
