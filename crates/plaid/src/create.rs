@@ -426,16 +426,26 @@ fn finish(
     let mut contents = Contents { chunks: 0, documents: 0, embeddings: 0, ivf: Lists::Runs(runs) };
     contents.count_written(&st, done)?;
     contents.append_from(&st, docs, &c.codec, &c.cutoffs, chunk_documents, done, bar, on_chunk)?;
+    // After the device's last chunk, on one host thread.
+    let t = std::time::Instant::now();
     match &contents.ivf {
         Lists::Runs(runs) => runs.merge(&st, contents.chunks)?,
         Lists::Memory(ivf) => ivf.write(&st, &[])?,
     }
+    let t_merge = t.elapsed().as_secs_f64();
     contents.write_metadata(&st, c.codec.nbits)?;
     let state = st.dir.join(BUILD_STATE);
     if state.exists() {
         std::fs::remove_file(&state).map_err(|e| crate::store::io_err(&state, "remove", e))?;
     }
-    st.commit()
+    st.commit()?;
+    if bar.length().is_some() {
+        eprintln!(
+            "finishing: inverted lists merged in {t_merge:.2} s, metadata and commit {:.2} s",
+            t.elapsed().as_secs_f64() - t_merge
+        );
+    }
+    Ok(())
 }
 
 /// `Err` unless `dir` may receive a new index (absent, empty, or an index).

@@ -281,6 +281,29 @@ mod tests {
         Ok(())
     }
 
+    /// A run out of centroid order, one naming a centroid past the last, or
+    /// one of a partial pair is an `Err` naming its file.
+    #[test]
+    fn broken_runs_are_errors_naming_the_file() -> Result<()> {
+        let pairs =
+            |v: &[(u32, u32)]| v.iter().flat_map(|&(c, d)| [c.to_le_bytes(), d.to_le_bytes()]).flatten().collect();
+        let cases: [(Vec<u8>, &str); 3] = [
+            (pairs(&[(0, 1), (2, 1), (1, 2)]), "not ordered by centroid"),
+            (pairs(&[(0, 1), (1, 1), (3, 2)]), "past the last"),
+            (vec![0u8; 12], "not whole"),
+        ];
+        for (bytes, want) in cases {
+            let root = candle_maxsim_testing::tmpdir("ivf-broken");
+            let st = Staging::new(&root.join("runs"), true)?;
+            let runs = IvfRuns::new(&st.dir, 3);
+            std::fs::write(runs.path(0), &bytes).unwrap();
+            let err = runs.merge(&st, 1).unwrap_err().to_string();
+            assert!(err.contains(want) && err.contains("ivf_run.0.bin"), "{want}: {err}");
+            std::fs::remove_dir_all(&root).unwrap();
+        }
+        Ok(())
+    }
+
     /// A code past the centroids and a run out of order are errors naming the run.
     #[test]
     fn bad_runs_are_errors() -> Result<()> {
