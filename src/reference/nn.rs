@@ -92,8 +92,9 @@ pub fn attention_varlen(
         parts.push(p.matmul(&vh)?.transpose(0, 1)?.reshape((l, hd))?);
     }
     if parts.is_empty() {
-        // No rows (offsets cover every row): an empty output that is still a
-        // node of q's, k's and v's graphs, so that their gradients exist.
+        // Zeros that stay in the inputs' graphs, so that their gradients
+        // exist. With no rows candle's ops pass an empty q through as it is,
+        // which still carries q's gradient (k's and v's then have none).
         return (q.affine(0.0, 0.0)? + k.affine(0.0, 0.0)?)? + v.affine(0.0, 0.0)?;
     }
     Tensor::cat(&parts, 0)?.to_dtype(q.dtype())

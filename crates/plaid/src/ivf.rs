@@ -281,30 +281,9 @@ mod tests {
         Ok(())
     }
 
-    /// A run out of centroid order, one naming a centroid past the last, or
-    /// one of a partial pair is an `Err` naming its file.
-    #[test]
-    fn broken_runs_are_errors_naming_the_file() -> Result<()> {
-        let pairs =
-            |v: &[(u32, u32)]| v.iter().flat_map(|&(c, d)| [c.to_le_bytes(), d.to_le_bytes()]).flatten().collect();
-        let cases: [(Vec<u8>, &str); 3] = [
-            (pairs(&[(0, 1), (2, 1), (1, 2)]), "not ordered by centroid"),
-            (pairs(&[(0, 1), (1, 1), (3, 2)]), "past the last"),
-            (vec![0u8; 12], "not whole"),
-        ];
-        for (bytes, want) in cases {
-            let root = candle_maxsim_testing::tmpdir("ivf-broken");
-            let st = Staging::new(&root.join("runs"), true)?;
-            let runs = IvfRuns::new(&st.dir, 3);
-            std::fs::write(runs.path(0), &bytes).unwrap();
-            let err = runs.merge(&st, 1).unwrap_err().to_string();
-            assert!(err.contains(want) && err.contains("ivf_run.0.bin"), "{want}: {err}");
-            std::fs::remove_dir_all(&root).unwrap();
-        }
-        Ok(())
-    }
-
-    /// A code past the centroids and a run out of order are errors naming the run.
+    /// A code past the centroids is an error; a run out of centroid order,
+    /// one naming a centroid past the last, or one of a partial pair is an
+    /// error naming the run.
     #[test]
     fn bad_runs_are_errors() -> Result<()> {
         let root = candle_maxsim_testing::tmpdir("ivf-bad");
@@ -312,10 +291,16 @@ mod tests {
         let runs = IvfRuns::new(&st.dir, 4);
         assert!(runs.write_run(0, 0, &[2], &[1, 4]).unwrap_err().to_string().contains("code 4"));
         assert!(runs.write_run(0, 0, &[2], &[1]).is_err());
-        let pairs: Vec<u8> = [3u32, 0, 1, 1].iter().flat_map(|v| v.to_le_bytes()).collect();
-        std::fs::write(st.dir.join("ivf_run.0.bin"), pairs).unwrap();
-        let err = runs.merge(&st, 1).unwrap_err().to_string();
-        assert!(err.contains("ivf_run.0.bin"), "{err}");
+        let pairs = |v: &[u32]| -> Vec<u8> { v.iter().flat_map(|v| v.to_le_bytes()).collect() };
+        for (bytes, want) in [
+            (pairs(&[3, 0, 1, 1]), "not ordered by centroid"),
+            (pairs(&[0, 1, 1, 1, 4, 2]), "past the last"),
+            (vec![0u8; 12], "not whole"),
+        ] {
+            std::fs::write(st.dir.join("ivf_run.0.bin"), bytes).unwrap();
+            let err = runs.merge(&st, 1).unwrap_err().to_string();
+            assert!(err.contains(want) && err.contains("ivf_run.0.bin"), "{want}: {err}");
+        }
         std::fs::remove_dir_all(&root).unwrap();
         Ok(())
     }
