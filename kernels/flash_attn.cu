@@ -123,6 +123,14 @@ __device__ __forceinline__ void fa_gemm_pn(float (*acc)[D / 8][4], float (*p)[K 
         }
     }
 }
+// 2^x as one MUFU.EX2, results below 2^-126 flushed to 0 (exp2f without
+// fast math wraps it in a 3-instruction range fix-up; at dh 64 the
+// forward's issue slots, not its tensor cores, are what bound it).
+__device__ __forceinline__ float fa_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
 // Whether query i sees key j of a sequence of len rows.
 __device__ __forceinline__ bool fa_visible(int i, int j, int len, int window) {
     return j < len && (window < 0 || abs(i - j) <= window);
@@ -227,13 +235,13 @@ template <typename T, int D, int MT> __device__ __forceinline__ void flash_fwd(c
                 for (int nt = 0; nt < BN / 8; ++nt) mx = fmaxf(mx, fmaxf(s[m][nt][2 * r], s[m][nt][2 * r + 1]));
                 const float mnew = fmaxf(mrow[m][r], lane_max<3>(mx));
                 const float base = mnew == MAXSIM_NEG_INF ? 0.f : mnew; // no visible key yet: every p is 0
-                const float alpha = exp2f(mrow[m][r] - base);
+                const float alpha = fa_exp2(mrow[m][r] - base);
                 mrow[m][r] = mnew;
                 float sum = 0.f;
 #pragma unroll
                 for (int nt = 0; nt < BN / 8; ++nt) {
-                    s[m][nt][2 * r] = exp2f(s[m][nt][2 * r] - base);
-                    s[m][nt][2 * r + 1] = exp2f(s[m][nt][2 * r + 1] - base);
+                    s[m][nt][2 * r] = fa_exp2(s[m][nt][2 * r] - base);
+                    s[m][nt][2 * r + 1] = fa_exp2(s[m][nt][2 * r + 1] - base);
                     sum += s[m][nt][2 * r] + s[m][nt][2 * r + 1];
                 }
                 lrow[m][r] = lrow[m][r] * alpha + sum;
@@ -338,7 +346,7 @@ template <typename T, int D, int MT> __device__ __forceinline__ void flash_bwd_d
                 for (int e = 0; e < 4; ++e) {
                     const int r = e >> 1;
                     const bool vis = fa_visible(row0 + 16 * m + g + 8 * r, n0 + nt * 8 + 2 * c + (e & 1), len, p.window);
-                    const float pr = vis ? exp2f(s[m][nt][e] * p.scale_log2 - lse[m][r]) : 0.f;
+                    const float pr = vis ? fa_exp2(fmaf(s[m][nt][e], p.scale_log2, -lse[m][r])) : 0.f;
                     s[m][nt][e] = pr * (dp[m][nt][e] - delta[m][r]);
                 }
         fa_gemm_pn<T, D, BN, LD, MT>(dq, s, Kt);
@@ -410,7 +418,7 @@ template <typename T, int D, int MT> __device__ __forceinline__ void flash_bwd_d
                 for (int e = 0; e < 4; ++e) {
                     const int col = nt * 8 + 2 * c + (e & 1), j = row0 + 16 * m + g + 8 * (e >> 1);
                     const bool vis = p.window < 0 || abs(m0 + col - j) <= p.window;
-                    s[m][nt][e] = vis ? exp2f(s[m][nt][e] * p.scale_log2 - lse[col]) : 0.f; // P^T
+                    s[m][nt][e] = vis ? fa_exp2(fmaf(s[m][nt][e], p.scale_log2, -lse[col])) : 0.f; // P^T
                 }
         fa_gemm_pn<T, D, BQ, LD, MT>(dv, s, dOt);
         fa_gemm_nt<T, D, BQ, LD, MT>(dp, Vs, warp * 16 * MT, dOt); // dP^T
@@ -461,7 +469,7 @@ FLASH_KERNELS(__nv_bfloat16, bf16, 128)
         flash_fwd_wg_##NAME##_d128(const FlashParams p) {                                               \
         fa_wg::fwd<T, 128>(p);                                                                           \
     }                                                                                                    \
-    extern "C" __global__ void __launch_bounds__(fa_wg::THREADS, 1) flash_bwd_dq_wg_##NAME##_d64(const FlashParams p) { \
+    extern "C" __global__ void __launch_bounds__(fa_wg::THREADS, 2) flash_bwd_dq_wg_##NAME##_d64(const FlashParams p) { \
         fa_wg::bwd_dq<T>(p);                                                                             \
     }                                                                                                    \
     extern "C" __global__ void __launch_bounds__(fa_wg::THREADS, 1) flash_bwd_dkdv_wg_##NAME##_d64(const FlashParams p) { \

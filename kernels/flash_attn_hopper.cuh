@@ -143,51 +143,76 @@ template <typename T, int D> __device__ __forceinline__ void fwd(const FlashPara
         load<BN, D>(Ks + slot * BN * D, k, p.k_row, n0, len);
         load<BN, D>(Vs + slot * BN * D, v, p.v_row, n0, len);
     };
+    uint32_t a[BN / 16][4]; // P of the previous tile, read by its P V product
+    // Tile t: S_t = Q K_t^T is issued ahead of the previous tile's O += P V
+    // and its softmax runs while that product does (FlashAttention-3's
+    // intra-warpgroup overlap); o is rescaled once the product is done.
     auto step = [&](int t, int slot) {
         const int n0 = kr.x + t * BN;
         wgmma_fence();
         gemm_nt<T, BN, D, BM>(s, q_addr, smem_u32(Ks + slot * BN * D));
         wgmma_commit();
-        wgmma_wait<0>(); // S, and the previous step's P V
+        if (t > 0) {
+            gemm_pn<T, D, BN>(o, a, smem_u32(Vs + (t - 1) % Tr::SLOTS * BN * D), t > 1);
+            wgmma_commit();
+            wgmma_wait<1>(); // S_t; P V still running
+        } else {
+            wgmma_wait<0>();
+        }
         fence_regs<BN / 2>(s);
-        fence_regs<D / 2>(o);
-#pragma unroll
-        for (int i = 0; i < BN / 2; ++i) s[i] *= p.scale_log2;
-        if (n0 + BN > len || p.window >= 0) // block-uniform: most tiles have no masked key
+        // p = 2^(scale_log2 s - max) as one FFMA and one MUFU.EX2 per entry:
+        // the max is taken over the unscaled scores (their min for a negative
+        // scale), a tile with masked keys scaled first (masked: -inf).
+        float sc = p.scale_log2;
+        if (n0 + BN > len || p.window >= 0) { // block-uniform: most tiles have no masked key
 #pragma unroll
             for (int i = 0; i < BN / 2; ++i)
-                if (!fa_visible(row0 + acc_row(i, g), n0 + acc_col(i, c), len, p.window)) s[i] = MAXSIM_NEG_INF;
+                s[i] = fa_visible(row0 + acc_row(i, g), n0 + acc_col(i, c), len, p.window) ? s[i] * sc : MAXSIM_NEG_INF;
+            sc = 1.f;
+        }
+        float alpha[2];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            float mx = MAXSIM_NEG_INF;
+            float mx = s[2 * r];
+            if (sc >= 0.f) {
 #pragma unroll
-            for (int j = 0; j < BN / 8; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * r], s[4 * j + 2 * r + 1]));
-            const float mnew = fmaxf(mrow[r], lane_max<3>(mx));
+                for (int j = 0; j < BN / 8; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * r], s[4 * j + 2 * r + 1]));
+            } else {
+#pragma unroll
+                for (int j = 0; j < BN / 8; ++j) mx = fminf(mx, fminf(s[4 * j + 2 * r], s[4 * j + 2 * r + 1]));
+            }
+            const float mnew = fmaxf(mrow[r], lane_max<3>(mx * sc));
             const float base = mnew == MAXSIM_NEG_INF ? 0.f : mnew; // no visible key yet: every p is 0
-            const float alpha = exp2f(mrow[r] - base);
+            alpha[r] = fa_exp2(mrow[r] - base);
             mrow[r] = mnew;
             float sum = 0.f;
 #pragma unroll
             for (int j = 0; j < BN / 8; ++j)
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
-                    s[4 * j + 2 * r + e] = exp2f(s[4 * j + 2 * r + e] - base);
+                    s[4 * j + 2 * r + e] = fa_exp2(fmaf(s[4 * j + 2 * r + e], sc, -base));
                     sum += s[4 * j + 2 * r + e];
                 }
-            lrow[r] = lrow[r] * alpha + sum;
-#pragma unroll
-            for (int j = 0; j < D / 8; ++j) {
-                o[4 * j + 2 * r] *= alpha;
-                o[4 * j + 2 * r + 1] *= alpha;
-            }
+            lrow[r] = lrow[r] * alpha[r] + sum;
         }
-        uint32_t a[BN / 16][4];
+        wgmma_wait<0>(); // the previous P V: o and a are free
+        fence_regs<D / 2>(o);
+        if (t > 0) // before the first product o holds nothing
+#pragma unroll
+            for (int j = 0; j < D / 8; ++j)
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    o[4 * j + 2 * r] *= alpha[r];
+                    o[4 * j + 2 * r + 1] *= alpha[r];
+                }
         frags<T, BN>(a, s);
-        wgmma_fence();
-        gemm_pn<T, D, BN>(o, a, smem_u32(Vs + slot * BN * D), t > 0);
-        wgmma_commit();
     };
-    pipeline<Tr::AHEAD>((kr.y - kr.x + BN - 1) / BN, load_kv, step);
+    const int steps = (kr.y - kr.x + BN - 1) / BN; // >= 1: the block's own rows
+    pipeline<Tr::AHEAD>(steps, load_kv, step);
+    wgmma_fence();
+    gemm_pn<T, D, BN>(o, a, smem_u32(Vs + (steps - 1) % Tr::SLOTS * BN * D), steps > 1);
+    wgmma_commit();
+    wgmma_wait<0>();
     fence_regs<D / 2>(o);
     float inv[2];
 #pragma unroll
@@ -243,20 +268,23 @@ template <typename T> __device__ __forceinline__ void bwd_dq(const FlashParams& 
         const uint32_t k_addr = smem_u32(kv(slot));
         wgmma_fence();
         gemm_nt<T, BN, D, BM>(s, q_addr, k_addr);
+        wgmma_commit();
         gemm_nt<T, BN, D, BM>(dp, do_addr, k_addr + BN * D * 2);
         wgmma_commit();
-        wgmma_wait<0>(); // S, dP, and the previous step's dQ product
+        wgmma_wait<1>(); // S and the previous step's dQ product; P runs under dP
         fence_regs<BN / 2>(s);
-        fence_regs<BN / 2>(dp);
         fence_regs<D / 2>(dq);
         const bool edge = n0 + BN > len || p.window >= 0;
 #pragma unroll
         for (int i = 0; i < BN / 2; ++i) {
             const int r = (i >> 1) & 1;
-            float pr = exp2f(s[i] * p.scale_log2 - lse[r]);
-            if (edge && !fa_visible(row0 + acc_row(i, g), n0 + acc_col(i, c), len, p.window)) pr = 0.f;
-            s[i] = pr * (dp[i] - delta[r]);
+            s[i] = fa_exp2(fmaf(s[i], p.scale_log2, -lse[r]));
+            if (edge && !fa_visible(row0 + acc_row(i, g), n0 + acc_col(i, c), len, p.window)) s[i] = 0.f;
         }
+        wgmma_wait<0>();
+        fence_regs<BN / 2>(dp);
+#pragma unroll
+        for (int i = 0; i < BN / 2; ++i) s[i] *= dp[i] - delta[(i >> 1) & 1];
         uint32_t a[BN / 16][4];
         frags<T, BN>(a, s);
         wgmma_fence();
@@ -311,22 +339,24 @@ template <typename T> __device__ __forceinline__ void bwd_dkdv(const FlashParams
         const uint32_t q_addr = smem_u32(tile(slot)), do_addr = q_addr + BN * D * 2;
         const float* lse = stats(slot);
         wgmma_fence();
-        gemm_nt<T, BN, D, BM>(s, k_addr, q_addr);   // S^T: keys x queries
+        gemm_nt<T, BN, D, BM>(s, k_addr, q_addr); // S^T: keys x queries
+        wgmma_commit();
         gemm_nt<T, BN, D, BM>(dp, v_addr, do_addr); // dP^T
         wgmma_commit();
-        wgmma_wait<0>(); // S^T, dP^T, and the previous step's dV and dK products
+        wgmma_wait<1>(); // S^T and the previous step's dV and dK products; P^T runs under dP^T
         fence_regs<BN / 2>(s);
-        fence_regs<BN / 2>(dp);
         fence_regs<D / 2>(dk);
         fence_regs<D / 2>(dv);
 #pragma unroll
         for (int i = 0; i < BN / 2; ++i) {
             const int col = acc_col(i, c);
-            float pr = exp2f(s[i] * p.scale_log2 - lse[col]);
-            if (p.window >= 0 && abs(m0 + col - (row0 + acc_row(i, g))) > p.window) pr = 0.f;
-            s[i] = pr;                                // P^T
-            dp[i] = pr * (dp[i] - lse[BN + col]); // dS^T
+            s[i] = fa_exp2(fmaf(s[i], p.scale_log2, -lse[col])); // P^T
+            if (p.window >= 0 && abs(m0 + col - (row0 + acc_row(i, g))) > p.window) s[i] = 0.f;
         }
+        wgmma_wait<0>();
+        fence_regs<BN / 2>(dp);
+#pragma unroll
+        for (int i = 0; i < BN / 2; ++i) dp[i] = s[i] * (dp[i] - lse[BN + acc_col(i, c)]); // dS^T
         uint32_t ap[BN / 16][4], ads[BN / 16][4]; // both read by products in flight together
         frags<T, BN>(ap, s);
         frags<T, BN>(ads, dp);
