@@ -283,10 +283,13 @@ fn attention_bench(dev: &Device, args: &Args) -> Result<()> {
             candle_core::Var::from_tensor(&k?)?,
             candle_core::Var::from_tensor(&v?)?,
         );
-        let cu = Tensor::arange_step(0u32, (b * l + 1) as u32, l as u32, dev)?;
+        // Offsets checked once, as an encoder holds them for its layers (a
+        // `cu_seqlens` tensor per call is a copy to the host and a wait).
+        let cu = candle_maxsim::nn::SeqOffsets::new(&Tensor::arange_step(0u32, (b * l + 1) as u32, l as u32, dev)?)?;
         let scale = 1.0 / (dh as f64).sqrt();
-        let varlen =
-            |q: &Tensor, k: &Tensor, v: &Tensor| candle_maxsim::nn::attention_varlen(q, k, v, &cu, h, scale, window);
+        let varlen = |q: &Tensor, k: &Tensor, v: &Tensor| {
+            candle_maxsim::nn::attention_varlen_offsets(q, k, v, &cu, h, scale, window)
+        };
         let mask: Vec<f32> = (0..l * l)
             .map(|x| if window.is_some_and(|w| (x / l).abs_diff(x % l) > w) { f32::MIN } else { 0. })
             .collect();

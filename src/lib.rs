@@ -177,7 +177,8 @@ pub mod nn {
     pub use crate::ops::encoder::{attention, attention_softmax, layer_norm, residual_layer_norm, rotary_qk};
     pub use crate::ops::encoder_layer::{bert_layer, modernbert_layer, BertLayerWeights, ModernBertLayerWeights};
     pub use crate::ops::flash_attn::{
-        attention_varlen, attention_varlen_qkv, attention_varlen_qkv_offsets, SeqOffsets, ATTENTION_HEAD_DIMS,
+        attention_varlen, attention_varlen_offsets, attention_varlen_qkv, attention_varlen_qkv_offsets, SeqOffsets,
+        ATTENTION_HEAD_DIMS,
     };
     pub use crate::ops::linear::{linear, linear_gelu};
     pub use crate::ops::rows::{add_bias, add_bias_gelu, embedding, geglu, scatter_add_rows};

@@ -96,8 +96,21 @@ pub fn attention_varlen(
     scale: f64,
     window: Option<usize>,
 ) -> Result<Tensor> {
-    let offsets = SeqOffsets::new(cu_seqlens)?;
-    match plan(q, k, v, &offsets, heads, scale, window)? {
+    attention_varlen_offsets(q, k, v, &SeqOffsets::new(cu_seqlens)?, heads, scale, window)
+}
+
+/// [`attention_varlen`] with offsets checked once ([`SeqOffsets`]): no
+/// copy of them to the host per call.
+pub fn attention_varlen_offsets(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    offsets: &SeqOffsets,
+    heads: usize,
+    scale: f64,
+    window: Option<usize>,
+) -> Result<Tensor> {
+    match plan(q, k, v, offsets, heads, scale, window)? {
         Some(op) => {
             // Rows with a unit column stride pass as they are (CUDA reads strided rows).
             let rows = |x: &Tensor| -> Result<Tensor> {
@@ -109,7 +122,7 @@ pub fn attention_varlen(
             };
             rows(q)?.apply_op3(&rows(k)?, &rows(v)?, op)
         }
-        None => crate::reference::nn::attention_varlen(q, k, v, cu_seqlens, heads, scale, window),
+        None => crate::reference::nn::attention_varlen(q, k, v, offsets.tensor(), heads, scale, window),
     }
 }
 
