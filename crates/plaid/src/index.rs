@@ -868,7 +868,10 @@ fn checked_offsets(offsets: &Arc<Vec<u32>>, cu: &Tensor, max_len: usize) -> Resu
 /// kernels).
 pub(crate) fn query_rows(q: &Tensor) -> Result<Vec<bool>> {
     let (_, lq, dim) = q.dims3()?;
-    let flat = q.flatten_all()?;
+    // A batch narrowed out of a larger tensor is copied out first: reading
+    // a view copies its whole storage to the host (2 MB and 0.2 ms for one
+    // query of a batch of 256, measured).
+    let flat = if shares_larger_storage(q) { q.affine(1.0, 0.0)? } else { q.clone() }.flatten_all()?;
     // Per dtype: the entries' bits, the exponent mask (all ones: NaN or
     // infinite) and the magnitude mask (zero: +0 or -0).
     match q.dtype() {
@@ -877,6 +880,23 @@ pub(crate) fn query_rows(q: &Tensor) -> Result<Vec<bool>> {
         DType::F32 => scan_rows(&flat.to_vec1::<f32>()?, |x| x.to_bits() as u64, 0x7f80_0000, 0x7fff_ffff, lq, dim),
         _ => scan_rows(&flat.to_dtype(DType::F64)?.to_vec1::<f64>()?, f64::to_bits, 0x7ff << 52, !(1 << 63), lq, dim),
     }
+}
+
+/// Whether `x` is a view of a device buffer with more elements than its own.
+fn shares_larger_storage(x: &Tensor) -> bool {
+    #[cfg(feature = "cuda")]
+    if let candle_core::Storage::Cuda(c) = &*x.storage_and_layout().0 {
+        let len = match x.dtype() {
+            DType::F16 => c.as_cuda_slice::<half::f16>().map(|s| s.len()),
+            DType::BF16 => c.as_cuda_slice::<half::bf16>().map(|s| s.len()),
+            DType::F32 => c.as_cuda_slice::<f32>().map(|s| s.len()),
+            DType::F64 => c.as_cuda_slice::<f64>().map(|s| s.len()),
+            _ => return true,
+        };
+        return len.map_or(true, |n| n > x.elem_count());
+    }
+    let _ = x;
+    false
 }
 
 /// [`query_rows`] over one dtype's values.

@@ -123,6 +123,7 @@ impl PlaidIndex {
             b => b,
         };
         let real = query_rows(q)?;
+        mark("query check")?;
         let mut out = Vec::with_capacity(nq);
         for start in (0..nq).step_by(batch) {
             let n = batch.min(nq - start);
@@ -167,6 +168,7 @@ impl PlaidIndex {
         let cents = &self.codec.centroids;
         let qf = q.reshape((m, dim))?.to_dtype(cents.dtype())?;
         let qcs = cents.matmul(&qf.t()?)?.to_dtype(self.table_dtype())?; // [C, M]
+        mark("query-centroid table")?;
         let probe_scores = qf.matmul(&cents.t()?)?; // [M, C]
         let probe_scores = match probe_scores.dtype() {
             DType::F16 | DType::BF16 | DType::F32 => probe_scores,
@@ -182,7 +184,7 @@ impl PlaidIndex {
             Some(t) => prune(&qcs, nq, lqp, t)?,
             None => qcs,
         };
-        mark("query-centroid scores")?;
+        mark("probe scores")?;
         // 2. The probed centroids of every real token (padding rows and -inf
         // scores, i.e. centroids outside a subset: none).
         let n_probe = params.n_ivf_probe.min(n_c);
