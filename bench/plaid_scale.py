@@ -74,7 +74,7 @@ def main():
         exact = json.load(open(w("exact.json")))["ids"]
         meta = json.load(open(os.path.join(idx, "metadata.json")))
         tokens = meta["num_embeddings"]
-        summary = {"documents": n, "tokens": tokens, "spherical_kmeans": not a.euclidean, "build_s": build["seconds"], "tokens_per_s": tokens / build["seconds"],
+        summary = {"documents": n, "tokens": tokens, "spherical_kmeans": not a.euclidean, "build_s": build["seconds"], "tokens_per_s": tokens / build["seconds"], "open_s": build.get("open_seconds"),
                    "build_peak_host_mb": mem["peak_host_mb"], "build_peak_device_mb": mem["peak_device_mb"],
                    "index_mb": du_mb(idx), "recall@10": recall(got, exact),
                    "search_ms": {r["batch"]: r["median_ms"] for r in rows if r.get("phase") == "search"}}

@@ -104,7 +104,7 @@ mod shards;
 mod store;
 mod writer;
 
-pub use create::{create, IndexConfig};
+pub use create::{build, create, IndexConfig};
 pub use documents::{Documents, DocumentsWriter, NpyDocuments, PackedDocuments};
 pub use index::PlaidIndex;
 pub use search::{SearchParams, SearchResults, Subset};
