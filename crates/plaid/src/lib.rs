@@ -38,7 +38,8 @@
 //!
 //! ## Building large collections
 //!
-//! [`create`] reads the documents through [`Documents`] a chunk at a time:
+//! [`create`] (or [`build`], which leaves the index unopened) reads the
+//! documents through [`Documents`] a chunk at a time:
 //! [`NpyDocuments`] memory-maps an `.npy` of token embeddings, and
 //! [`DocumentsWriter`] writes one batch by batch as an encoder produces them,
 //! so a collection need not fit in memory. The k-means sample is drawn from
