@@ -127,11 +127,44 @@ fn build_and_search(dev: &Device) -> Result<()> {
         let small = SearchParams { batch_size: 3, ..exhaustive(idx, 5) };
         let want = idx.search_exact(&q, 5, None)?;
         assert_same("batches of 3", &idx.search(&q, &small, None)?, (&want.0, &want.1), tol(dev))?;
+        // Queries narrowed one by one out of the batch (views of its storage) too.
+        let one_by_one: Vec<Vec<(u32, f32)>> = (0..q.dim(0)?)
+            .map(|i| idx.search(&q.narrow(0, i, 1)?, &exhaustive(idx, 5), None).map(|mut r| r.remove(0)))
+            .collect::<Result<_>>()?;
+        assert_same("one by one", &one_by_one, (&want.0, &want.1), tol(dev))?;
     }
     Ok(())
 }
 
 test_device!(build_and_search, build_and_search_cpu, build_and_search_cuda);
+
+/// `build` writes the index `create` writes and opens (the same files; on
+/// the CPU the same bytes), which then searches alike.
+fn build_writes_what_create_opens(dev: &Device) -> Result<()> {
+    let (x, lens, _) = clustered(150, 64, 20, 7)?;
+    let docs = PackedDocuments::new(x.clone(), &lens)?;
+    let config = IndexConfig { nbits: 2, n_centroids: Some(64), chunk_documents: 40, ..Default::default() };
+    let (a, b) =
+        (temp_dir(&format!("build_only_{}", dev.is_cuda())), temp_dir(&format!("build_create_{}", dev.is_cuda())));
+    candle_maxsim_plaid::build(&a, &docs, &config, dev)?;
+    let created = create(&b, &docs, &config, dev)?;
+    assert_eq!(list(&a), list(&b), "files and sizes");
+    if !dev.is_cuda() {
+        for f in std::fs::read_dir(&a)? {
+            let name = f?.file_name();
+            assert!(std::fs::read(a.join(&name))? == std::fs::read(b.join(&name))?, "{name:?} differs");
+        }
+    }
+    let built = PlaidIndex::load(&a, dev)?;
+    let q = queries_from(&x, &lens, &[3, 70, 141], 16, 2)?.to_device(dev)?;
+    let want = created.search_exact(&q, 5, None)?;
+    assert_same("built, then opened", &built.search(&q, &exhaustive(&built, 5), None)?, (&want.0, &want.1), tol(dev))?;
+    drop((built, created));
+    let _ = (std::fs::remove_dir_all(&a), std::fs::remove_dir_all(&b));
+    Ok(())
+}
+
+test_device!(build_writes_what_create_opens, build_writes_what_create_opens_cpu, build_writes_what_create_opens_cuda);
 
 /// Added documents are found under the ids after the last; deleted ones are
 /// never returned, every other id is unchanged, and both survive a reload.
@@ -369,6 +402,10 @@ fn engine_errors(dev: &Device) -> Result<()> {
         let qb = Tensor::from_vec(v, (3, 8, 64), dev)?;
         let e = b.index.search(&qb, &SearchParams::default(), None).expect_err("a non-finite query");
         assert!(e.to_string().starts_with("q: query 1 "), "{e}");
+        // ... also when it is a view of that batch; its neighbours search.
+        let e = b.index.search(&qb.narrow(0, 1, 2)?, &SearchParams::default(), None).expect_err("a view");
+        assert!(e.to_string().starts_with("q: query 0 "), "{e}");
+        b.index.search(&qb.narrow(0, 2, 1)?, &SearchParams::default(), None)?;
         expect_err(b.index.search_exact(&qb, 3, None), "q");
     }
     expect_err(b.index.search(&q, &Default::default(), Some(Subset::Shared(&[5, 500]))), "subset");
