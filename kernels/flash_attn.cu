@@ -469,10 +469,12 @@ FLASH_KERNELS(__nv_bfloat16, bf16, 128)
         flash_fwd_wg_##NAME##_d128(const FlashParams p) {                                               \
         fa_wg::fwd<T, 128>(p);                                                                           \
     }                                                                                                    \
-    extern "C" __global__ void __launch_bounds__(fa_wg::THREADS, 2) flash_bwd_dq_wg_##NAME##_d64(const FlashParams p) { \
+    extern "C" __global__ void __launch_bounds__(fa_wg::THREADS, fa_wg::BwdTile::DQ_MIN_BLOCKS)        \
+        flash_bwd_dq_wg_##NAME##_d64(const FlashParams p) {                                             \
         fa_wg::bwd_dq<T>(p);                                                                             \
     }                                                                                                    \
-    extern "C" __global__ void __launch_bounds__(fa_wg::THREADS, 1) flash_bwd_dkdv_wg_##NAME##_d64(const FlashParams p) { \
+    extern "C" __global__ void __launch_bounds__(fa_wg::THREADS, fa_wg::BwdTile::DKDV_MIN_BLOCKS)      \
+        flash_bwd_dkdv_wg_##NAME##_d64(const FlashParams p) {                                           \
         fa_wg::bwd_dkdv<T>(p);                                                                           \
     }
 FLASH_WG(__half, f16)

@@ -123,7 +123,7 @@ impl FlashGeom {
         let dims: &[usize] = if stem == "flash_fwd" { &[64, 128] } else { &[64] };
         // The default on sm_90 (CANDLE_MAXSIM_ATTENTION=mma opts out): a
         // training step (forward and backward) at 32 x 512 x 12 x 64 on an
-        // H200 1.49x faster than on mma.sync, 1.88x at 4 x 4096 (BENCHMARKS.md).
+        // H200 1.42x faster than on mma.sync, 1.83x at 4 x 4096 (BENCHMARKS.md).
         Ok(crate::knobs::knobs().attention_wgmma && device_info(dev)?.cc == 90 && dims.contains(&self.dh))
     }
 

@@ -260,7 +260,7 @@ impl PlaidIndex {
 
     /// The constant tensors of a batch of `nq` queries with `k1` candidates
     /// each, made once per shape (the last few shapes kept): each launch saved is ~10 µs of a
-    /// single-query search's ~0.6 ms, most of which is the host launching.
+    /// single-query search's ~0.34 ms, most of which is the host launching.
     fn search_consts(&self, nq: usize, k1: usize) -> Result<SearchConsts> {
         let dev = self.device();
         let mut c = self.search_consts.lock().unwrap_or_else(|e| e.into_inner());
