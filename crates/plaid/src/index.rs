@@ -3,7 +3,7 @@
 //! device once), the document offsets, the inverted file, and the deleted
 //! documents.
 
-use crate::npy::{self, empty, MappedNpy};
+use crate::npy::{self, MappedNpy};
 use crate::store::{json_usize, read_json};
 use candle_core::{bail, DType, Device, Error, Result, Tensor};
 use candle_maxsim::{
@@ -59,8 +59,8 @@ pub struct PlaidIndex {
     /// Whether `residuals` are kept in host memory (the device budget):
     /// each search then copies only its candidates' rows to the device.
     pub(crate) host_residuals: bool,
-    /// After an add, the tensors `codes`, `residuals` and `cu` are the
-    /// first rows of, with spare rows for the next adds (see [`append_rows`]).
+    /// The tensors `codes`, `residuals` and `cu` are the first rows of, with
+    /// spare rows for the next adds ([`Room`] at load, then [`append_rows`]).
     pub(crate) stores: Option<(Tensor, Tensor, Tensor)>,
     /// Device tensors of the last few search shapes, reused by the next
     /// search of one of them (shared by clones: they are never written).
@@ -199,6 +199,36 @@ fn footprint(
     Ok((rest, tokens * width))
 }
 
+/// The spare rows an index is opened with, so that adds append in place:
+/// without them the first add copies the whole index into a larger buffer
+/// (a device-side rewrite of what is already there, needing the index twice
+/// in device memory at once; 6 ms per GB of index on an H200).
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Room {
+    tokens: usize,
+    documents: usize,
+}
+
+impl Room {
+    /// 1/64 of the index's tokens and documents (1.6 % more memory: 27 M
+    /// tokens of adds at a billion) and at least 65 536 tokens and 1 024
+    /// documents, so that small indexes grow in place too.
+    fn default_for(tokens: usize, documents: usize) -> Room {
+        Room { tokens: tokens / 64 + (1 << 16), documents: documents / 64 + 1024 }
+    }
+
+    /// The same room, scaled down to fit `bytes` at `per_token` bytes a
+    /// token and 4 a document.
+    fn within(self, bytes: usize, per_token: usize) -> Room {
+        let want = self.tokens * per_token + self.documents * 4;
+        if want <= bytes {
+            return self;
+        }
+        let f = bytes as f64 / want as f64;
+        Room { tokens: (self.tokens as f64 * f) as usize, documents: (self.documents as f64 * f) as usize }
+    }
+}
+
 /// Inverted-file entries read to a GPU at a time (128 MB of I64 ids).
 const IVF_PIECE: usize = 1 << 24;
 
@@ -218,6 +248,9 @@ impl PlaidIndex {
     /// An update cut short by a killed process is finished or dropped first
     /// (the index opens as it was before the update or as after, never in
     /// between), and what that process left beside the index is removed.
+    /// The index is opened with room for adds after its rows (1/64 of its
+    /// tokens and documents, at least 65 536 tokens; [`Self::spare_tokens`]),
+    /// so that adds append in place instead of copying the index.
     pub fn load(dir: impl AsRef<Path>, device: &Device) -> Result<Self> {
         Self::load_budgeted(dir.as_ref(), device, None)
     }
@@ -229,7 +262,8 @@ impl PlaidIndex {
     /// stay in host memory and each search copies to the device only the
     /// rows of the documents it scores exactly. Search results are the same
     /// as with the whole index on the device. `Err` naming `device_bytes`
-    /// when even the rest does not fit.
+    /// when even the rest does not fit. The room for adds kept by
+    /// [`Self::load`] is kept here as far as the budget leaves room for it.
     pub fn load_with_device_budget(dir: impl AsRef<Path>, device: &Device, device_bytes: usize) -> Result<Self> {
         Self::load_budgeted(dir.as_ref(), device, Some(device_bytes))
     }
@@ -287,15 +321,23 @@ impl PlaidIndex {
             None => false,
         };
         let rdev = if host_residuals { &Device::Cpu } else { device };
+        // Room for adds after the index's own rows, within the budget.
+        let per_token = 4 + if host_residuals { 0 } else { width };
+        let room = match budget {
+            None => Room::default_for(total, lens.len()),
+            Some(b) => Room::default_for(total, lens.len())
+                .within(b.saturating_sub(rest + if host_residuals { 0 } else { total * width }), per_token),
+        };
         let mut codes_p = Payload { dir, suffix: "codes", merged: None };
         let mut res_p = Payload { dir, suffix: "residuals", merged: None };
         // Each chunk copied into its place in the whole tensors as it is read:
         // the index plus one chunk on the device at the peak (reading every
         // chunk, then concatenating, took twice the index).
-        let (codes, residuals) = match total {
-            0 => (empty(&[0], DType::U32, device)?, empty(&[0, width], DType::U8, rdev)?),
-            _ => (Tensor::zeros(total, DType::U32, device)?, Tensor::zeros((total, width), DType::U8, rdev)?),
-        };
+        // (At least one row: CUDA allocates no empty buffer.)
+        let rows = (total + room.tokens).max(1);
+        let (code_store, res_store) =
+            (Tensor::zeros(rows, DType::U32, device)?, Tensor::zeros((rows, width), DType::U8, rdev)?);
+        let (codes, residuals) = (code_store.narrow(0, 0, total)?, res_store.narrow(0, 0, total)?);
         let mut at = 0;
         for (i, &rows) in chunk_rows.iter().enumerate() {
             let c = codes_p.chunk(i, rows, &chunk_rows, device)?;
@@ -309,7 +351,9 @@ impl PlaidIndex {
         for l in &lens {
             offsets.push(offsets.last().unwrap() + *l as u32);
         }
-        let cu = Tensor::new(offsets.as_slice(), device)?;
+        let cu_store = Tensor::zeros(offsets.len() + room.documents, DType::U32, device)?;
+        let cu = cu_store.narrow(0, 0, offsets.len())?;
+        write_rows(&cu_store, 0, &[Tensor::new(offsets.as_slice(), device)?])?;
         let offsets = Arc::new(offsets);
         let n_docs = lens.len();
         let ivf = Self::load_ivf(dir, "ivf", n_c, n_docs, device)?;
@@ -339,7 +383,7 @@ impl PlaidIndex {
             deleted: Vec::new(),
             live: None,
             host_residuals,
-            stores: None,
+            stores: Some((code_store, res_store, cu_store)),
             search_consts: Arc::default(),
         };
         index.set_deleted(deleted)?;
@@ -523,8 +567,9 @@ impl PlaidIndex {
     }
 
     /// Bytes the index holds on its device: codes, residuals (unless kept in
-    /// host memory), inverted lists, document offsets and centroids (what
-    /// [`Self::load_with_device_budget`] compares with its budget).
+    /// host memory), inverted lists, document offsets and centroids, with
+    /// the room kept for adds (what [`Self::load_with_device_budget`]
+    /// compares with its budget).
     pub fn device_bytes(&self) -> usize {
         let bytes = |t: &Tensor| t.elem_count() * t.dtype().size_in_bytes();
         let lists = |l: &Option<(Tensor, Tensor)>| l.as_ref().map_or(0, |(a, b)| bytes(a) + bytes(b));
@@ -564,6 +609,13 @@ impl PlaidIndex {
         }
         let (rest, res) = footprint(dir, tokens, docs, n_c, dim * cf.dtype.size_in_bytes(), dim * nbits / 8)?;
         Ok((rest + res, res))
+    }
+
+    /// Tokens that can be added before an add must grow the index's buffers
+    /// (copying what is there into larger ones).
+    pub fn spare_tokens(&self) -> usize {
+        let cap = self.stores.as_ref().map_or(0, |s| s.0.dims()[0]);
+        cap.saturating_sub(self.codes.dims()[0])
     }
 
     /// Whether the residuals are kept in host memory (an index opened with a

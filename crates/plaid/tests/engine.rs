@@ -172,11 +172,14 @@ fn add_and_delete(dev: &Device) -> Result<()> {
     let mut b = build("life", dev, 200, 4)?;
     let (x2, lens2, _) = clustered(40, 64, 40, 999)?;
     let base_ivf = std::fs::read(b.dir.join("ivf.npy"))?;
-    // Three adds: the first grows the index's tensors with room to spare,
-    // the next two write into that room. A view taken in between keeps its rows.
+    // Three adds into the room the index was opened with (each takes its
+    // tokens from it; growing is tested with a device budget below). A view
+    // taken in between keeps its rows.
     let lens2_u: Vec<usize> = lens2.iter().map(|&l| l as usize).collect();
     let cut = lens2_u[..36].iter().sum::<usize>();
+    let spare = b.index.spare_tokens();
     let added = b.index.add(&PackedDocuments::new(x2.narrow(0, 0, cut)?, &lens2[..36])?, 15)?;
+    assert_eq!(b.index.spare_tokens(), spare - cut, "the add wrote into the room");
     let held = b.index.residuals.to_device(&Device::Cpu)?.to_vec2::<u8>()?;
     let view = b.index.residuals.clone();
     let next = cut + lens2_u[36..38].iter().sum::<usize>();
@@ -184,6 +187,7 @@ fn add_and_delete(dev: &Device) -> Result<()> {
     let added3 = b.index.add(&PackedDocuments::new(x2.narrow(0, next, x2.dim(0)? - next)?, &lens2[38..])?, 15)?;
     assert_eq!(view.to_device(&Device::Cpu)?.to_vec2::<u8>()?, held, "a later add changed an earlier view");
     assert_eq!((added, added2, added3), (200..236, 236..238, 238..240));
+    assert_eq!(b.index.spare_tokens(), spare - x2.dim(0)?);
     assert_eq!(std::fs::read(b.dir.join("ivf.npy"))?, base_ivf, "add leaves ivf.npy as it was");
     assert!(b.dir.join("delta_ivf.npy").exists(), "add writes the delta lists");
     assert_eq!(b.index.num_documents(), 240);
@@ -270,17 +274,22 @@ test_device!(add_and_delete, add_and_delete_cpu, add_and_delete_cuda);
 /// residuals in host memory and searches as the whole index on the device
 /// does: the same results (default and exhaustive parameters, a subset,
 /// exact search), also after an add and a delete; a budget below the rest
-/// of the index is an error naming `device_bytes`.
+/// of the index is an error naming `device_bytes`. The room for adds is
+/// kept within the budget: none when the index just fits.
 fn device_budget_changes_no_result(dev: &Device) -> Result<()> {
     let mut b = build("budget", dev, 200, 4)?;
-    let full = b.index.device_bytes();
+    let (full, res_bytes) = PlaidIndex::device_bytes_needed(&b.dir)?;
     assert!(!b.index.residuals_on_host());
-    let res_bytes = b.index.residuals.elem_count();
-    assert_eq!(PlaidIndex::device_bytes_needed(&b.dir)?, (full, res_bytes), "read from the files");
+    assert_eq!(res_bytes, b.index.residuals.elem_count(), "residual bytes read from the files");
+    let spare = b.index.spare_tokens();
+    assert!(spare >= 1 << 16, "an unbudgeted load keeps room for adds, got {spare} tokens");
+    assert!(b.index.device_bytes() >= full + spare * (4 + b.index.residuals.dim(1)?));
+    let mut exact = PlaidIndex::load_with_device_budget(&b.dir, dev, full)?;
+    assert!(!exact.residuals_on_host());
+    assert_eq!((exact.device_bytes(), exact.spare_tokens()), (full, 0), "a budget the index just fits: no room");
     let mut small = PlaidIndex::load_with_device_budget(&b.dir, dev, full - 1)?;
     assert!(small.residuals_on_host() && small.residuals.device().is_cpu());
-    assert_eq!(small.device_bytes(), full - res_bytes);
-    assert!(!PlaidIndex::load_with_device_budget(&b.dir, dev, full)?.residuals_on_host());
+    assert!(small.device_bytes() >= full - res_bytes && small.device_bytes() < full, "within the budget");
     expect_err(PlaidIndex::load_with_device_budget(&b.dir, dev, full - res_bytes - 1), "device_bytes");
     let targets: Vec<usize> = (0..200).step_by(9).collect();
     let q = queries_from(&b.x, &b.lens, &targets, 32, 3)?.to_device(dev)?;
@@ -310,10 +319,15 @@ fn device_budget_changes_no_result(dev: &Device) -> Result<()> {
     let more = PackedDocuments::new(x2, &lens2)?;
     b.index.add(&more, 15)?;
     small.add(&more, 15)?;
+    // Without room the add grows the buffers, with room to spare after.
+    exact.add(&more, 15)?;
+    assert!(exact.spare_tokens() > 0 && exact.device_bytes() > full, "the add grew the index");
     assert!(small.residuals_on_host() && small.residuals.device().is_cpu(), "added rows stay on the host");
-    b.index.delete(&[5, 201])?;
-    small.delete(&[5, 201])?;
+    for idx in [&mut b.index, &mut small, &mut exact] {
+        idx.delete(&[5, 201])?;
+    }
     check(&b.index, &small, "after add and delete")?;
+    check(&b.index, &exact, "grown by an add")?;
     Ok(())
 }
 
