@@ -585,8 +585,9 @@ impl PlaidIndex {
 
     /// The device memory the index in `dir` would take, read from its
     /// files' headers and document lengths without loading it: `(whole,
-    /// residuals)` bytes, as [`Self::device_bytes`] counts them. A budget of
-    /// at least `whole - residuals` opens it with
+    /// residuals)` bytes, as [`Self::device_bytes`] counts them without the
+    /// room for adds ([`Self::load`] takes that on top; a budget of `whole`
+    /// leaves none). A budget of at least `whole - residuals` opens it with
     /// [`Self::load_with_device_budget`].
     pub fn device_bytes_needed(dir: impl AsRef<Path>) -> Result<(usize, usize)> {
         let dir = dir.as_ref();
