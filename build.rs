@@ -102,14 +102,20 @@ mod cuda {
                 s.spawn(|| {
                     while let Some((stem, arch)) = jobs.get(next.fetch_add(1, std::sync::atomic::Ordering::Relaxed)) {
                         let sm = if *arch == "sm80" { "sm_80" } else { "sm_90a" };
-                        let status = std::process::Command::new(&ptxas)
+                        let out = std::process::Command::new(&ptxas)
                             .args(["-O3", "-arch", sm])
                             .arg(stem.with_extension("ptx"))
                             .arg("-o")
                             .arg(stem.with_extension("cubin"))
-                            .status()
+                            .output()
                             .expect("ptxas not found (next to NVCC, or on PATH)");
-                        assert!(status.success(), "ptxas failed on {}.ptx for {sm}", stem.display());
+                        let log = String::from_utf8_lossy(&out.stderr);
+                        assert!(out.status.success(), "ptxas failed on {}.ptx for {sm}:\n{log}", stem.display());
+                        // A kernel whose wgmma ptxas serializes (a wait after
+                        // each one, for want of registers) runs at a fraction
+                        // of its speed and says so only here.
+                        let serialized: Vec<&str> = log.lines().filter(|l| l.contains("(C7512)")).collect();
+                        assert!(serialized.is_empty(), "{}.ptx for {sm}:\n{}", stem.display(), serialized.join("\n"));
                     }
                 });
             }

@@ -14,12 +14,12 @@
 // wgmma per 64-column panel.
 //
 // The streamed side (keys for the forward and dQ, queries for dK dV) runs
-// through wg_pipeline: AHEAD tiles in flight, one barrier per tile, and a
+// through pipeline: AHEAD tiles in flight, one barrier per tile, and a
 // step's last products left running over the next step's barrier and
-// loads (the forward's P V is issued in the next step, after its S); they
-// are waited for within the next step, before their accumulators are
-// touched, so a slot is refilled two steps after its tile was used
-// (SLOTS = AHEAD + 2).
+// loads where registers allow (dK dV's; the forward's P V is issued in the
+// next step, after its S); they are waited for within the next step,
+// before their accumulators are touched, so a slot is refilled two steps
+// after its tile was used (SLOTS = AHEAD + 2).
 #pragma once
 
 #ifdef MAXSIM_HOPPER
@@ -112,9 +112,11 @@ template <int D> struct FwdTile {
 
 // Backward (dh 64): Q and dO (dQ) or K and V (dK dV) of the block's 128
 // rows fixed, the other side's two tiles and their log-sum-exp and delta
-// streamed through 4 slots. dQ fits 122 registers and runs two blocks per
-// SM (H200, 32 x 512 x 12 x 64: 119 us, 131 at one); dK dV's four
-// accumulators take 187, one block.
+// streamed through 4 slots. dQ runs two blocks per SM (H200, 32 x 512 x
+// 12 x 64: 119 us, 131 at one) in 122 registers, its dQ product waited for
+// within its step: left running into the next step's S and dP it needs
+// more than 128, and ptxas then serializes every wgmma of the kernel
+// (C7512). dK dV's four accumulators take 187, one block.
 struct BwdTile {
     static constexpr int AHEAD = 2, SLOTS = AHEAD + 2, DQ_MIN_BLOCKS = 2, DKDV_MIN_BLOCKS = 1;
     static constexpr int SLOT_BYTES = (2 * 2 * BN * 64 + 2 * BN * 4 + 1023) / 1024 * 1024; // tiles stay 1024-aligned
@@ -274,7 +276,7 @@ template <typename T> __device__ __forceinline__ void bwd_dq(const FlashParams& 
         wgmma_commit();
         gemm_nt<T, BN, D, BM>(dp, do_addr, k_addr + BN * D * 2);
         wgmma_commit();
-        wgmma_wait<1>(); // S and the previous step's dQ product; P runs under dP
+        wgmma_wait<1>(); // S; P runs under dP
         fence_regs<BN / 2>(s);
         fence_regs<D / 2>(dq);
         const bool edge = n0 + BN > len || p.window >= 0;
@@ -293,6 +295,7 @@ template <typename T> __device__ __forceinline__ void bwd_dq(const FlashParams& 
         wgmma_fence();
         gemm_pn<T, D, BN>(dq, a, k_addr, t > 0);
         wgmma_commit();
+        wgmma_wait<0>(); // within the step: see BwdTile
     };
     pipeline<BwdTile::AHEAD>((kr.y - kr.x + BN - 1) / BN, load_kv, step);
     fence_regs<D / 2>(dq);
