@@ -4,7 +4,7 @@
 //! | variable | effect |
 //! |---|---|
 //! | `CANDLE_MAXSIM_ARCH=sm75\|sm80` | run the PTX module, kernel choice and shared-memory limit of an older GPU on this one |
-//! | `CANDLE_MAXSIM_TILE=<config>` | pin the forward's tile configuration (`large`, `small`, `narrow`, `wide`, `xwide`, `hlarge`, `hmid`, `hsmall`, `hws`, `hws64`, `hwsmid`, `compact`, `flarge`, `fsmall`) where it applies |
+//! | `CANDLE_MAXSIM_TILE=<config>` | pin the forward's tile configuration (`large`, `small`, `narrow`, `wide`, `xwide`, `hlarge`, `hmid`, `hsmall`, `hsmall3`, `hws`, `hws64`, `hwsmid`, `compact`, `flarge`, `fsmall`) where it applies |
 //! | `CANDLE_MAXSIM_LOG=1` | print each tile-selection decision to stderr |
 //! | `CANDLE_MAXSIM_RESIDUAL=tile` | keep residual scoring on the tile kernels (never the warp kernel) |
 //! | `CANDLE_MAXSIM_CPU=gemm` | CPU forward on the portable GEMM path even where the AVX-512 lane kernels run (CI tests both) |
