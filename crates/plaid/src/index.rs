@@ -202,7 +202,7 @@ fn footprint(
 /// The spare rows an index is opened with, so that adds append in place:
 /// without them the first add copies the whole index into a larger buffer
 /// (a device-side rewrite of what is already there, needing the index twice
-/// in device memory at once; 6 ms per GB of index on an H200).
+/// in device memory at once; about 6 ms per GB of index on an H200).
 #[derive(Clone, Copy, Debug, PartialEq)]
 struct Room {
     tokens: usize,
@@ -210,7 +210,7 @@ struct Room {
 }
 
 impl Room {
-    /// 1/64 of the index's tokens and documents (1.6 % more memory: 27 M
+    /// 1/64 of the index's tokens and documents (1.6 % more memory: 16 M
     /// tokens of adds at a billion) and at least 65 536 tokens and 1 024
     /// documents, so that small indexes grow in place too.
     fn default_for(tokens: usize, documents: usize) -> Room {
