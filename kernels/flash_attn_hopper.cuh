@@ -112,11 +112,12 @@ template <int D> struct FwdTile {
 
 // Backward (dh 64): Q and dO (dQ) or K and V (dK dV) of the block's 128
 // rows fixed, the other side's two tiles and their log-sum-exp and delta
-// streamed through 4 slots. dQ runs two blocks per SM (H200, 32 x 512 x
-// 12 x 64: 119 us, 131 at one) in 122 registers, its dQ product waited for
-// within its step: left running into the next step's S and dP it needs
-// more than 128, and ptxas then serializes every wgmma of the kernel
-// (C7512). dK dV's four accumulators take 187, one block.
+// streamed through 4 slots. dQ runs two blocks per SM in 122 registers,
+// its dQ product waited for within its step: left running into the next
+// step's S and dP it needs more than 128, and ptxas then serializes every
+// wgmma of the kernel (C7512; even so two blocks beat one, H200, 32 x 512
+// x 12 x 64: 119 us against 131). dK dV's four accumulators take 187, one
+// block.
 struct BwdTile {
     static constexpr int AHEAD = 2, SLOTS = AHEAD + 2, DQ_MIN_BLOCKS = 2, DKDV_MIN_BLOCKS = 1;
     static constexpr int SLOT_BYTES = (2 * 2 * BN * 64 + 2 * BN * 4 + 1023) / 1024 * 1024; // tiles stay 1024-aligned
