@@ -463,11 +463,17 @@ FLASH_KERNELS(__nv_bfloat16, bf16, 128)
 #define FLASH_WG(T, NAME)                                                                               \
     extern "C" __global__ void __launch_bounds__(fa_wg::THREADS, fa_wg::FwdTile<64>::MIN_BLOCKS)       \
         flash_fwd_wg_##NAME##_d64(const FlashParams p) {                                                \
-        fa_wg::fwd<T, 64>(p);                                                                            \
+        if (p.scale_log2 < 0.f) /* see fa_wg::fwd */                                                    \
+            fa_wg::fwd<T, 64, true>(p);                                                                 \
+        else                                                                                            \
+            fa_wg::fwd<T, 64, false>(p);                                                                \
     }                                                                                                    \
     extern "C" __global__ void __launch_bounds__(fa_wg::THREADS, fa_wg::FwdTile<128>::MIN_BLOCKS)      \
         flash_fwd_wg_##NAME##_d128(const FlashParams p) {                                               \
-        fa_wg::fwd<T, 128>(p);                                                                           \
+        if (p.scale_log2 < 0.f) /* see fa_wg::fwd */                                                    \
+            fa_wg::fwd<T, 128, true>(p);                                                                \
+        else                                                                                            \
+            fa_wg::fwd<T, 128, false>(p);                                                               \
     }                                                                                                    \
     extern "C" __global__ void __launch_bounds__(fa_wg::THREADS, fa_wg::BwdTile::DQ_MIN_BLOCKS)        \
         flash_bwd_dq_wg_##NAME##_d64(const FlashParams p) {                                             \

@@ -124,7 +124,26 @@ struct BwdTile {
     static constexpr int SMEM = 1024 + 2 * 2 * BM * 64 + SLOTS * SLOT_BYTES; // mirrored in src/cuda/flash_attn.rs
 };
 
-template <typename T, int D> __device__ __forceinline__ void fwd(const FlashParams& p) {
+// Row r's (of two) N / 4 entries of a warp's m64 x N accumulator tile
+// (acc_row), reduced by `op` as a tree: the compiler keeps a chain of float
+// operations in its written order, and a chain of N / 4 dependent ones per
+// row was the forward's softmax critical path.
+template <int W, typename Op> __device__ __forceinline__ void tree_reduce(float* v, Op op) {
+#pragma unroll
+    for (int k = 0; k < W; ++k) v[k] = op(v[k], v[k + W]);
+    if constexpr (W > 1) tree_reduce<W / 2>(v, op);
+}
+template <int N, typename Op> __device__ __forceinline__ float row_reduce(const float* s, int r, Op op) {
+    float v[N / 4];
+#pragma unroll
+    for (int k = 0; k < N / 4; ++k) v[k] = s[4 * (k / 2) + 2 * r + k % 2];
+    tree_reduce<N / 8>(v, op);
+    return v[0];
+}
+
+// NEG: the scale is negative (the kernel entry picks the instance; a
+// run-time sign test between the two rows kept them from interleaving).
+template <typename T, int D, bool NEG> __device__ __forceinline__ void fwd(const FlashParams& p) {
     using Tr = FwdTile<D>;
     extern __shared__ __align__(16) unsigned char fa_smem[];
     T* Qs = reinterpret_cast<T*>(smem_base(fa_smem, Tr::SMEM));
@@ -168,39 +187,35 @@ template <typename T, int D> __device__ __forceinline__ void fwd(const FlashPara
         fence_regs<BN / 2>(s);
         // p = 2^(scale_log2 s - max) as one FFMA and one MUFU.EX2 per entry:
         // the max is taken over the unscaled scores (their min for a negative
-        // scale), a tile with masked keys scaled first (masked: -inf).
-        float sc = p.scale_log2;
+        // scale), a tile with masked keys scaled first (masked: -inf). Both
+        // rows' reductions are trees and run side by side.
+        const auto hi = [](float x, float y) { return fmaxf(x, y); };
+        const auto lo = [](float x, float y) { return fminf(x, y); };
+        float sc = p.scale_log2, mx[2];
         if (n0 + BN > len || p.window >= 0) { // block-uniform: most tiles have no masked key
 #pragma unroll
             for (int i = 0; i < BN / 2; ++i)
                 s[i] = fa_visible(row0 + acc_row(i, g), n0 + acc_col(i, c), len, p.window) ? s[i] * sc : MAXSIM_NEG_INF;
             sc = 1.f;
+            mx[0] = row_reduce<BN>(s, 0, hi);
+            mx[1] = row_reduce<BN>(s, 1, hi);
+        } else {
+            mx[0] = NEG ? row_reduce<BN>(s, 0, lo) : row_reduce<BN>(s, 0, hi);
+            mx[1] = NEG ? row_reduce<BN>(s, 1, lo) : row_reduce<BN>(s, 1, hi);
         }
-        float alpha[2];
+        float alpha[2], base[2];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            float mx = s[2 * r];
-            if (sc >= 0.f) {
-#pragma unroll
-                for (int j = 0; j < BN / 8; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * r], s[4 * j + 2 * r + 1]));
-            } else {
-#pragma unroll
-                for (int j = 0; j < BN / 8; ++j) mx = fminf(mx, fminf(s[4 * j + 2 * r], s[4 * j + 2 * r + 1]));
-            }
-            const float mnew = fmaxf(mrow[r], lane_max<3>(mx * sc));
-            const float base = mnew == MAXSIM_NEG_INF ? 0.f : mnew; // no visible key yet: every p is 0
-            alpha[r] = fa_exp2(mrow[r] - base);
+            const float mnew = fmaxf(mrow[r], lane_max<3>(mx[r] * sc));
+            base[r] = mnew == MAXSIM_NEG_INF ? 0.f : mnew; // no visible key yet: every p is 0
+            alpha[r] = fa_exp2(mrow[r] - base[r]);
             mrow[r] = mnew;
-            float sum = 0.f;
-#pragma unroll
-            for (int j = 0; j < BN / 8; ++j)
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    s[4 * j + 2 * r + e] = fa_exp2(fmaf(s[4 * j + 2 * r + e], sc, -base));
-                    sum += s[4 * j + 2 * r + e];
-                }
-            lrow[r] = lrow[r] * alpha[r] + sum;
         }
+#pragma unroll
+        for (int i = 0; i < BN / 2; ++i) s[i] = fa_exp2(fmaf(s[i], sc, -base[(i >> 1) & 1]));
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+            lrow[r] = lrow[r] * alpha[r] + row_reduce<BN>(s, r, [](float x, float y) { return x + y; });
         wgmma_wait<0>(); // the previous P V: o and a are free
         fence_regs<D / 2>(o);
         if (t > 0) // before the first product o holds nothing
