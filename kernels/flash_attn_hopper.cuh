@@ -295,13 +295,14 @@ template <typename T> __device__ __forceinline__ void bwd_dq(const FlashParams& 
         wgmma_wait<1>(); // S; P runs under dP
         fence_regs<BN / 2>(s);
         fence_regs<D / 2>(dq);
-        const bool edge = n0 + BN > len || p.window >= 0;
 #pragma unroll
-        for (int i = 0; i < BN / 2; ++i) {
-            const int r = (i >> 1) & 1;
-            s[i] = fa_exp2(fmaf(s[i], p.scale_log2, -lse[r]));
-            if (edge && !fa_visible(row0 + acc_row(i, g), n0 + acc_col(i, c), len, p.window)) s[i] = 0.f;
-        }
+        for (int i = 0; i < BN / 2; ++i) s[i] = fa_exp2(fmaf(s[i], p.scale_log2, -lse[(i >> 1) & 1]));
+        // Masks behind one block-uniform test (a test per entry became a
+        // branch per entry, taken on every tile).
+        if (n0 + BN > len || p.window >= 0)
+#pragma unroll
+            for (int i = 0; i < BN / 2; ++i)
+                if (!fa_visible(row0 + acc_row(i, g), n0 + acc_col(i, c), len, p.window)) s[i] = 0.f;
         wgmma_wait<0>();
         fence_regs<BN / 2>(dp);
 #pragma unroll
@@ -370,11 +371,11 @@ template <typename T> __device__ __forceinline__ void bwd_dkdv(const FlashParams
         fence_regs<D / 2>(dk);
         fence_regs<D / 2>(dv);
 #pragma unroll
-        for (int i = 0; i < BN / 2; ++i) {
-            const int col = acc_col(i, c);
-            s[i] = fa_exp2(fmaf(s[i], p.scale_log2, -lse[col])); // P^T
-            if (p.window >= 0 && abs(m0 + col - (row0 + acc_row(i, g))) > p.window) s[i] = 0.f;
-        }
+        for (int i = 0; i < BN / 2; ++i) s[i] = fa_exp2(fmaf(s[i], p.scale_log2, -lse[acc_col(i, c)])); // P^T
+        if (p.window >= 0) // block-uniform, as dQ's masks
+#pragma unroll
+            for (int i = 0; i < BN / 2; ++i)
+                if (abs(m0 + acc_col(i, c) - (row0 + acc_row(i, g))) > p.window) s[i] = 0.f;
         wgmma_wait<0>();
         fence_regs<BN / 2>(dp);
 #pragma unroll
