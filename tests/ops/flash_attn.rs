@@ -17,13 +17,27 @@ fn offsets(lens: &[usize], dev: &Device) -> Result<(Tensor, usize)> {
     Ok((Tensor::new(cu, dev)?, t))
 }
 
-/// Output and gradients of Σ w ⊙ out for q, k, v against the reference.
+/// Output and gradients of Σ w ⊙ out for q, k, v against the reference,
+/// at the usual scale 1/√dh.
 fn varlen_case(dev: &Device, lens: &[usize], heads: usize, dh: usize, window: Option<usize>, dt: DType) -> Result<()> {
+    varlen_case_scaled(dev, lens, heads, dh, window, dt, 1.0 / (dh as f64).sqrt())
+}
+
+/// [`varlen_case`] at any scale (a negative one turns the softmax's
+/// largest score into the smallest product).
+fn varlen_case_scaled(
+    dev: &Device,
+    lens: &[usize],
+    heads: usize,
+    dh: usize,
+    window: Option<usize>,
+    dt: DType,
+    scale: f64,
+) -> Result<()> {
     let cpu = Device::Cpu;
-    let what = format!("attention_varlen lens {lens:?} {heads}x{dh} window {window:?} {dt:?} on {dev:?}");
+    let what = format!("attention_varlen lens {lens:?} {heads}x{dh} window {window:?} scale {scale} {dt:?} on {dev:?}");
     let (cu, t) = offsets(lens, &cpu)?;
     let hd = heads * dh;
-    let scale = 1.0 / (dh as f64).sqrt();
     let [q, k, v] = [0; 3].map(|_| randn(&[t, hd], dt, &cpu).expect("randn"));
     let w = randn(&[t, hd], DType::F64, &cpu)?;
     let refs = [&q, &k, &v].map(|x| Var::from_tensor(&x.to_dtype(DType::F64).expect("f64")).expect("a var"));
@@ -66,7 +80,8 @@ fn varlen_case(dev: &Device, lens: &[usize], heads: usize, dh: usize, window: Op
 
 /// Ragged lengths with 1 and 0 among them, every head dim and dtype, no
 /// window and windows narrower than a sequence; on CUDA also lengths across
-/// several 64-row blocks and windows across block edges.
+/// several 64-row blocks and windows across block edges; and a negative
+/// scale, with and without a window.
 fn attention_varlen_matches_reference(dev: &Device) -> Result<()> {
     for dt in DTYPES {
         for dh in ms::nn::ATTENTION_HEAD_DIMS {
@@ -74,10 +89,14 @@ fn attention_varlen_matches_reference(dev: &Device) -> Result<()> {
             for window in [None, Some(3), Some(i32::MAX as usize), Some(usize::MAX)] {
                 varlen_case(dev, &[7, 1, 0, 20], 2, dh, window, dt)?;
             }
+            let lens: &[usize] = if gpu_cases(dev) { &[65, 1, 300, 128, 0, 33] } else { &[7, 1, 0, 20] };
             if gpu_cases(dev) {
                 for window in [None, Some(1), Some(64), Some(100)] {
-                    varlen_case(dev, &[65, 1, 300, 128, 0, 33], 3, dh, window, dt)?;
+                    varlen_case(dev, lens, 3, dh, window, dt)?;
                 }
+            }
+            for window in [None, Some(64)] {
+                varlen_case_scaled(dev, lens, 3, dh, window, dt, -0.8 / (dh as f64).sqrt())?;
             }
         }
     }
