@@ -47,3 +47,39 @@ template <> __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float a, fl
 template <typename T> __device__ __forceinline__ uint4 pack8(const float v[8]) {
     return make_uint4(pack2<T>(v[0], v[1]), pack2<T>(v[2], v[3]), pack2<T>(v[4], v[5]), pack2<T>(v[6], v[7]));
 }
+
+// Eight 16-bit T at p (16-byte aligned) as floats: one 16-byte load.
+template <typename T> __device__ __forceinline__ void load8(const T* p, float v[8]) {
+    static_assert(sizeof(T) == 2, "load8: 16-bit types");
+    const uint4 u = *reinterpret_cast<const uint4*>(p);
+    const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        const T* h = reinterpret_cast<const T*>(&w[k]);
+        v[2 * k] = Elem<T>::to_float(h[0]);
+        v[2 * k + 1] = Elem<T>::to_float(h[1]);
+    }
+}
+
+// Eight f32 at p (16-byte aligned).
+__device__ __forceinline__ void load8f(const float* p, float v[8]) {
+    const float4 a = *reinterpret_cast<const float4*>(p), b = *reinterpret_cast<const float4*>(p + 4);
+    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+}
+
+// Eight floats rounded to T stored at p (16-byte aligned, global memory):
+// one 16-byte store (a plain uint4 store was split into four 4-byte ones
+// where the compiler's registers did not line up).
+template <typename T> __device__ __forceinline__ void store8(T* p, const float v[8]) {
+    const uint4 u = pack8<T>(v);
+    asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(u.x), "r"(u.y), "r"(u.z), "r"(u.w) : "memory");
+}
+
+// Whether every pointer is 16-byte aligned (null ones count as aligned): with
+// rows of a multiple of 8 16-bit elements, the condition of the 8-wide paths.
+__device__ __forceinline__ bool aligned16(const void* a, const void* b = nullptr, const void* c = nullptr,
+                                          const void* d = nullptr) {
+    return ((reinterpret_cast<uintptr_t>(a) | reinterpret_cast<uintptr_t>(b) | reinterpret_cast<uintptr_t>(c) |
+             reinterpret_cast<uintptr_t>(d)) &
+            15) == 0;
+}

@@ -125,8 +125,88 @@ __device__ __forceinline__ void row_stats(const NormRow<T>& xr, int c, int lane,
     rstd = 1.f / sqrtf(warp_sum(v) / c + eps);
 }
 
+// The 16-byte path of the norms for 16-bit T: a row of c <= 256 CH
+// (a multiple of 8) read once into registers, 8 columns per lane per
+// chunk, where the one-element path reads it 2-3 times, 2 bytes a load.
+template <typename T, int CH> struct NormRow8 {
+    float v[CH][8];
+    // Row r of x (+ res, rounded to T as NormRow does); zeros past c.
+    __device__ __forceinline__ NormRow8(const LayerNormParams& p, long long r, int lane) {
+        const T* x = static_cast<const T*>(p.x) + r * p.c;
+        const T* res = p.res ? static_cast<const T*>(p.res) + r * p.c : nullptr;
+#pragma unroll
+        for (int k = 0; k < CH; ++k) {
+            const int j = 8 * (lane + 32 * k);
+            if (j >= p.c) continue;
+            load8(x + j, v[k]);
+            if (res) {
+                float t[8];
+                load8(res + j, t);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) v[k][e] = Elem<T>::to_float(Elem<T>::from(v[k][e] + t[e]));
+            }
+        }
+    }
+    // Mean and 1 / sqrt(biased variance + eps), every lane of the warp.
+    __device__ __forceinline__ void stats(int c, int lane, float eps, float& mean, float& rstd) const {
+        float s = 0.f;
+#pragma unroll
+        for (int k = 0; k < CH; ++k)
+            if (8 * (lane + 32 * k) < c)
+#pragma unroll
+                for (int e = 0; e < 8; ++e) s += v[k][e];
+        mean = warp_sum(s) / c;
+        float q = 0.f;
+#pragma unroll
+        for (int k = 0; k < CH; ++k)
+            if (8 * (lane + 32 * k) < c)
+#pragma unroll
+                for (int e = 0; e < 8; ++e) q += (v[k][e] - mean) * (v[k][e] - mean);
+        rstd = 1.f / sqrtf(warp_sum(q) / c + eps);
+    }
+};
+
+// Chunks per lane of the 16-byte path for rows of c, or 0 where it does not
+// apply (T not 16-bit, c not a multiple of 8 or over 1024, an unaligned
+// pointer): launch-uniform.
+template <typename T> __device__ __forceinline__ int norm_chunks(const LayerNormParams& p) {
+    if (sizeof(T) != 2 || p.c % 8 != 0 || p.c > 1024 || !aligned16(p.x, p.res, p.dy, p.out) || !aligned16(p.w, p.b))
+        return 0;
+    return (p.c + 255) / 256;
+}
+
+template <typename T, int CH> __device__ void layer_norm_fwd8(const LayerNormParams& p) {
+    const int c = p.c;
+    T* y = static_cast<T*>(p.out);
+    WARP_ROWS(r, p.rows) {
+        const NormRow8<T, CH> xr(p, r, lane);
+        float mean, rstd;
+        xr.stats(c, lane, p.eps, mean, rstd);
+#pragma unroll
+        for (int k = 0; k < CH; ++k) {
+            const int j = 8 * (lane + 32 * k);
+            if (j >= c) continue;
+            float w[8], b[8] = {}, o[8];
+            load8f(p.w + j, w);
+            if (p.b) load8f(p.b + j, b);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) o[e] = (xr.v[k][e] - mean) * rstd * w[e] + b[e];
+            store8(y + r * c + j, o);
+        }
+    }
+}
+
 // y = (x - mean) * rstd * w + b over rows of c; w, b f32 (b may be null).
 template <typename T> __device__ void layer_norm_fwd(const LayerNormParams& p) {
+    if constexpr (sizeof(T) == 2) {
+        switch (norm_chunks<T>(p)) {
+        case 1: return layer_norm_fwd8<T, 1>(p);
+        case 2: return layer_norm_fwd8<T, 2>(p);
+        case 3: return layer_norm_fwd8<T, 3>(p);
+        case 4: return layer_norm_fwd8<T, 4>(p);
+        default: break;
+        }
+    }
     const int c = p.c;
     T* y = static_cast<T*>(p.out);
     WARP_ROWS(r, p.rows) {
@@ -138,8 +218,56 @@ template <typename T> __device__ void layer_norm_fwd(const LayerNormParams& p) {
     }
 }
 
+template <typename T, int CH> __device__ void layer_norm_bwd_x8(const LayerNormParams& p) {
+    const int c = p.c;
+    T* dx = static_cast<T*>(p.out);
+    WARP_ROWS(r, p.rows) {
+        const NormRow8<T, CH> xr(p, r, lane);
+        const T* gr = static_cast<const T*>(p.dy) + r * c;
+        float mean, rstd;
+        xr.stats(c, lane, p.eps, mean, rstd);
+        float dy[CH][8], w[CH][8], sg = 0.f, sgx = 0.f;
+#pragma unroll
+        for (int k = 0; k < CH; ++k) {
+            const int j = 8 * (lane + 32 * k);
+            if (j >= c) continue;
+            load8(gr + j, dy[k]);
+            load8f(p.w + j, w[k]);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                const float g = dy[k][e] * w[k][e];
+                sg += g;
+                sgx += g * (xr.v[k][e] - mean) * rstd;
+            }
+        }
+        sg = warp_sum(sg) / c;
+        sgx = warp_sum(sgx) / c;
+#pragma unroll
+        for (int k = 0; k < CH; ++k) {
+            const int j = 8 * (lane + 32 * k);
+            if (j >= c) continue;
+            float o[8];
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                const float xh = (xr.v[k][e] - mean) * rstd;
+                o[e] = rstd * (dy[k][e] * w[k][e] - sg - xh * sgx);
+            }
+            store8(dx + r * c + j, o);
+        }
+    }
+}
+
 // dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dy * w.
 template <typename T> __device__ void layer_norm_bwd_x(const LayerNormParams& p) {
+    if constexpr (sizeof(T) == 2) {
+        switch (norm_chunks<T>(p)) {
+        case 1: return layer_norm_bwd_x8<T, 1>(p);
+        case 2: return layer_norm_bwd_x8<T, 2>(p);
+        case 3: return layer_norm_bwd_x8<T, 3>(p);
+        case 4: return layer_norm_bwd_x8<T, 4>(p);
+        default: break;
+        }
+    }
     const int c = p.c;
     const float* w = p.w;
     T* dx = static_cast<T*>(p.out);
@@ -212,6 +340,34 @@ __device__ void rotary_qk(const RotaryParams& p) {
     const T* x = static_cast<const T*>(p.x);
     T* out = static_cast<T*>(p.out);
     const int dh = 2 * p.half, qk = 2 * p.heads * dh, width = 3 * p.heads * dh;
+    if constexpr (sizeof(T) == 2) {
+        // 8 elements per thread (16 bytes) where a half head is a multiple of 8.
+        if (p.half % 8 == 0 && aligned16(x, out, p.cos, p.sin)) { // launch-uniform
+            const long long n8 = p.rows * width / 8;
+            for (long long e8 = (long long)blockIdx.x * blockDim.x + threadIdx.x; e8 < n8;
+                 e8 += (long long)gridDim.x * blockDim.x) {
+                const long long e = 8 * e8, r = e / width;
+                const int c = (int)(e - r * width);
+                float a[8];
+                load8(x + e, a);
+                if (c < qk) {
+                    const int j = c % dh, f = j % p.half;
+                    const bool first = j < p.half;
+                    float b[8], cs[8], sn[8];
+                    load8(x + (first ? e + p.half : e - p.half), b);
+                    load8f(p.cos + r * p.half + f, cs);
+                    load8f(p.sin + r * p.half + f, sn);
+#pragma unroll
+                    for (int k = 0; k < 8; ++k) {
+                        const float s = p.sign * sn[k];
+                        a[k] = first ? a[k] * cs[k] - b[k] * s : a[k] * cs[k] + b[k] * s;
+                    }
+                }
+                store8(out + e, a);
+            }
+            return;
+        }
+    }
     const long long n = p.rows * width;
     for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < n; e += (long long)gridDim.x * blockDim.x) {
         const long long r = e / width;

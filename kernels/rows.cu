@@ -48,9 +48,35 @@ GATHER_ROWS(b2, unsigned short)
 template <typename A> __device__ __forceinline__ A gelu_cdf(A z) { return A(0.5) * (A(1) + erf(z * A(0.70710678118654752440))); }
 template <typename A> __device__ __forceinline__ A gelu_pdf(A z) { return exp(A(-0.5) * z * z) * A(0.39894228040143267794); }
 
+// A warp per row, each lane 8 consecutive columns at a time (cols a
+// multiple of 8): the elementwise kernels' 16-byte path for 16-bit types,
+// where their one-element loop issues 2-byte loads.
+template <typename F> __device__ __forceinline__ void rows8(long long rows, int cols, F&& f) {
+    const int lane = threadIdx.x % 32;
+    const long long nw = (long long)gridDim.x * blockDim.x / 32;
+    for (long long r = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / 32; r < rows; r += nw)
+        for (int c = 8 * lane; c < cols; c += 256) f(r, c);
+}
+
 template <typename T, bool GELU>
 __device__ void add_bias(const T* x, const typename Elem<T>::Acc* bias, T* y, long long rows, int cols) {
     using A = typename Elem<T>::Acc;
+    if constexpr (sizeof(T) == 2) {
+        if (cols % 8 == 0 && aligned16(x, bias, y)) { // launch-uniform
+            rows8(rows, cols, [&](long long r, int c) {
+                float z[8], b[8];
+                load8(x + r * cols + c, z);
+                load8f(bias + c, b);
+#pragma unroll
+                for (int k = 0; k < 8; ++k) {
+                    z[k] += b[k];
+                    if (GELU) z[k] *= gelu_cdf(z[k]);
+                }
+                store8(y + r * cols + c, z);
+            });
+            return;
+        }
+    }
     const int lane = threadIdx.x % 32;
     const long long nw = (long long)gridDim.x * blockDim.x / 32;
     for (long long r = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / 32; r < rows; r += nw)
@@ -65,6 +91,23 @@ __device__ void add_bias(const T* x, const typename Elem<T>::Acc* bias, T* y, lo
 template <typename T>
 __device__ void gelu_bwd(const T* x, const typename Elem<T>::Acc* bias, const T* g, T* dz, long long rows, int cols) {
     using A = typename Elem<T>::Acc;
+    if constexpr (sizeof(T) == 2) {
+        if (cols % 8 == 0 && aligned16(x, bias, g, dz)) { // launch-uniform
+            rows8(rows, cols, [&](long long r, int c) {
+                float z[8], b[8], gr[8];
+                load8(x + r * cols + c, z);
+                load8f(bias + c, b);
+                load8(g + r * cols + c, gr);
+#pragma unroll
+                for (int k = 0; k < 8; ++k) {
+                    z[k] += b[k];
+                    gr[k] *= gelu_cdf(z[k]) + z[k] * gelu_pdf(z[k]);
+                }
+                store8(dz + r * cols + c, gr);
+            });
+            return;
+        }
+    }
     const int lane = threadIdx.x % 32;
     const long long nw = (long long)gridDim.x * blockDim.x / 32;
     for (long long r = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / 32; r < rows; r += nw)
@@ -100,6 +143,33 @@ ADD_BIAS(f64, double)
 template <typename T, bool BWD>
 __device__ void geglu(const T* x, const T* g, T* out, long long rows, int cols) {
     using A = typename Elem<T>::Acc;
+    if constexpr (sizeof(T) == 2) {
+        if (cols % 8 == 0 && aligned16(x, g, out)) { // launch-uniform
+            rows8(rows, cols, [&](long long r, int c) {
+                const long long i = r * 2 * cols + c;
+                float a[8], b[8];
+                load8(x + i, a);
+                load8(x + i + cols, b);
+                if (BWD) {
+                    float gr[8], da[8];
+                    load8(g + r * cols + c, gr);
+#pragma unroll
+                    for (int k = 0; k < 8; ++k) {
+                        const float cdf = gelu_cdf(a[k]);
+                        da[k] = gr[k] * b[k] * (cdf + a[k] * gelu_pdf(a[k]));
+                        b[k] = gr[k] * a[k] * cdf; // db
+                    }
+                    store8(out + i, da);
+                    store8(out + i + cols, b);
+                } else {
+#pragma unroll
+                    for (int k = 0; k < 8; ++k) a[k] = a[k] * gelu_cdf(a[k]) * b[k];
+                    store8(out + r * cols + c, a);
+                }
+            });
+            return;
+        }
+    }
     const int lane = threadIdx.x % 32;
     const long long nw = (long long)gridDim.x * blockDim.x / 32;
     for (long long r = ((long long)blockIdx.x * blockDim.x + threadIdx.x) / 32; r < rows; r += nw)
