@@ -61,10 +61,23 @@ pub struct PlaidIndex {
     pub(crate) host_residuals: bool,
     /// The tensors `codes`, `residuals` and `cu` are the first rows of, with
     /// spare rows for the next adds ([`Room`] at load, then [`append_rows`]).
-    pub(crate) stores: Option<(Tensor, Tensor, Tensor)>,
+    pub(crate) stores: Stores,
     /// Device tensors of the last few search shapes, reused by the next
     /// search of one of them (shared by clones: they are never written).
     pub(crate) search_consts: Arc<std::sync::Mutex<Vec<crate::search::SearchConsts>>>,
+}
+
+/// The buffers of `codes`, `residuals` and `cu` with their spare rows. A
+/// clone of an index gets none (its first add copies into buffers of its
+/// own): an add writes into the spare rows in place, and two indexes must
+/// never write into the same ones.
+#[derive(Debug, Default)]
+pub(crate) struct Stores(pub(crate) Option<(Tensor, Tensor, Tensor)>);
+
+impl Clone for Stores {
+    fn clone(&self) -> Self {
+        Stores(None)
+    }
 }
 
 /// One of the two per-token arrays (`codes` or `residuals`), chunk by chunk.
@@ -383,7 +396,7 @@ impl PlaidIndex {
             deleted: Vec::new(),
             live: None,
             host_residuals,
-            stores: Some((code_store, res_store, cu_store)),
+            stores: Stores(Some((code_store, res_store, cu_store))),
             search_consts: Arc::default(),
         };
         index.set_deleted(deleted)?;
@@ -505,11 +518,11 @@ impl PlaidIndex {
         }
         let e = ids.len();
         let ivf = (Tensor::from_vec(ids, e, &device)?, Tensor::new(offsets.as_slice(), &device)?);
-        let (codes, code_store) = append_rows(&self.codes, self.stores.as_ref().map(|s| &s.0), &codes)?;
+        let (codes, code_store) = append_rows(&self.codes, self.stores.0.as_ref().map(|s| &s.0), &codes)?;
         let new_cu = [Tensor::new(offs.as_slice(), &device)?];
-        let (cu, cu_store) = append_rows(&self.cu, self.stores.as_ref().map(|s| &s.2), &new_cu)?;
+        let (cu, cu_store) = append_rows(&self.cu, self.stores.0.as_ref().map(|s| &s.2), &new_cu)?;
         let residual_store = self.grow_residuals(&residuals)?;
-        self.stores = residual_store.map(|r| (code_store, r, cu_store));
+        self.stores = Stores(residual_store.map(|r| (code_store, r, cu_store)));
         self.codes = codes;
         let mut offsets = Vec::with_capacity(self.offsets.len() + offs.len());
         offsets.extend_from_slice(&self.offsets);
@@ -574,7 +587,7 @@ impl PlaidIndex {
         let bytes = |t: &Tensor| t.elem_count() * t.dtype().size_in_bytes();
         let lists = |l: &Option<(Tensor, Tensor)>| l.as_ref().map_or(0, |(a, b)| bytes(a) + bytes(b));
         let (codes, residuals, cu) =
-            self.stores.as_ref().map_or((&self.codes, &self.residuals, &self.cu), |(c, r, cu)| (c, r, cu));
+            self.stores.0.as_ref().map_or((&self.codes, &self.residuals, &self.cu), |(c, r, cu)| (c, r, cu));
         bytes(codes)
             + if self.host_residuals { 0 } else { bytes(residuals) }
             + lists(&self.ivf)
@@ -615,7 +628,7 @@ impl PlaidIndex {
     /// Tokens that can be added before an add must grow the index's buffers
     /// (copying what is there into larger ones).
     pub fn spare_tokens(&self) -> usize {
-        let cap = self.stores.as_ref().map_or(0, |s| s.0.dims()[0]);
+        let cap = self.stores.0.as_ref().map_or(0, |s| s.0.dims()[0]);
         cap.saturating_sub(self.codes.dims()[0])
     }
 
@@ -737,7 +750,7 @@ impl PlaidIndex {
     /// [`Self::load_with_device_budget`] keeps them): search gives the same
     /// results, its exact stage copying its candidates' rows.
     fn grow_residuals(&mut self, new: &[Tensor]) -> Result<Option<Tensor>> {
-        let store = self.stores.as_ref().map(|s| &s.1);
+        let store = self.stores.0.as_ref().map(|s| &s.1);
         let err = match append_rows(&self.residuals, store, new) {
             Ok((view, store)) => {
                 self.residuals = view;
@@ -752,7 +765,7 @@ impl PlaidIndex {
         // Most likely out of device memory: the old rows to the host, which
         // frees them on the device (nothing else holds them during an add).
         let host = self.residuals.to_device(&Device::Cpu)?;
-        self.stores = None;
+        self.stores = Stores(None);
         self.residuals = host.clone();
         self.host_residuals = true;
         let piece = ((256usize << 20) / host.dim(1)?.max(1)).max(1);

@@ -270,6 +270,28 @@ fn add_and_delete(dev: &Device) -> Result<()> {
 
 test_device!(add_and_delete, add_and_delete_cpu, add_and_delete_cuda);
 
+/// A clone of an index holds no room for adds, so an add to one never
+/// writes into rows the other uses: the clone's first add copies into
+/// buffers of its own, and the original's next add leaves the clone's rows
+/// as they were. (Both writing to one directory is the caller's to avoid;
+/// this checks the memory.)
+fn clones_never_share_room(dev: &Device) -> Result<()> {
+    let mut b = build("clones", dev, 120, 4)?;
+    let mut other = b.index.clone();
+    assert_eq!(other.spare_tokens(), 0, "a clone holds no room");
+    let (xa, la, _) = clustered(10, 64, 40, 5)?;
+    let (xb, lb, _) = clustered(10, 64, 40, 6)?;
+    other.add(&PackedDocuments::new(xa, &la)?, 15)?;
+    let held = other.residuals.to_device(&Device::Cpu)?.to_vec2::<u8>()?;
+    let codes = other.codes.to_device(&Device::Cpu)?.to_vec1::<u32>()?;
+    b.index.add(&PackedDocuments::new(xb, &lb)?, 15)?;
+    assert_eq!(other.residuals.to_device(&Device::Cpu)?.to_vec2::<u8>()?, held, "the original's add changed the clone");
+    assert_eq!(other.codes.to_device(&Device::Cpu)?.to_vec1::<u32>()?, codes);
+    Ok(())
+}
+
+test_device!(clones_never_share_room, clones_never_share_room_cpu, clones_never_share_room_cuda);
+
 /// Opened within a device budget below its size, the index keeps its
 /// residuals in host memory and searches as the whole index on the device
 /// does: the same results (default and exhaustive parameters, a subset,
