@@ -82,12 +82,10 @@ fn encode_for_index(
     bar: &ProgressBar,
     out: &mut candle_maxsim_plaid::DocumentsWriter,
 ) -> Result<()> {
-    for chunk in docs.chunks(batch) {
-        let (x, l) = model.encode_documents_packed(chunk)?;
-        out.push(&x, &l)?;
-        bar.inc(chunk.len() as u64);
-    }
-    Ok(())
+    Ok(model.encode_documents_stream(docs, batch, &mut |x, l| {
+        bar.inc(l.len() as u64);
+        out.push(&x, &l)
+    })?)
 }
 
 /// Searches the PLAID index in `dir` for the query: the index of `docs` and

@@ -114,13 +114,11 @@ fn attention_packed(qkv: &Tensor, offsets: &SeqOffsets, heads: usize, window: Op
     }
 }
 
-/// `cu_seqlens` checked against `ids [T]` and `max_positions` (copied to
-/// the host once per batch, not once per layer), and the position of each
-/// packed row within its sequence (U32 `[T]`).
-fn packed_positions(ids: &Tensor, cu: &Tensor, max_positions: usize) -> Result<(SeqOffsets, Tensor)> {
+/// The offsets checked against `ids [T]` and `max_positions`, and the
+/// position of each packed row within its sequence (U32 `[T]`).
+fn packed_positions(ids: &Tensor, offsets: &SeqOffsets, max_positions: usize) -> Result<Tensor> {
     let t =
         ids.dims1().map_err(|_| candle_core::Error::Msg(format!("ids: expected packed [T], got {:?}", ids.dims())))?;
-    let offsets = SeqOffsets::new(cu)?;
     let c = offsets.host();
     if offsets.total() != t {
         bail!("cu_seqlens: expected offsets from 0, non-decreasing, ending at the {t} ids")
@@ -129,7 +127,7 @@ fn packed_positions(ids: &Tensor, cu: &Tensor, max_positions: usize) -> Result<(
     if let Some(l) = c.windows(2).map(|w| (w[1] - w[0]) as usize).max().filter(|&l| l > max_positions) {
         bail!("ids: a sequence of {l} tokens exceeds the {max_positions} positions of the encoder")
     }
-    Ok((offsets, Tensor::from_vec(pos, t, ids.device())?))
+    Tensor::from_vec(pos, t, ids.device())
 }
 
 fn usize_of(c: &serde_json::Value, key: &str) -> Result<usize> {
@@ -268,8 +266,8 @@ impl Bert {
 
 impl Bert {
     /// [`Encoder::forward_packed`] for BERT.
-    fn forward_packed(&self, ids: &Tensor, cu: &Tensor, dt: DType) -> Result<Tensor> {
-        let (offsets, pos) = packed_positions(ids, cu, self.position.dim(0)?)?;
+    fn forward_packed(&self, ids: &Tensor, offsets: &SeqOffsets, dt: DType) -> Result<Tensor> {
+        let pos = packed_positions(ids, offsets, self.position.dim(0)?)?;
         // Token type 0 as a bias of rows: its gradient is one column-sum
         // kernel (candle's broadcast add sums one strided element per thread).
         let x = (self.word.embedding_rows(ids)? + self.position.embedding_rows(&pos)?)?;
@@ -291,7 +289,7 @@ impl Bert {
                     down: (&layer.down.0, &layer.down.1),
                     output_norm: (&layer.out_norm.w, b2),
                 };
-                x = candle_maxsim::nn::bert_layer(&x, &offsets, &w, self.heads, layer.attn_norm.eps)?;
+                x = candle_maxsim::nn::bert_layer(&x, offsets, &w, self.heads, layer.attn_norm.eps)?;
                 continue;
             }
             // One QKV projection (its weights stacked, a small copy): one
@@ -299,7 +297,7 @@ impl Bert {
             let w = Tensor::cat(&[&layer.q.0, &layer.k.0, &layer.v.0], 0)?;
             let b = Tensor::cat(&[&layer.q.1, &layer.k.1, &layer.v.1], 0)?;
             let qkv = linear(&x, &w, Some(&b))?;
-            let a = linear(&attention_packed(&qkv, &offsets, self.heads, None)?, &layer.o.0, Some(&layer.o.1))?;
+            let a = linear(&attention_packed(&qkv, offsets, self.heads, None)?, &layer.o.0, Some(&layer.o.1))?;
             x = layer.attn_norm.forward_residual(&a, &x)?;
             let m = linear_act(&x, &layer.up.0, Some(&layer.up.1), Some(self.act))?;
             x = layer.out_norm.forward_residual(&linear(&m, &layer.down.0, Some(&layer.down.1))?, &x)?;
@@ -484,8 +482,8 @@ impl ModernBert {
     /// gathered at each row's position, q and k rotated in the QKV
     /// projection ([`candle_maxsim::nn::rotary_qk`]), the attention on it
     /// whole, the GeGLU one op: each block a few graph nodes, not tens.
-    fn forward_packed(&self, ids: &Tensor, cu: &Tensor, dt: DType) -> Result<Tensor> {
-        let (offsets, pos) = packed_positions(ids, cu, usize::MAX)?;
+    fn forward_packed(&self, ids: &Tensor, offsets: &SeqOffsets, dt: DType) -> Result<Tensor> {
+        let pos = packed_positions(ids, offsets, usize::MAX)?;
         let dev = ids.device();
         let mut x = self.emb_norm.forward(&self.tok.embedding_rows(ids)?.to_dtype(dt)?)?;
         let h = x.dim(1)?;
@@ -512,7 +510,7 @@ impl ModernBert {
                     wo_mlp: &layer.wo_mlp,
                 };
                 let eps = layer.mlp_norm.eps;
-                x = candle_maxsim::nn::modernbert_layer(&x, &offsets, &w, self.heads, layer.window, (cos, sin), eps)?;
+                x = candle_maxsim::nn::modernbert_layer(&x, offsets, &w, self.heads, layer.window, (cos, sin), eps)?;
                 continue;
             }
             let xn = match &layer.attn_norm {
@@ -520,7 +518,7 @@ impl ModernBert {
                 None => x.clone(),
             };
             let qkv = candle_maxsim::nn::rotary_qk(&linear(&xn, &layer.wqkv, None)?, cos, sin, self.heads)?;
-            let a = attention_packed(&qkv, &offsets, self.heads, layer.window)?;
+            let a = attention_packed(&qkv, offsets, self.heads, layer.window)?;
             x = (&x + linear(&a, &layer.wo, None)?)?;
             let up = linear(&layer.mlp_norm.forward(&x)?, &layer.wi, None)?;
             let m = if self.act == Act::Gelu {
@@ -573,9 +571,17 @@ impl Encoder {
     /// positions, with attention through `candle_maxsim::nn::attention_varlen`
     /// (head dims 32, 64 and 128; others composed of candle ops).
     pub fn forward_packed(&self, ids: &Tensor, cu_seqlens: &Tensor, dtype: DType) -> Result<Tensor> {
+        self.forward_packed_offsets(ids, &SeqOffsets::new(cu_seqlens)?, dtype)
+    }
+
+    /// [`Encoder::forward_packed`] with offsets already on the host and the
+    /// device ([`SeqOffsets::from_slice`]): `cu_seqlens` as a tensor is
+    /// copied to the host first, which waits for the device's queued work;
+    /// these do not, so the host can prepare the next batch meanwhile.
+    pub fn forward_packed_offsets(&self, ids: &Tensor, offsets: &SeqOffsets, dtype: DType) -> Result<Tensor> {
         match self {
-            Encoder::Bert(m) => m.forward_packed(ids, cu_seqlens, dtype),
-            Encoder::ModernBert(m) => m.forward_packed(ids, cu_seqlens, dtype),
+            Encoder::Bert(m) => m.forward_packed(ids, offsets, dtype),
+            Encoder::ModernBert(m) => m.forward_packed(ids, offsets, dtype),
         }
     }
 

@@ -69,6 +69,15 @@ pub struct Tokenized {
     pub score_mask: Vec<Vec<u8>>,
 }
 
+/// Documents tokenized for the packed encoder: ids back to back, their
+/// offsets, the packed rows that are scored, and each document's count of them.
+struct PackedBatch {
+    ids: Vec<u32>,
+    cu: Vec<u32>,
+    keep: Vec<u32>,
+    lens: Vec<u32>,
+}
+
 /// A linear projection `[dout, din]` (and bias).
 #[derive(Clone, Debug)]
 pub(crate) struct Projection {
@@ -305,11 +314,8 @@ impl ColBert {
             at.extend((start..start + len as u32).chain(std::iter::repeat_n(t as u32, l - len)));
         }
         let dev = &self.device;
-        let hidden = self.encoder.forward_packed(
-            &Tensor::from_vec(ids, t, dev)?,
-            &Tensor::from_vec(cu, n + 1, dev)?,
-            self.dtype,
-        )?;
+        let offsets = candle_maxsim::nn::SeqOffsets::from_slice(&cu, dev)?;
+        let hidden = self.encoder.forward_packed_offsets(&Tensor::from_vec(ids, t, dev)?, &offsets, self.dtype)?;
         let rows = self.head(&hidden)?;
         let rows = Tensor::cat(&[&rows, &Tensor::zeros((1, rows.dim(1)?), rows.dtype(), dev)?], 0)?;
         // A row gather whose backward is a row scatter-add (candle's
@@ -394,6 +400,12 @@ impl ColBert {
     /// no padding is computed; the rows equal [`ColBert::encode_documents`]'
     /// scored rows up to rounding.
     pub fn encode_documents_packed(&self, texts: &[&str]) -> Result<(Tensor, Vec<u32>)> {
+        self.encode_packed(self.tokenize_packed(texts)?)
+    }
+
+    /// The host's part of [`ColBert::encode_documents_packed`]: tokenized,
+    /// packed, the scored rows listed.
+    fn tokenize_packed(&self, texts: &[&str]) -> Result<PackedBatch> {
         let docs = self.ids(texts, self.document_marker, self.config.document_length)?;
         let (mut cu, mut keep, mut lens) = (vec![0u32], Vec::new(), Vec::with_capacity(docs.len()));
         for ids in &docs {
@@ -404,14 +416,45 @@ impl ColBert {
             lens.push((keep.len() - before) as u32);
             cu.push(start + ids.len() as u32);
         }
-        if keep.is_empty() {
-            return Ok((Tensor::zeros((0, self.dim()), self.out_dtype, &self.device)?, lens));
+        Ok(PackedBatch { ids: docs.concat(), cu, keep, lens })
+    }
+
+    /// The device's part: enqueued, not waited for (the offsets go to the
+    /// device from the host, never back).
+    fn encode_packed(&self, b: PackedBatch) -> Result<(Tensor, Vec<u32>)> {
+        if b.keep.is_empty() {
+            return Ok((Tensor::zeros((0, self.dim()), self.out_dtype, &self.device)?, b.lens));
         }
-        let ids = Tensor::from_vec(docs.concat(), *cu.last().unwrap() as usize, &self.device)?;
-        let cu = Tensor::from_vec(cu, docs.len() + 1, &self.device)?;
-        let hidden = self.encoder.forward_packed(&ids, &cu, self.dtype)?;
-        let n = keep.len();
-        self.head(&hidden.index_select(&Tensor::from_vec(keep, n, &self.device)?, 0)?).map(|x| (x, lens))
+        let dev = &self.device;
+        let offsets = candle_maxsim::nn::SeqOffsets::from_slice(&b.cu, dev)?;
+        let t = b.ids.len();
+        let hidden = self.encoder.forward_packed_offsets(&Tensor::from_vec(b.ids, t, dev)?, &offsets, self.dtype)?;
+        let n = b.keep.len();
+        self.head(&hidden.index_select(&Tensor::from_vec(b.keep, n, dev)?, 0)?).map(|x| (x, b.lens))
+    }
+
+    /// [`ColBert::encode_documents_packed`] over a whole collection, `batch`
+    /// documents at a time, each batch's result handed to `sink` in order:
+    /// the next batch is tokenized on the host while the device encodes the
+    /// current one (`sink` reading a batch back waits for that batch only).
+    /// What an index build from text runs.
+    pub fn encode_documents_stream(
+        &self,
+        texts: &[&str],
+        batch: usize,
+        sink: &mut dyn FnMut(Tensor, Vec<u32>) -> Result<()>,
+    ) -> Result<()> {
+        if batch == 0 {
+            bail!("batch: must be at least 1")
+        }
+        let mut chunks = texts.chunks(batch);
+        let mut next = chunks.next().map(|c| self.tokenize_packed(c)).transpose()?;
+        while let Some(b) = next.take() {
+            let (x, lens) = self.encode_packed(b)?;
+            next = chunks.next().map(|c| self.tokenize_packed(c)).transpose()?;
+            sink(x, lens)?;
+        }
+        Ok(())
     }
 
     /// MaxSim scores of one query against `docs`, encoded `batch` at a time.

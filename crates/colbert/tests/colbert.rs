@@ -238,3 +238,32 @@ fn packed_documents_are_the_scored_rows() -> anyhow::Result<()> {
     candle_maxsim_testing::assert_close("packed documents", &packed, &want, 1e-5)?;
     Ok(())
 }
+
+/// `encode_documents_stream` hands over, in order, exactly what
+/// `encode_documents_packed` gives batch by batch (a last short batch and
+/// an empty collection included); a batch of 0 is an error naming it.
+#[test]
+fn streamed_documents_are_the_batches() -> anyhow::Result<()> {
+    let dir = colbert_ai_checkpoint()?;
+    let m = ColBert::load(&dir, &Device::Cpu, DType::F32)?;
+    let docs = ["the mat.", "the cat the mat", "cat", "a cat on the mat", "mat mat"];
+    let mut got = Vec::new();
+    m.encode_documents_stream(&docs, 2, &mut |x, lens| {
+        got.push((x.to_vec2::<f32>()?, lens));
+        Ok(())
+    })?;
+    let want: Vec<_> = docs
+        .chunks(2)
+        .map(|c| m.encode_documents_packed(c).and_then(|(x, l)| Ok((x.to_vec2::<f32>()?, l))))
+        .collect::<candle_core::Result<_>>()?;
+    assert_eq!(got, want);
+    let mut calls = 0;
+    m.encode_documents_stream(&[], 2, &mut |_, _| {
+        calls += 1;
+        Ok(())
+    })?;
+    assert_eq!(calls, 0, "no documents, no batch");
+    let err = m.encode_documents_stream(&docs, 0, &mut |_, _| Ok(())).unwrap_err().to_string();
+    assert!(err.contains("batch"), "{err}");
+    Ok(())
+}
