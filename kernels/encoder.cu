@@ -2,7 +2,8 @@
 // chain of elementwise passes and reductions: the attention softmax, the
 // layer norm and rotary embeddings (one pass each way), each one kernel forward and one (two for the norm) backward,
 // computed in f32 and rounded once to T. A warp per row, a grid-stride loop
-// over rows; a row is read twice, the second time from cache.
+// over rows; a row is read twice, the second time from cache, except on the
+// norms' 16-byte path (NormRow8), which holds it in registers.
 #include "common.cuh"
 
 // Mirrors SoftmaxParams in src/cuda/encoder.rs. Forward: scores x, bias,
@@ -130,7 +131,8 @@ __device__ __forceinline__ void row_stats(const NormRow<T>& xr, int c, int lane,
 // chunk, where the one-element path reads it 2-3 times, 2 bytes a load.
 template <typename T, int CH> struct NormRow8 {
     float v[CH][8];
-    // Row r of x (+ res, rounded to T as NormRow does); zeros past c.
+    // Row r of x (+ res, rounded to T as NormRow does); chunks past c are
+    // left unset and never read.
     __device__ __forceinline__ NormRow8(const LayerNormParams& p, long long r, int lane) {
         const T* x = static_cast<const T*>(p.x) + r * p.c;
         const T* res = p.res ? static_cast<const T*>(p.res) + r * p.c : nullptr;
