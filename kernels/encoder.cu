@@ -336,7 +336,8 @@ template <typename T> __device__ void layer_norm_bwd_wb(const LayerNormParams& p
 // convention: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) per head), v
 // copied: one pass over [T, 3 H dh] where candle's composition (slices,
 // negation, concatenation, two broadcast products, a sum) is ten nodes, each
-// a pass forward and one or more backward. One thread per element.
+// a pass forward and one or more backward. One thread per element (8 on
+// the 16-byte path, where a half head is a multiple of 8).
 template <typename T>
 __device__ void rotary_qk(const RotaryParams& p) {
     const T* x = static_cast<const T*>(p.x);
