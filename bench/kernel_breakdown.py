@@ -3,7 +3,7 @@ name from Nsight Compute's CSV of `gpu__time_duration.sum`, largest first,
 with each kernel family's share (cuBLAS GEMMs, this crate's kernels,
 candle's own).
 
-    ncu --csv --metrics gpu__time_duration.sum [--launch-skip N] CMD... > k.csv
+    ncu --csv --cache-control none --clock-control none --metrics gpu__time_duration.sum CMD... > k.csv
     python3 bench/kernel_breakdown.py k.csv [--top 30] [--per N]
 
 `--per N` divides the totals by N (the number of steps the command ran).
