@@ -5,6 +5,7 @@
 // over rows; a row is read twice, the second time from cache, except on the
 // norms' 16-byte path (NormRow8), which holds it in registers.
 #include "common.cuh"
+#include <type_traits>
 
 // Mirrors SoftmaxParams in src/cuda/encoder.rs. Forward: scores x, bias,
 // probabilities out. Backward: probabilities x, their gradient g, out.
@@ -177,6 +178,18 @@ template <typename T> __device__ __forceinline__ int norm_chunks(const LayerNorm
     return (p.c + 255) / 256;
 }
 
+// Runs f(std::integral_constant<int, CH>) for the 16-byte path's chunk
+// count; false where the path does not apply.
+template <typename T, typename F> __device__ __forceinline__ bool norm_path8(const LayerNormParams& p, F&& f) {
+    switch (norm_chunks<T>(p)) {
+    case 1: f(std::integral_constant<int, 1>{}); return true;
+    case 2: f(std::integral_constant<int, 2>{}); return true;
+    case 3: f(std::integral_constant<int, 3>{}); return true;
+    case 4: f(std::integral_constant<int, 4>{}); return true;
+    default: return false;
+    }
+}
+
 template <typename T, int CH> __device__ void layer_norm_fwd8(const LayerNormParams& p) {
     const int c = p.c;
     T* y = static_cast<T*>(p.out);
@@ -201,13 +214,7 @@ template <typename T, int CH> __device__ void layer_norm_fwd8(const LayerNormPar
 // y = (x - mean) * rstd * w + b over rows of c; w, b f32 (b may be null).
 template <typename T> __device__ void layer_norm_fwd(const LayerNormParams& p) {
     if constexpr (sizeof(T) == 2) {
-        switch (norm_chunks<T>(p)) {
-        case 1: return layer_norm_fwd8<T, 1>(p);
-        case 2: return layer_norm_fwd8<T, 2>(p);
-        case 3: return layer_norm_fwd8<T, 3>(p);
-        case 4: return layer_norm_fwd8<T, 4>(p);
-        default: break;
-        }
+        if (norm_path8<T>(p, [&](auto ch) { layer_norm_fwd8<T, decltype(ch)::value>(p); })) return;
     }
     const int c = p.c;
     T* y = static_cast<T*>(p.out);
@@ -262,13 +269,7 @@ template <typename T, int CH> __device__ void layer_norm_bwd_x8(const LayerNormP
 // dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dy * w.
 template <typename T> __device__ void layer_norm_bwd_x(const LayerNormParams& p) {
     if constexpr (sizeof(T) == 2) {
-        switch (norm_chunks<T>(p)) {
-        case 1: return layer_norm_bwd_x8<T, 1>(p);
-        case 2: return layer_norm_bwd_x8<T, 2>(p);
-        case 3: return layer_norm_bwd_x8<T, 3>(p);
-        case 4: return layer_norm_bwd_x8<T, 4>(p);
-        default: break;
-        }
+        if (norm_path8<T>(p, [&](auto ch) { layer_norm_bwd_x8<T, decltype(ch)::value>(p); })) return;
     }
     const int c = p.c;
     const float* w = p.w;
