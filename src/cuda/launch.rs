@@ -88,22 +88,43 @@ fn build_for(info: &DeviceInfo, m: &Builds) -> (&'static str, Option<&'static [u
 
 /// Loads kernel `name` of `module` for this device, and raises its dynamic
 /// shared-memory limit when a launch needs `smem` bytes past the default
-/// 48 KB.
+/// 48 KB. Each function is looked up and its limit raised once per device:
+/// later calls cost a map lookup instead of two or three driver calls (the
+/// function, its static shared memory, the attribute), which a launch of a
+/// few microseconds of work pays for in host time.
 pub(crate) fn kernel(dev: &CudaDevice, module: Module, name: &str, smem: u32) -> Result<CudaFunction> {
-    let info = device_info(dev)?;
-    let kind = module.tag();
-    let func = match build_for(&info, &module.builds()) {
-        (_, Some(cubin), tag) => sass_module(dev, kind, tag, cubin)?.load_function(name).w()?,
-        (ptx, None, tag) => {
-            dev.get_or_load_custom_func(name, &format!("candle_maxsim_{kind}_{tag}"), ptx)?.into_cuda_function()
+    struct Loaded {
+        func: CudaFunction,
+        /// The dynamic shared memory a launch may ask for now.
+        allowed: usize,
+    }
+    type Cache = HashMap<(candle_core::cuda_backend::DeviceId, Module, String), Loaded>;
+    static CACHE: OnceLock<Mutex<Cache>> = OnceLock::new();
+    let key = (dev.id(), module, name.to_string());
+    let mut cache = CACHE.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner());
+    let loaded = match cache.entry(key) {
+        std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+        std::collections::hash_map::Entry::Vacant(e) => {
+            let info = device_info(dev)?;
+            let kind = module.tag();
+            let func = match build_for(&info, &module.builds()) {
+                (_, Some(cubin), tag) => sass_module(dev, kind, tag, cubin)?.load_function(name).w()?,
+                (ptx, None, tag) => {
+                    dev.get_or_load_custom_func(name, &format!("candle_maxsim_{kind}_{tag}"), ptx)?.into_cuda_function()
+                }
+            };
+            let fixed = func.shared_size_bytes().w()? as usize;
+            e.insert(Loaded { func, allowed: (48 * 1024usize).saturating_sub(fixed) })
         }
     };
     // Static shared memory counts toward the 48 KB a block gets without opting in.
-    if smem > 0 && smem as usize + func.shared_size_bytes().w()? as usize > 48 * 1024 {
+    if smem as usize > loaded.allowed {
+        let func = &loaded.func;
         func.set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
             .w()?;
+        loaded.allowed = smem as usize;
     }
-    Ok(func)
+    Ok(loaded.func.clone())
 }
 
 /// The module of a cubin, loaded once per device (candle's module cache
