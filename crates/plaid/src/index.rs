@@ -263,7 +263,8 @@ impl PlaidIndex {
     /// between), and what that process left beside the index is removed.
     /// The index is opened with room for adds after its rows (1/64 of its
     /// tokens and documents, at least 65 536 tokens; [`Self::spare_tokens`]),
-    /// so that adds append in place instead of copying the index.
+    /// so that adds append in place instead of copying the index; on a
+    /// device that holds the index but not that room, without it.
     pub fn load(dir: impl AsRef<Path>, device: &Device) -> Result<Self> {
         Self::load_budgeted(dir.as_ref(), device, None)
     }
@@ -336,7 +337,7 @@ impl PlaidIndex {
         let rdev = if host_residuals { &Device::Cpu } else { device };
         // Room for adds after the index's own rows, within the budget.
         let per_token = 4 + if host_residuals { 0 } else { width };
-        let room = match budget {
+        let mut room = match budget {
             None => Room::default_for(total, lens.len()),
             Some(b) => Room::default_for(total, lens.len())
                 .within(b.saturating_sub(rest + if host_residuals { 0 } else { total * width }), per_token),
@@ -347,9 +348,20 @@ impl PlaidIndex {
         // the index plus one chunk on the device at the peak (reading every
         // chunk, then concatenating, took twice the index).
         // (At least one row: CUDA allocates no empty buffer.)
-        let rows = (total + room.tokens).max(1);
-        let (code_store, res_store) =
-            (Tensor::zeros(rows, DType::U32, device)?, Tensor::zeros((rows, width), DType::U8, rdev)?);
+        let stores = |rows: usize| -> Result<(Tensor, Tensor)> {
+            let rows = rows.max(1);
+            Ok((Tensor::zeros(rows, DType::U32, device)?, Tensor::zeros((rows, width), DType::U8, rdev)?))
+        };
+        let (code_store, res_store) = match stores(total + room.tokens) {
+            Ok(s) => s,
+            // A device that holds the index but not its room opens it without
+            // (a first add then grows the buffers).
+            Err(_) if room.tokens > 0 => {
+                room = Room { tokens: 0, documents: 0 };
+                stores(total)?
+            }
+            Err(e) => return Err(e),
+        };
         let (codes, residuals) = (code_store.narrow(0, 0, total)?, res_store.narrow(0, 0, total)?);
         let mut at = 0;
         for (i, &rows) in chunk_rows.iter().enumerate() {
@@ -659,9 +671,8 @@ impl PlaidIndex {
         if doc >= self.num_documents() {
             bail!("doc: {doc} is out of range for {} documents", self.num_documents())
         }
-        let (a, b) = (self.offsets[doc] as usize, self.offsets[doc + 1] as usize);
-        let r = self.residuals.narrow(0, a, b - a)?.to_device(self.device())?;
-        let d = self.codec.decompress(&self.codes.narrow(0, a, b - a)?, &r)?;
+        let (codes, r, _, _) = self.gather_docs(&[doc as u32])?;
+        let d = self.codec.decompress(&codes, &r)?;
         l2_normalize(&d)
     }
 
@@ -796,30 +807,30 @@ impl PlaidIndex {
             max_len = max_len.max(self.len(d));
             cu.push(cu.last().unwrap() + self.len(d) as u32);
         }
-        let consecutive = docs.windows(2).all(|w| w[1] == w[0] + 1);
-        let (codes, residuals) = match docs.first() {
-            // A run of consecutive documents is a view; anything else is gathered.
-            Some(&first) if consecutive => {
-                let a = self.offsets[first as usize] as usize;
-                let t = *cu.last().unwrap() as usize;
-                (self.codes.narrow(0, a, t)?, self.residuals.narrow(0, a, t)?)
-            }
-            _ => {
-                let rows: Vec<u32> =
-                    docs.iter().flat_map(|&d| self.offsets[d as usize]..self.offsets[d as usize + 1]).collect();
-                let n_rows = rows.len();
-                if n_rows == 0 {
-                    (self.codes.narrow(0, 0, 0)?, self.residuals.narrow(0, 0, 0)?)
-                } else {
-                    let rows = Tensor::from_vec(rows, n_rows, self.device())?;
-                    let r = if self.host_residuals {
-                        gather_host_rows(&self.residuals, docs, &self.offsets, n_rows)?
-                    } else {
-                        self.residuals.index_select(&rows, 0)?
-                    };
-                    (self.codes.index_select(&rows, 0)?, r)
-                }
-            }
+        let n_rows = *cu.last().unwrap() as usize;
+        // A run of consecutive documents is a view; anything else is gathered.
+        let run = match docs.first() {
+            Some(&first) if docs.windows(2).all(|w| w[1] == w[0] + 1) => Some(self.offsets[first as usize] as usize),
+            _ => None,
+        };
+        let rows = || -> Result<Tensor> {
+            let rows: Vec<u32> =
+                docs.iter().flat_map(|&d| self.offsets[d as usize]..self.offsets[d as usize + 1]).collect();
+            Tensor::from_vec(rows, n_rows, self.device())
+        };
+        let codes = match run {
+            Some(a) => self.codes.narrow(0, a, n_rows)?,
+            None if n_rows == 0 => self.codes.narrow(0, 0, 0)?,
+            None => self.codes.index_select(&rows()?, 0)?,
+        };
+        // Residuals in host memory are copied row by row, a run included:
+        // moving a view to the device copies its whole storage (every
+        // residual of the index).
+        let residuals = match run {
+            _ if self.host_residuals => gather_host_rows(&self.residuals, docs, &self.offsets, n_rows)?,
+            Some(a) => self.residuals.narrow(0, a, n_rows)?,
+            None if n_rows == 0 => self.residuals.narrow(0, 0, 0)?,
+            None => self.residuals.index_select(&rows()?, 0)?,
         };
         Ok((codes, residuals.to_device(self.device())?, cu, max_len))
     }
@@ -1002,6 +1013,38 @@ mod tests {
             let got = grow_through_host(&old, &new, &dev, piece)?;
             assert_eq!(got.to_vec2::<u8>()?, want, "pieces of {piece} rows");
         }
+        Ok(())
+    }
+
+    /// The elements of a tensor's storage (a view's may be more than its own).
+    fn storage_len(t: &Tensor) -> usize {
+        match &*t.storage_and_layout().0 {
+            candle_core::Storage::Cpu(candle_core::CpuStorage::U8(v)) => v.len(),
+            _ => usize::MAX,
+        }
+    }
+
+    #[test]
+    fn host_residuals_leave_as_their_rows_alone() -> Result<()> {
+        let dev = Device::Cpu;
+        let dir = std::env::temp_dir().join(format!("candle_maxsim_plaid_{}_host_rows", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let lens: Vec<u32> = (0..40).map(|i| 5 + (i * 7) % 23).collect();
+        let x = Tensor::randn(0f32, 1., (lens.iter().sum::<u32>() as usize, 32), &dev)?;
+        let config = crate::IndexConfig { n_centroids: Some(16), ..Default::default() };
+        let whole = crate::create(&dir, &crate::PackedDocuments::new(x, &lens)?, &config, &dev)?;
+        let (need, _) = PlaidIndex::device_bytes_needed(&dir)?;
+        let small = PlaidIndex::load_with_device_budget(&dir, &dev, need - 1)?;
+        assert!(small.residuals_on_host());
+        for docs in [&[3u32, 4, 5][..], &[7], &[9, 2, 30], &[]] {
+            let (codes, r, cu, max_len) = small.gather_docs(docs)?;
+            let (wcodes, wr, wcu, wmax) = whole.gather_docs(docs)?;
+            assert_eq!(storage_len(&r), r.elem_count(), "{docs:?}: only the documents' rows are copied");
+            assert_eq!((r.to_vec2::<u8>()?, cu, max_len), (wr.to_vec2::<u8>()?, wcu, wmax), "{docs:?}");
+            assert_eq!(codes.to_vec1::<u32>()?, wcodes.to_vec1::<u32>()?, "{docs:?}");
+        }
+        assert_eq!(small.embeddings(7)?.to_vec2::<f32>()?, whole.embeddings(7)?.to_vec2::<f32>()?);
+        std::fs::remove_dir_all(&dir).ok();
         Ok(())
     }
 }
