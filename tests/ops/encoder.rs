@@ -137,9 +137,21 @@ test_device!(
 
 /// `layer_norm` (or with `residual`, `residual_layer_norm` of x and a
 /// residual, against the reference's norm of their sum; both get its gradient).
-fn layer_norm_case(dev: &Device, rows: usize, c: usize, bias: bool, residual: bool, dt: DType, tol: f64) -> Result<()> {
+/// `x` is read through a view one element into its buffer when `shifted`
+/// (rows off 16-byte alignment).
+#[allow(clippy::too_many_arguments)]
+fn layer_norm_case(
+    dev: &Device,
+    rows: usize,
+    c: usize,
+    bias: bool,
+    residual: bool,
+    shifted: bool,
+    dt: DType,
+    tol: f64,
+) -> Result<()> {
     let cpu = Device::Cpu;
-    let what = format!("layer_norm {rows}x{c} bias {bias} residual {residual} {dt:?} on {dev:?}");
+    let what = format!("layer_norm {rows}x{c} bias {bias} residual {residual} shifted {shifted} {dt:?} on {dev:?}");
     let x = randn(&[rows, 1, c], DType::F32, &cpu)?.affine(2.0, 0.5)?.to_dtype(dt)?;
     let r = randn(&[rows, 1, c], DType::F32, &cpu)?.to_dtype(dt)?;
     let rv = Var::from_tensor(&r.to_device(dev)?)?;
@@ -153,16 +165,16 @@ fn layer_norm_case(dev: &Device, rows: usize, c: usize, bias: bool, residual: bo
         Var::from_tensor(&w.to_device(dev)?)?,
         Var::from_tensor(&b.to_device(dev)?)?,
     );
-    let y = if residual {
-        ms::nn::residual_layer_norm(
-            xv.as_tensor(),
-            rv.as_tensor(),
-            wv.as_tensor(),
-            bias.then_some(bv.as_tensor()),
-            eps,
-        )?
+    let xs = if shifted {
+        let f = xv.as_tensor().flatten_all()?;
+        Tensor::cat(&[&f.narrow(0, 0, 1)?, &f], 0)?.narrow(0, 1, rows * c)?.reshape((rows, 1, c))?
     } else {
-        ms::nn::layer_norm(xv.as_tensor(), wv.as_tensor(), bias.then_some(bv.as_tensor()), eps)?
+        xv.as_tensor().clone()
+    };
+    let y = if residual {
+        ms::nn::residual_layer_norm(&xs, rv.as_tensor(), wv.as_tensor(), bias.then_some(bv.as_tensor()), eps)?
+    } else {
+        ms::nn::layer_norm(&xs, wv.as_tensor(), bias.then_some(bv.as_tensor()), eps)?
     };
     assert_eq!(y.dtype(), dt);
     let g = y.to_dtype(DType::F64)?.mul(&up.to_device(dev)?)?.sum_all()?.backward()?;
@@ -192,14 +204,28 @@ fn layer_norm_case(dev: &Device, rows: usize, c: usize, bias: bool, residual: bo
 }
 
 /// Row widths within one and across several lanes' passes (BERT's 384 and
-/// 768), more rows than the CUDA grid has warps, with and without a bias,
-/// alone and after a residual; bad input names the argument.
+/// 768; on CUDA 1 024, the widest row held in registers, and 1 536 past
+/// it), more rows than the CUDA grid has warps, with and without a bias,
+/// alone and after a residual, rows aligned to 16 bytes and not; bad input
+/// names the argument.
 fn layer_norm_matches_reference(dev: &Device) -> Result<()> {
     for (dt, tol) in [(DType::F32, 1e-5), (DType::F16, 3e-3), (DType::BF16, 2e-2)] {
-        for (rows, c, bias) in [(7, 5, true), (37, 33, false), (300, 384, true), (5000, 96, true), (40, 768, false)] {
+        let cases = [
+            (7, 5, true),
+            (37, 33, false),
+            (300, 384, true),
+            (5000, 96, true),
+            (40, 768, false),
+            (9, 1024, true),
+            (6, 1536, false),
+        ];
+        for (rows, c, bias) in cases {
             for residual in [false, true] {
-                layer_norm_case(dev, rows, c, bias, residual, dt, tol)?;
+                layer_norm_case(dev, rows, c, bias, residual, false, dt, tol)?;
             }
+        }
+        for residual in [false, true] {
+            layer_norm_case(dev, 12, 384, true, residual, true, dt, tol)?;
         }
     }
     let t = |s: &[usize]| randn(s, DType::F32, dev);
