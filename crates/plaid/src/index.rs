@@ -813,24 +813,28 @@ impl PlaidIndex {
             Some(&first) if docs.windows(2).all(|w| w[1] == w[0] + 1) => Some(self.offsets[first as usize] as usize),
             _ => None,
         };
-        let rows = || -> Result<Tensor> {
-            let rows: Vec<u32> =
-                docs.iter().flat_map(|&d| self.offsets[d as usize]..self.offsets[d as usize + 1]).collect();
-            Tensor::from_vec(rows, n_rows, self.device())
+        // The rows of a gather, on the device (uploaded once, for codes and residuals).
+        let rows = match run {
+            None if n_rows > 0 => {
+                let rows: Vec<u32> =
+                    docs.iter().flat_map(|&d| self.offsets[d as usize]..self.offsets[d as usize + 1]).collect();
+                Some(Tensor::from_vec(rows, n_rows, self.device())?)
+            }
+            _ => None,
         };
-        let codes = match run {
-            Some(a) => self.codes.narrow(0, a, n_rows)?,
-            None if n_rows == 0 => self.codes.narrow(0, 0, 0)?,
-            None => self.codes.index_select(&rows()?, 0)?,
+        let codes = match (run, &rows) {
+            (Some(a), _) => self.codes.narrow(0, a, n_rows)?,
+            (None, Some(rows)) => self.codes.index_select(rows, 0)?,
+            (None, None) => self.codes.narrow(0, 0, 0)?,
         };
         // Residuals in host memory are copied row by row, a run included:
         // moving a view to the device copies its whole storage (every
         // residual of the index).
-        let residuals = match run {
+        let residuals = match (run, &rows) {
             _ if self.host_residuals => gather_host_rows(&self.residuals, docs, &self.offsets, n_rows)?,
-            Some(a) => self.residuals.narrow(0, a, n_rows)?,
-            None if n_rows == 0 => self.residuals.narrow(0, 0, 0)?,
-            None => self.residuals.index_select(&rows()?, 0)?,
+            (Some(a), _) => self.residuals.narrow(0, a, n_rows)?,
+            (None, Some(rows)) => self.residuals.index_select(rows, 0)?,
+            (None, None) => self.residuals.narrow(0, 0, 0)?,
         };
         Ok((codes, residuals.to_device(self.device())?, cu, max_len))
     }
